@@ -1,0 +1,28 @@
+"""Shared option decorators and output helpers for the CLI modules."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+
+
+def echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def slurm_client():
+    """A Slurm client for the current environment (SLURM_CONF, or the default dev cluster)."""
+    from clusterops.slurm import Slurm
+
+    return Slurm.from_environment()
+
+
+def fail(message: str, code: int = 1) -> None:
+    """Print a one-line error and exit with code."""
+    click.echo(f"Error: {message}", err=True)
+    sys.exit(code)

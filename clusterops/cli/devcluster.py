@@ -1,0 +1,86 @@
+"""`clusterops devcluster`: a real multi-node Slurm cluster on this machine."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from clusterops.cli.common import echo_json, json_option
+
+STATE_DIR_HELP = "Where the cluster keeps its config, logs and state (env CLUSTEROPS_DEVCLUSTER_DIR)."
+
+
+def _state_dir_option(f):
+    from clusterops.devcluster import DEFAULT_STATE_DIR
+
+    return click.option("--state-dir", type=click.Path(file_okay=False),
+                        default=lambda: os.environ.get("CLUSTEROPS_DEVCLUSTER_DIR", DEFAULT_STATE_DIR),
+                        show_default=DEFAULT_STATE_DIR, help=STATE_DIR_HELP)(f)
+
+
+@click.group()
+def devcluster() -> None:
+    """Start, stop and inspect a dev cluster: munged, slurmctld and one `slurmd -N nodeK`
+    per node, all on 127.0.0.1.
+
+    After `up`, point Slurm's commands at it with the printed `export SLURM_CONF=...`
+    (clusterops itself finds the default dev cluster on its own when this machine has no
+    /etc/slurm/slurm.conf).
+    """
+
+
+@devcluster.command()
+@click.option("--nodes", "nodes", type=int, default=4, show_default=True, help="Number of nodes (node1..nodeN).")
+@click.option("--gpus-per-node", type=int, default=0, show_default=True, help="Counted GPUs (gres) per node.")
+@click.option("--cpus-per-node", type=int, default=2, show_default=True, help="CPUs each node declares.")
+@click.option("--port-base", type=int, default=None, help="slurmctld port; nodes use the next N ports [17000].")
+@_state_dir_option
+@json_option
+def up(nodes: int, gpus_per_node: int, cpus_per_node: int, port_base, state_dir: str, as_json: bool) -> None:
+    """Bring the cluster up and wait until every node is idle (idempotent)."""
+    from clusterops.devcluster import DEFAULT_PORT_BASE, DevCluster, DevClusterConfig
+
+    cfg = DevClusterConfig(nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node,
+                           port_base=port_base or DEFAULT_PORT_BASE)
+    info = DevCluster(state_dir).up(cfg)
+    if as_json:
+        echo_json(info)
+        return
+    click.echo(f"dev cluster up: {cfg.nodes} nodes ({cfg.hostlist}), {cfg.gpus_per_node} GPUs/node, "
+               f"state in {info['state_dir']}")
+    click.echo(f"export SLURM_CONF={info['slurm_conf']}")
+
+
+@devcluster.command()
+@_state_dir_option
+@json_option
+def down(state_dir: str, as_json: bool) -> None:
+    """Stop every daemon and job process of the cluster."""
+    from clusterops.devcluster import DevCluster
+
+    pids = DevCluster(state_dir).down()
+    if as_json:
+        echo_json({"stopped_pids": pids})
+    else:
+        click.echo(f"dev cluster down ({len(pids)} processes stopped)")
+
+
+@devcluster.command()
+@_state_dir_option
+@json_option
+@click.pass_context
+def status(ctx: click.Context, state_dir: str, as_json: bool) -> None:
+    """Show daemons and node states. Exit 1 when the cluster is not running."""
+    from clusterops.devcluster import DevCluster
+
+    info = DevCluster(state_dir).status()
+    if as_json:
+        echo_json(info)
+    else:
+        click.echo(f"state dir: {info['state_dir']}  running: {'yes' if info['running'] else 'no'}")
+        for name, d in sorted(info.get("daemons", {}).items()):
+            click.echo(f"  {name:<16} pid {d['pid']:<8} {'alive' if d['alive'] else 'DEAD'}")
+        for node, state in sorted(info.get("nodes", {}).items()):
+            click.echo(f"  {node:<16} {state}")
+    ctx.exit(0 if info["running"] else 1)

@@ -1,0 +1,465 @@
+"""A real multi-node Slurm cluster on one machine, for tests, demos and trying things.
+
+One private ``munged`` (own key and socket), one ``slurmctld`` and one
+``slurmd -N nodeK`` per node, all on 127.0.0.1 with distinct ports, every file in
+one state directory. The settings are the ones verified on this machine (see
+DESIGN.md): ``proctrack/linuxproc``, ``task/none``, ``select/cons_tres``, counted
+GPUs through gres files, ``SlurmdTimeout=10`` so a lost node is seen in seconds,
+and ``AuthInfo=cred_expire=10`` so a requeued job restarts in ~25 s, not ~2 min.
+
+Every process the cluster starts, and every task of every job (through the
+TaskProlog), carries ``CLUSTEROPS_DEVCLUSTER_DIR=<state dir>`` in its
+environment; ``down`` uses that marker to leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from clusterops.errors import ClusteropsError, InputError
+from clusterops.runner import CommandError, Runner
+
+MARKER_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
+SCRATCH_ENV = "CLUSTEROPS_NODE_SCRATCH"
+DEFAULT_STATE_DIR = "/tmp/clusterops-devcluster"
+DEFAULT_PORT_BASE = 17000
+REQUIRED_BINARIES = {
+    "munged": "munge",
+    "slurmctld": "slurmctld (slurm-wlm)",
+    "slurmd": "slurmd (slurm-wlm)",
+    "sbatch": "slurm-client (slurm-wlm)",
+    "sinfo": "slurm-client (slurm-wlm)",
+    "scontrol": "slurm-client (slurm-wlm)",
+}
+MAX_NODES = 1024
+
+
+class DevClusterError(ClusteropsError):
+    pass
+
+
+@dataclass(frozen=True)
+class DevClusterConfig:
+    nodes: int = 4
+    gpus_per_node: int = 0
+    cpus_per_node: int = 2
+    memory_mb_per_node: int = 4096
+    port_base: int = DEFAULT_PORT_BASE
+    preempt_grace_s: int = 20
+    cred_expire_s: int = 10
+    slurmd_timeout_s: int = 10
+
+    def validate(self) -> None:
+        if not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
+            raise InputError(f"--nodes: must be an integer from 1 to {MAX_NODES}, got {self.nodes!r}")
+        if not isinstance(self.gpus_per_node, int) or not 0 <= self.gpus_per_node <= 64:
+            raise InputError(f"--gpus-per-node: must be an integer from 0 to 64, got {self.gpus_per_node!r}")
+        if not 1 <= self.cpus_per_node <= 1024:
+            raise InputError(f"--cpus-per-node: must be from 1 to 1024, got {self.cpus_per_node!r}")
+        if not 1024 <= self.port_base <= 65535 - self.nodes - 1:
+            raise InputError(f"--port-base: {self.port_base} leaves no room for {self.nodes} node ports")
+
+    @property
+    def node_names(self) -> List[str]:
+        return [f"node{i}" for i in range(1, self.nodes + 1)]
+
+    @property
+    def hostlist(self) -> str:
+        return "node1" if self.nodes == 1 else f"node[1-{self.nodes}]"
+
+
+def render_slurm_conf(cfg: DevClusterConfig, state: Path, hostname: str) -> str:
+    """slurm.conf text for the dev cluster (pure)."""
+    s = str(state)
+    gres = f" Gres=gpu:{cfg.gpus_per_node}" if cfg.gpus_per_node else ""
+    last_port = cfg.port_base + cfg.nodes
+    ports = f"{cfg.port_base + 1}" if cfg.nodes == 1 else f"{cfg.port_base + 1}-{last_port}"
+    lines = [
+        "# Written by clusterops devcluster; regenerated on every `up`.",
+        "ClusterName=clusterops-dev",
+        f"SlurmctldHost={hostname}(127.0.0.1)",
+        f"SlurmctldPort={cfg.port_base}",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        # cred_expire is also the requeue delay; the default 120 s makes tests crawl.
+        f"AuthInfo=socket={s}/munge/munge.socket,cred_expire={cfg.cred_expire_s}",
+        f"StateSaveLocation={s}/ctld",
+        f"SlurmdSpoolDir={s}/spool/%n",
+        f"SlurmctldPidFile={s}/run/slurmctld.pid",
+        f"SlurmdPidFile={s}/run/slurmd-%n.pid",
+        f"SlurmctldLogFile={s}/log/slurmctld.log",
+        f"SlurmdLogFile={s}/log/slurmd-%n.log",
+        "SlurmctldDebug=info",
+        "SlurmdDebug=info",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        f"TaskProlog={s}/task_prolog.sh",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",
+        # Nodes declare more CPUs/GPUs than this machine has; trust the config.
+        "SlurmdParameters=config_overrides",
+        "GresTypes=gpu",
+        "SchedulerType=sched/backfill",
+        "SchedulerParameters=sched_interval=2,bf_interval=2",
+        "MpiDefault=none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/none",
+        "JobRequeue=1",
+        "MinJobAge=600",
+        "MessageTimeout=10",
+        "KillWait=5",
+        "InactiveLimit=0",
+        "WaitTime=0",
+        f"SlurmdTimeout={cfg.slurmd_timeout_s}",
+        "SlurmctldTimeout=30",
+        "ReturnToService=2",
+        "PreemptType=preempt/partition_prio",
+        "PreemptMode=REQUEUE",
+        f"NodeName={cfg.hostlist} NodeHostname={hostname} NodeAddr=127.0.0.1 Port={ports} "
+        f"CPUs={cfg.cpus_per_node} RealMemory={cfg.memory_mb_per_node}{gres} State=UNKNOWN",
+        f"PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP "
+        f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={cfg.preempt_grace_s}",
+        "PartitionName=urgent Nodes=ALL Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def render_gres_conf(cfg: DevClusterConfig, state: Path) -> str:
+    if not cfg.gpus_per_node:
+        return "# no counted GPUs\n"
+    last = cfg.gpus_per_node - 1
+    files = f"{state}/dev/gpu0" if last == 0 else f"{state}/dev/gpu[0-{last}]"
+    return f"NodeName={cfg.hostlist} Name=gpu File={files}\n"
+
+
+TASK_PROLOG = """#!/bin/sh
+# Runs before every task (the batch script included); lines printed as
+# "export NAME=value" land in the task's environment.
+echo "export {marker}={state}"
+echo "export {scratch}={state}/scratch/$SLURMD_NODENAME"
+echo "export TMPDIR={state}/scratch/$SLURMD_NODENAME/tmp"
+"""
+
+
+def _pid_alive(pid: Optional[int]) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is not alive for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return " | ".join(text[-lines:]) if text else f"(empty log {path})"
+
+
+def _processes_with_env(key: str, value: str) -> List[int]:
+    """PIDs whose initial environment holds key=value (read from /proc)."""
+    needle = f"{key}={value}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def _ancestors() -> set:
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            break
+    return pids
+
+
+class DevCluster:
+    """Handle on a dev cluster living in ``state_dir``."""
+
+    def __init__(self, state_dir: str | os.PathLike = DEFAULT_STATE_DIR, runner: Optional[Runner] = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+        self.state = Path(state_dir).absolute()
+        self.runner = runner or Runner()
+        self.clock = clock
+        self.sleep = sleep
+
+    # -- paths -------------------------------------------------------------
+    @property
+    def conf_path(self) -> Path:
+        return self.state / "slurm.conf"
+
+    @property
+    def info_path(self) -> Path:
+        return self.state / "cluster.json"
+
+    def env(self) -> Dict[str, str]:
+        """Environment a client needs to talk to this cluster."""
+        return {"SLURM_CONF": str(self.conf_path)}
+
+    def scratch_dir(self, node: str) -> Path:
+        return self.state / "scratch" / node
+
+    # -- state file ----------------------------------------------------------
+    def _read_info(self) -> Optional[dict]:
+        try:
+            return json.loads(self.info_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _write_info(self, info: dict) -> None:
+        tmp = self.info_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=2))
+        os.replace(tmp, self.info_path)
+
+    def config(self) -> Optional[DevClusterConfig]:
+        info = self._read_info()
+        return DevClusterConfig(**info["config"]) if info else None
+
+    def daemon_pids(self) -> Dict[str, Optional[int]]:
+        info = self._read_info() or {}
+        return dict(info.get("pids", {}))
+
+    def running(self) -> bool:
+        pids = self.daemon_pids()
+        return bool(pids) and all(_pid_alive(p) for p in pids.values())
+
+    # -- up ------------------------------------------------------------------
+    @staticmethod
+    def check_binaries() -> None:
+        missing = [name for name in REQUIRED_BINARIES if not shutil.which(name)]
+        if missing:
+            pkgs = sorted({REQUIRED_BINARIES[m].split(" ")[0] for m in missing})
+            raise DevClusterError(
+                f"missing {', '.join(missing)}: install with `apt-get install -y slurm-wlm munge` ({', '.join(pkgs)})"
+            )
+
+    def up(self, cfg: DevClusterConfig, timeout_s: float = 60.0) -> dict:
+        """Bring the cluster up and wait until every node is idle. Idempotent."""
+        cfg.validate()
+        self.check_binaries()
+        if self.running():
+            if self.config() == cfg:
+                self.wait_idle(cfg.node_names, timeout_s)
+                return self.status()
+            self.down()  # a different shape: start afresh
+        else:
+            self.down()  # clear whatever a crashed cluster left
+        start = self.clock()
+        self._prepare(cfg)
+        env = {MARKER_ENV: str(self.state), "SLURM_CONF": str(self.conf_path)}
+        pids: Dict[str, Optional[int]] = {}
+        logdir = self.state / "log"
+
+        munged = self.runner.spawn(
+            ["munged", "--foreground", "--force", f"--socket={self.state}/munge/munge.socket",
+             f"--key-file={self.state}/munge/munge.key", f"--pid-file={self.state}/run/munged.pid",
+             f"--seed-file={self.state}/munge/munged.seed", f"--log-file={logdir}/munged.log",
+             "--num-threads=4"],
+            log_path=str(logdir / "munged.out"), env=env,
+        )
+        pids["munged"] = munged.pid
+        self._wait_for(lambda: (self.state / "munge/munge.socket").exists(), 10,
+                       "munged", logdir / "munged.log", munged)
+
+        ctld = self.runner.spawn(["slurmctld", "-D", "-c", "-f", str(self.conf_path)],
+                                 log_path=str(logdir / "slurmctld.out"), env=env)
+        pids["slurmctld"] = ctld.pid
+        self._wait_for(lambda: self._port_open(cfg.port_base), 20, "slurmctld", logdir / "slurmctld.log", ctld)
+
+        procs = {}
+        for name in cfg.node_names:
+            p = self.runner.spawn(["slurmd", "-D", "-N", name, "-f", str(self.conf_path)],
+                                  log_path=str(logdir / f"slurmd-{name}.out"), env=env)
+            pids[f"slurmd:{name}"] = p.pid
+            procs[name] = p
+        self._write_info({"config": asdict(cfg), "pids": pids, "started": time.time()})
+        try:
+            self.wait_idle(cfg.node_names, timeout_s, procs=procs)
+        except DevClusterError:
+            self.down()
+            raise
+        info = self.status()
+        info["up_seconds"] = round(self.clock() - start, 3)
+        return info
+
+    def _prepare(self, cfg: DevClusterConfig) -> None:
+        st = self.state
+        for sub in ("munge", "run", "log", "ctld", "spool", "dev", "scratch"):
+            (st / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(st / "munge", 0o700)
+        key = st / "munge" / "munge.key"
+        if not key.exists():
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(1024))
+        for name in cfg.node_names:
+            (st / "spool" / name).mkdir(exist_ok=True)
+            (st / "scratch" / name / "tmp").mkdir(parents=True, exist_ok=True)
+        for i in range(cfg.gpus_per_node):
+            (st / "dev" / f"gpu{i}").touch()
+        hostname = socket.gethostname().split(".")[0]
+        self.conf_path.write_text(render_slurm_conf(cfg, st, hostname))
+        (st / "gres.conf").write_text(render_gres_conf(cfg, st))
+        prolog = st / "task_prolog.sh"
+        prolog.write_text(TASK_PROLOG.format(marker=MARKER_ENV, scratch=SCRATCH_ENV, state=st))
+        prolog.chmod(0o755)
+
+    @staticmethod
+    def _port_open(port: int) -> bool:
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    def _wait_for(self, ready: Callable[[], bool], timeout_s: float, what: str, log: Path, proc) -> None:
+        deadline = self.clock() + timeout_s
+        while self.clock() < deadline:
+            if ready():
+                return
+            if proc.poll() is not None:
+                self.down()
+                raise DevClusterError(f"{what} exited with {proc.returncode} at start: {_tail(log)}")
+            self.sleep(0.05)
+        self.down()
+        raise DevClusterError(f"{what} did not become ready in {timeout_s:g}s: {_tail(log)}")
+
+    def node_states(self) -> Dict[str, str]:
+        out = self.runner.run(["sinfo", "--noheader", "--Node", "--format=%N %T"],
+                              env=self.env(), timeout_s=15).stdout
+        states = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 2:
+                states[parts[0]] = parts[1]
+        return states
+
+    def wait_idle(self, nodes: List[str], timeout_s: float, procs: Optional[dict] = None) -> None:
+        deadline = self.clock() + timeout_s
+        last: Dict[str, str] = {}
+        while True:
+            for name, p in (procs or {}).items():
+                if p.poll() is not None:
+                    raise DevClusterError(
+                        f"slurmd -N {name} exited with {p.returncode}: "
+                        f"{_tail(self.state / 'log' / f'slurmd-{name}.log')}")
+            try:
+                last = self.node_states()
+            except CommandError:
+                last = {}
+            if last and all(last.get(n, "").rstrip("*") in ("idle", "mixed", "allocated") for n in nodes):
+                return
+            if self.clock() > deadline:
+                bad = {n: last.get(n, "unknown") for n in nodes if last.get(n, "") != "idle"}
+                raise DevClusterError(
+                    f"nodes not idle after {timeout_s:g}s: {bad}; slurmctld log: "
+                    f"{_tail(self.state / 'log' / 'slurmctld.log')}")
+            self.sleep(0.1)
+
+    # -- down ----------------------------------------------------------------
+    def down(self, timeout_s: float = 15.0) -> List[int]:
+        """Stop every daemon and every job process of this cluster. Returns the pids signalled."""
+        mine = _ancestors()
+        pids = [p for p in self.daemon_pids().values() if p and _pid_alive(p)]
+        pids += [p for p in _processes_with_env(MARKER_ENV, str(self.state)) if p not in pids]
+        pids = [p for p in pids if p not in mine]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = self.clock() + (timeout_s / 2)
+            while self.clock() < deadline and any(_pid_alive(p) for p in pids):
+                self.sleep(0.05)
+            if not any(_pid_alive(p) for p in pids):
+                break
+        info = self._read_info()
+        if info:
+            info["pids"] = {}
+            self._write_info(info)
+        return pids
+
+    # -- fault injection (tests, demos) ----------------------------------------
+    def kill_node(self, name: str) -> List[int]:
+        """Take a node away for real: stop its slurmd and kill its job processes."""
+        pids = self.daemon_pids()
+        key = f"slurmd:{name}"
+        if key not in pids:
+            raise InputError(f"unknown dev-cluster node {name!r}")
+        victims = [pids[key]] if _pid_alive(pids[key]) else []
+        victims += [p for p in _processes_with_env("SLURMD_NODENAME", name)
+                    if p in _processes_with_env(MARKER_ENV, str(self.state))]
+        victims = [p for p in victims if p not in _ancestors()]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return victims
+
+    def start_node(self, name: str) -> int:
+        info = self._read_info()
+        if not info or f"slurmd:{name}" not in info.get("pids", {}):
+            raise InputError(f"unknown dev-cluster node {name!r}")
+        env = {MARKER_ENV: str(self.state), "SLURM_CONF": str(self.conf_path)}
+        p = self.runner.spawn(["slurmd", "-D", "-N", name, "-f", str(self.conf_path)],
+                              log_path=str(self.state / "log" / f"slurmd-{name}.out"), env=env)
+        info["pids"][f"slurmd:{name}"] = p.pid
+        self._write_info(info)
+        return p.pid
+
+    # -- status --------------------------------------------------------------
+    def status(self) -> dict:
+        info = self._read_info()
+        if not info:
+            return {"state_dir": str(self.state), "running": False, "daemons": {}, "nodes": {}}
+        daemons = {k: {"pid": v, "alive": _pid_alive(v)} for k, v in info.get("pids", {}).items()}
+        running = bool(daemons) and all(d["alive"] for d in daemons.values())
+        nodes: Dict[str, str] = {}
+        if daemons.get("slurmctld", {}).get("alive"):
+            try:
+                nodes = self.node_states()
+            except CommandError:
+                nodes = {}
+        return {
+            "state_dir": str(self.state),
+            "slurm_conf": str(self.conf_path),
+            "running": running,
+            "config": info.get("config"),
+            "daemons": daemons,
+            "nodes": nodes,
+        }

@@ -1,0 +1,153 @@
+"""The one place that runs external programs.
+
+Every command is an argv list (never a shell string), runs in its own process
+group under a timeout, and on timeout the whole group is killed so that no
+grandchild outlives the call. Each call is logged at debug level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+from clusterops.errors import ClusteropsError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Completed:
+    argv: tuple
+    returncode: int
+    stdout: str
+    stderr: str
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class CommandError(ClusteropsError):
+    """A command failed: carries the argv, exit code and stderr."""
+
+    def __init__(self, argv: Sequence[str], returncode: Optional[int], stderr: str, message: str = ""):
+        self.argv = tuple(argv)
+        self.returncode = returncode
+        self.stderr = stderr
+        tail = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+        if not message:
+            message = f"{shlex.join(self.argv)} exited with {returncode}"
+            if tail:
+                message += f": {tail}"
+        super().__init__(message)
+
+
+class CommandTimeout(CommandError):
+    def __init__(self, argv: Sequence[str], timeout_s: float, stderr: str = ""):
+        self.timeout_s = timeout_s
+        super().__init__(argv, None, stderr, f"{shlex.join(list(argv))} timed out after {timeout_s:g}s")
+
+
+class CommandNotFound(CommandError):
+    def __init__(self, argv: Sequence[str]):
+        super().__init__(argv, None, "", f"{argv[0]}: command not found")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class Runner:
+    """Runs argv lists. ``env`` entries are added to the inherited environment."""
+
+    env: Mapping[str, str] = field(default_factory=dict)
+    default_timeout_s: float = 60.0
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout_s: Optional[float] = None,
+        check: bool = True,
+        input: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+    ) -> Completed:
+        if isinstance(argv, (str, bytes)) or not all(isinstance(a, str) for a in argv):
+            raise TypeError("Runner.run takes a list of str arguments, never a shell string")
+        argv = tuple(argv)
+        timeout_s = self.default_timeout_s if timeout_s is None else timeout_s
+        full_env = dict(os.environ)
+        full_env.update(self.env)
+        if env:
+            full_env.update(env)
+        log.debug("run: %s (timeout %ss)", shlex.join(argv), timeout_s)
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=full_env,
+                cwd=cwd,
+                start_new_session=True,  # own process group: a timeout kills it all
+            )
+        except FileNotFoundError:
+            raise CommandNotFound(argv) from None
+        try:
+            out, err = proc.communicate(input=input, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, err = proc.communicate()
+            log.debug("timeout after %ss: %s", timeout_s, shlex.join(argv))
+            raise CommandTimeout(argv, timeout_s, err or "") from None
+        except BaseException:
+            _kill_group(proc)
+            proc.wait()
+            raise
+        # The leader exited; reap anything it left behind in its group too.
+        # (Daemons detach with setsid and are not touched.)
+        _kill_group(proc)
+        done = Completed(argv, proc.returncode, out or "", err or "", time.monotonic() - start)
+        log.debug("exit %s in %.3fs: %s", done.returncode, done.duration_s, argv[0])
+        if check and done.returncode != 0:
+            raise CommandError(argv, done.returncode, done.stderr or done.stdout)
+        return done
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        log_path: str,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+    ) -> subprocess.Popen:
+        """Start a long-running program in its own session, output appended to log_path."""
+        if isinstance(argv, (str, bytes)):
+            raise TypeError("Runner.spawn takes a list of str arguments, never a shell string")
+        full_env = dict(os.environ)
+        full_env.update(self.env)
+        if env:
+            full_env.update(env)
+        log.debug("spawn: %s > %s", shlex.join(argv), log_path)
+        with open(log_path, "ab") as out:
+            try:
+                return subprocess.Popen(
+                    list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    env=full_env, cwd=cwd, start_new_session=True,
+                )
+            except FileNotFoundError:
+                raise CommandNotFound(argv) from None

@@ -1,0 +1,254 @@
+"""Run Slurm's commands and parse what they print.
+
+Reads (squeue, scontrol show, sinfo) are idempotent and retried with backoff,
+so a controller that restarts or is briefly slow is ridden out; after
+``read_attempts`` failures a ``SlurmUnavailable`` names the command and the
+last error. Writes (sbatch, scontrol update/requeue, scancel) run once: a
+blind retry could submit a job twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+
+import hostlist
+
+from clusterops.errors import ClusteropsError, InputError, NotFoundError
+from clusterops.runner import CommandError, CommandNotFound, CommandTimeout, Runner
+from clusterops.slurm import parse
+from clusterops.slurm.parse import JobInfo, NodeInfo
+
+log = logging.getLogger(__name__)
+
+# stderr fragments that mean "the thing you named does not exist": never retried.
+_NOT_FOUND = re.compile(r"invalid job id|invalid node name|invalid job array|node \S+ not found|"
+                        r"job \S+ not found|unrecognized job|invalid partition name")
+_SIGNALS = {"HUP", "INT", "QUIT", "KILL", "USR1", "USR2", "TERM", "CONT", "STOP", "TSTP", "ALRM", "ABRT"}
+
+
+class SlurmError(ClusteropsError):
+    """A Slurm command refused what we asked (exit code 1)."""
+
+
+class SlurmUnavailable(SlurmError):
+    """The controller did not answer after the bounded retries."""
+
+
+class SlurmConfigError(SlurmError):
+    """No usable slurm.conf: retrying cannot help."""
+
+
+Nodes = Union[str, Iterable[str]]
+
+
+def _hostlist(nodes: Nodes) -> str:
+    if isinstance(nodes, str):
+        names = hostlist.expand_hostlist(nodes)
+    else:
+        names = list(nodes)
+    if not names:
+        raise InputError("no nodes given")
+    return hostlist.collect_hostlist(names)
+
+
+def _check_signal(sig: Union[str, int]) -> str:
+    s = str(sig).upper()
+    if s.startswith("SIG"):
+        s = s[3:]
+    if s.isdigit() or s in _SIGNALS:
+        return s
+    raise InputError(f"unknown signal {sig!r}")
+
+
+class Slurm:
+    """Slurm through its command-line tools. All commands go through ``runner``."""
+
+    def __init__(self, runner: Optional[Runner] = None, *, timeout_s: float = 30.0,
+                 read_attempts: int = 4, backoff_s: float = 0.5,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.runner = runner or Runner()
+        self.timeout_s = timeout_s
+        self.read_attempts = max(1, read_attempts)
+        self.backoff_s = backoff_s
+        self.sleep = sleep
+
+    @classmethod
+    def from_environment(cls, **kwargs) -> "Slurm":
+        """Honour SLURM_CONF; with no system slurm.conf and no SLURM_CONF, use the default
+        dev cluster's config if one exists (so `clusterops` just works after `devcluster up`)."""
+        env = {}
+        if not os.environ.get("SLURM_CONF") and not Path("/etc/slurm/slurm.conf").exists():
+            from clusterops.devcluster import DEFAULT_STATE_DIR
+
+            dev = Path(os.environ.get("CLUSTEROPS_DEVCLUSTER_DIR", DEFAULT_STATE_DIR)) / "slurm.conf"
+            if dev.exists():
+                env["SLURM_CONF"] = str(dev)
+        return cls(Runner(env=env), **kwargs)
+
+    # -- plumbing ---------------------------------------------------------------
+    def _classify(self, err: CommandError) -> ClusteropsError:
+        text = (err.stderr or "").lower()
+        if "could not establish a configuration source" in text or "unable to process configuration file" in text:
+            return SlurmConfigError(
+                f"{err.argv[0]}: no Slurm configuration found: set SLURM_CONF, or run `clusterops devcluster up`")
+        if _NOT_FOUND.search(text):
+            return NotFoundError(f"{err.argv[0]}: {err.stderr.strip().splitlines()[-1]}")
+        return SlurmError(str(err))
+
+    def _read(self, argv: Sequence[str]) -> str:
+        last: Optional[Exception] = None
+        for attempt in range(self.read_attempts):
+            try:
+                return self.runner.run(argv, timeout_s=self.timeout_s).stdout
+            except CommandNotFound:
+                raise SlurmError(f"{argv[0]} not found: install the Slurm client (apt-get install slurm-client)")
+            except CommandTimeout as e:
+                last = e
+            except CommandError as e:
+                classified = self._classify(e)
+                if isinstance(classified, (NotFoundError, SlurmConfigError)):
+                    raise classified from None
+                last = e
+            if attempt + 1 < self.read_attempts:
+                delay = self.backoff_s * (2 ** attempt)
+                log.info("%s failed (%s); retrying in %.1fs", argv[0], last, delay)
+                self.sleep(delay)
+        raise SlurmUnavailable(f"Slurm did not answer after {self.read_attempts} attempts: {last}")
+
+    def _write(self, argv: Sequence[str], *, input: Optional[str] = None) -> str:
+        try:
+            return self.runner.run(argv, timeout_s=self.timeout_s, input=input).stdout
+        except CommandNotFound:
+            raise SlurmError(f"{argv[0]} not found: install the Slurm client (apt-get install slurm-client)")
+        except CommandTimeout as e:
+            raise SlurmUnavailable(f"{e} (the controller may be down or overloaded)") from None
+        except CommandError as e:
+            raise self._classify(e) from None
+
+    # -- version ------------------------------------------------------------------
+    def version(self) -> Tuple[int, ...]:
+        return parse.parse_version(self._read(["sinfo", "--version"]))
+
+    # -- jobs ---------------------------------------------------------------------
+    def submit(self, script: Union[str, os.PathLike, None] = None, args: Sequence[str] = (), *,
+               text: Optional[str] = None, workdir: Optional[str] = None) -> int:
+        """Submit a batch script (a file path, or its text) -> job id."""
+        if (script is None) == (text is None):
+            raise InputError("submit takes a script path or its text, not both")
+        argv = ["sbatch", "--parsable", *args]
+        if workdir:
+            argv.append(f"--chdir={workdir}")
+        if script is not None:
+            path = Path(script)
+            if not path.is_file():
+                raise InputError(f"{path}: no such script")
+            argv.append(str(path))
+        return parse.parse_sbatch_parsable(self._write(argv, input=text))
+
+    def jobs(self, job_ids: Optional[Iterable[int]] = None) -> List[JobInfo]:
+        """Jobs Slurm still knows (squeue --json). Unknown ids are simply absent."""
+        argv = ["squeue", "--json", "--all"]
+        ids = [str(int(j)) for j in job_ids] if job_ids is not None else None
+        if ids is not None:
+            if not ids:
+                return []
+            argv.append(f"--jobs={','.join(ids)}")
+        try:
+            found = parse.parse_squeue_json(self._read(argv))
+        except NotFoundError:
+            return []
+        if ids is None:
+            return found
+        # Slurm 22.05's --json output ignores the --jobs filter: apply it here as well.
+        wanted = {int(i) for i in ids}
+        return [j for j in found if j.job_id in wanted or j.array_job_id in wanted]
+
+    def job(self, job_id: Union[int, str]) -> JobInfo:
+        """One job in detail (scontrol show job); NotFoundError when Slurm no longer knows it."""
+        jid = str(job_id)
+        if not jid.replace("_", "").isdigit():
+            raise InputError(f"job id must be a number, got {job_id!r}")
+        found = parse.parse_scontrol_jobs(self._read(["scontrol", "show", "job", "--oneliner", jid]))
+        if not found:
+            raise NotFoundError(f"job {jid} not found")
+        return found[0]
+
+    def job_tasks(self, job_id: Union[int, str]) -> List[JobInfo]:
+        """All records for a job id (an array job has one per task)."""
+        return parse.parse_scontrol_jobs(self._read(["scontrol", "show", "job", "--oneliner", str(job_id)]))
+
+    def requeue(self, job_id: Union[int, str], *, hold: bool = False) -> None:
+        self._write(["scontrol", "requeuehold" if hold else "requeue", str(job_id)])
+
+    def hold(self, job_id: Union[int, str]) -> None:
+        self._write(["scontrol", "hold", str(job_id)])
+
+    def release(self, job_id: Union[int, str]) -> None:
+        self._write(["scontrol", "release", str(job_id)])
+
+    def update_job(self, job_id: Union[int, str], **fields: object) -> None:
+        """scontrol update JobId=<id> Key=Value ... (e.g. ExcNodeList=node3, TimeLimit=10)."""
+        if not fields:
+            raise InputError("update_job needs at least one field")
+        argv = ["scontrol", "update", f"JobId={job_id}"]
+        for key, value in fields.items():
+            if not key.replace("_", "").isalnum():
+                raise InputError(f"bad job field name {key!r}")
+            argv.append(f"{key}={value}")
+        self._write(argv)
+
+    def cancel(self, job_id: Union[int, str], *, signal: Union[str, int, None] = None,
+               batch: bool = False, full: bool = False, step: Optional[int] = None) -> None:
+        target = f"{job_id}.{step}" if step is not None else str(job_id)
+        # scancel exits 0 for a job id Slurm does not know; ask first so a typo is an error.
+        self.job(job_id)
+        argv = ["scancel"]
+        if signal is not None:
+            argv.append(f"--signal={_check_signal(signal)}")
+        if batch:
+            argv.append("--batch")
+        if full:
+            argv.append("--full")
+        argv.append(target)
+        self._write(argv)
+
+    def signal(self, job_id: Union[int, str], sig: Union[str, int], *, batch: bool = False,
+               full: bool = False, step: Optional[int] = None) -> None:
+        """Send a signal without ending the job (``--batch``: the batch shell only;
+        ``--full``: the batch shell and every step)."""
+        self.cancel(job_id, signal=sig, batch=batch, full=full, step=step)
+
+    # -- nodes ----------------------------------------------------------------------
+    def nodes(self, names: Optional[Nodes] = None) -> List[NodeInfo]:
+        argv = ["scontrol", "show", "node", "--oneliner"]
+        if names is not None:
+            argv.append(_hostlist(names))
+        return parse.parse_scontrol_nodes(self._read(argv))
+
+    def node(self, name: str) -> NodeInfo:
+        found = [n for n in self.nodes(name) if n.name == name]
+        if not found:
+            raise NotFoundError(f"node {name} not found")
+        return found[0]
+
+    def drain(self, nodes: Nodes, reason: str) -> None:
+        if not reason or "\n" in reason:
+            raise InputError("a drain reason is required, on one line")
+        self._write(["scontrol", "update", f"NodeName={_hostlist(nodes)}", "State=DRAIN", f"Reason={reason}"])
+
+    def resume(self, nodes: Nodes) -> None:
+        self._write(["scontrol", "update", f"NodeName={_hostlist(nodes)}", "State=RESUME"])
+
+    def partition_nodes(self, partition: str) -> List[str]:
+        out = self._read(["sinfo", "--noheader", f"--partition={partition}", "--format=%N"])
+        names: List[str] = []
+        for line in out.split():
+            names.extend(hostlist.expand_hostlist(line))
+        if not names:
+            raise NotFoundError(f"partition {partition} has no nodes (or does not exist)")
+        return sorted(set(names), key=names.index)

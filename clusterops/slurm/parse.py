@@ -1,0 +1,391 @@
+"""Pure parsers for Slurm's machine-readable output.
+
+Shapes handled (fixtures for each in tests/fixtures/slurm/):
+- ``squeue --json`` / ``sinfo --json`` of Slurm 22.05 (openapi v0.0.38): states as strings,
+  plain integers for times, ``null`` for an unlimited time limit;
+- the 23.02+ data_parser shapes (v0.0.39 and later): ``job_state`` and node ``state`` as lists,
+  numbers wrapped as ``{"set": bool, "infinite": bool, "number": n}``, ``exit_code`` as an object;
+- ``scontrol show job|node --oneliner`` (every version): ``Key=Value`` pairs on one line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+
+import hostlist
+
+from clusterops.slurm.states import base_state, categorize
+
+
+# -- small value helpers -------------------------------------------------------
+
+def number(value: Any) -> Optional[float]:
+    """A number from a plain value or a 23.02+ ``{"set", "infinite", "number"}`` object.
+
+    Unset and infinite give None.
+    """
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        if not value.get("set", True) or value.get("infinite", False):
+            return None
+        value = value.get("number")
+        if value is None:
+            return None
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def epoch(value: Any) -> Optional[float]:
+    """A timestamp in epoch seconds; 0 and unset mean 'not known'."""
+    n = number(value)
+    return float(n) if n else None
+
+
+def expand(nodes: Optional[str]) -> List[str]:
+    if not nodes or nodes in ("(null)", "None assigned"):
+        return []
+    return hostlist.expand_hostlist(nodes)
+
+
+def parse_time_limit(text: Optional[str]) -> Optional[float]:
+    """Slurm's time strings (``UNLIMITED``, ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``)
+    to minutes; None for unlimited / unknown."""
+    if text is None:
+        return None
+    text = text.strip()
+    if not text or text.upper() in ("UNLIMITED", "INFINITE", "N/A", "NONE", "PARTITION_LIMIT"):
+        return None
+    days = 0
+    if "-" in text:
+        d, text = text.split("-", 1)
+        days = int(d)
+        parts = [int(p) for p in text.split(":")]
+        while len(parts) < 3:
+            parts.append(0)
+        h, m, s = parts
+    else:
+        parts = [int(p) for p in text.split(":")]
+        if len(parts) == 1:
+            h, m, s = 0, parts[0], 0
+        elif len(parts) == 2:
+            h, m, s = 0, parts[0], parts[1]
+        else:
+            h, m, s = parts
+    return days * 1440 + h * 60 + m + s / 60.0
+
+
+def parse_iso(text: Optional[str]) -> Optional[float]:
+    if not text or text in ("Unknown", "None", "N/A", "(null)"):
+        return None
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
+
+
+_KEY = re.compile(r"(?:^|(?<= ))([A-Za-z][A-Za-z0-9_:/.]*)=")
+
+
+def parse_oneliner(line: str) -> Dict[str, str]:
+    """``Key=Value Key2=Value with spaces`` -> dict. A value runs to the next `` Key=``."""
+    line = line.strip()
+    matches = list(_KEY.finditer(line))
+    out: Dict[str, str] = {}
+    for i, m in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
+        out[m.group(1)] = line[m.end():end].strip()
+    return out
+
+
+def _null(v: Optional[str]) -> Optional[str]:
+    return None if v in (None, "", "(null)", "N/A", "None") else v
+
+
+# -- jobs --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: int
+    name: str
+    state: str
+    category: str
+    reason: Optional[str] = None
+    nodes: str = ""
+    node_names: Tuple[str, ...] = ()
+    restart_count: int = 0
+    time_limit_min: Optional[float] = None
+    submit_time: Optional[float] = None
+    start_time: Optional[float] = None
+    end_time: Optional[float] = None
+    exit_code: Optional[int] = None
+    exit_signal: Optional[int] = None
+    batch_host: Optional[str] = None
+    excluded_nodes: str = ""
+    partition: str = ""
+    requeue: bool = False
+    array_job_id: Optional[int] = None
+    array_task_id: Optional[int] = None
+    state_flags: Tuple[str, ...] = ()
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["node_names"] = list(self.node_names)
+        d["state_flags"] = list(self.state_flags)
+        return d
+
+
+def _exit_code(value: Any) -> Tuple[Optional[int], Optional[int]]:
+    """(return code, signal) from an int, ``"code:signal"`` text or a 23.02+ object."""
+    if value is None:
+        return None, None
+    if isinstance(value, dict):
+        rc = number(value.get("return_code"))
+        sig = value.get("signal")
+        sig_n = number(sig.get("id") if isinstance(sig, dict) else sig)
+        return (int(rc) if rc is not None else None), (int(sig_n) if sig_n else None)
+    if isinstance(value, str) and ":" in value:
+        a, b = value.split(":", 1)
+        return int(a), (int(b) or None)
+    n = number(value)
+    if n is None:
+        return None, None
+    # 22.05's squeue --json gives the raw wait status (exit 3 -> 768).
+    status = int(n)
+    return status >> 8, (status & 0x7F) or None
+
+
+def job_from_json(j: Dict[str, Any]) -> JobInfo:
+    """One element of ``squeue --json``'s ``jobs`` list (22.05 or 23.02+ shape)."""
+    raw_state = j.get("job_state")
+    flags: Tuple[str, ...] = ()
+    if isinstance(raw_state, list):
+        flags = tuple(s.upper() for s in raw_state[1:])
+    rc, sig = _exit_code(j.get("exit_code"))
+    nodes = j.get("nodes") or ""
+    tl = number(j.get("time_limit"))
+    array_task = number(j.get("array_task_id"))
+    array_job = number(j.get("array_job_id"))
+    return JobInfo(
+        job_id=int(number(j.get("job_id"))),
+        name=j.get("name") or "",
+        state=base_state(raw_state),
+        category=categorize(raw_state),
+        reason=_null(j.get("state_reason")),
+        nodes=nodes,
+        node_names=tuple(expand(nodes)),
+        restart_count=int(number(j.get("restart_cnt")) or 0),
+        time_limit_min=float(tl) if tl is not None else None,
+        submit_time=epoch(j.get("submit_time")),
+        start_time=epoch(j.get("start_time")),
+        end_time=epoch(j.get("end_time")),
+        exit_code=rc,
+        exit_signal=sig,
+        batch_host=_null(j.get("batch_host")),
+        excluded_nodes=j.get("excluded_nodes") or "",
+        partition=j.get("partition") or "",
+        requeue=bool(j.get("requeue", False)),
+        array_job_id=int(array_job) if array_job else None,
+        array_task_id=int(array_task) if array_task is not None else None,
+        state_flags=flags,
+    )
+
+
+def parse_squeue_json(text: str) -> List[JobInfo]:
+    data = json.loads(text)
+    return [job_from_json(j) for j in data.get("jobs", [])]
+
+
+def job_from_oneliner(line: str) -> JobInfo:
+    """One line of ``scontrol show job --oneliner``."""
+    kv = parse_oneliner(line)
+    state = kv.get("JobState", "UNKNOWN")
+    rc, sig = _exit_code(kv.get("ExitCode"))
+    nodes = _null(kv.get("NodeList")) or ""
+    array_task = kv.get("ArrayTaskId")
+    return JobInfo(
+        job_id=int(kv["JobId"]),
+        name=kv.get("JobName", ""),
+        state=base_state(state),
+        category=categorize(state),
+        reason=_null(kv.get("Reason")),
+        nodes=nodes,
+        node_names=tuple(expand(nodes)),
+        restart_count=int(kv.get("Restarts", "0") or 0),
+        time_limit_min=parse_time_limit(kv.get("TimeLimit")),
+        submit_time=parse_iso(kv.get("SubmitTime")),
+        start_time=parse_iso(kv.get("StartTime")),
+        end_time=parse_iso(kv.get("EndTime")),
+        exit_code=rc,
+        exit_signal=sig,
+        batch_host=_null(kv.get("BatchHost")),
+        excluded_nodes=_null(kv.get("ExcNodeList")) or "",
+        partition=kv.get("Partition", ""),
+        requeue=kv.get("Requeue") == "1",
+        array_job_id=int(kv["ArrayJobId"]) if kv.get("ArrayJobId", "").isdigit() else None,
+        array_task_id=int(array_task) if array_task and array_task.isdigit() else None,
+    )
+
+
+def parse_scontrol_jobs(text: str) -> List[JobInfo]:
+    return [job_from_oneliner(line) for line in text.splitlines() if line.startswith("JobId=")]
+
+
+# -- nodes -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    state: str                      # base state, lower case: idle, allocated, mixed, down, ...
+    flags: FrozenSet[str] = field(default_factory=frozenset)   # DRAIN, NOT_RESPONDING, ...
+    reason: Optional[str] = None
+    reason_user: Optional[str] = None
+    reason_time: Optional[float] = None
+    gres: str = ""
+    partitions: Tuple[str, ...] = ()
+    cpus: int = 0
+    alloc_cpus: int = 0
+
+    @property
+    def drained(self) -> bool:
+        """DRAIN set (draining or drained)."""
+        return "DRAIN" in self.flags
+
+    @property
+    def is_down(self) -> bool:
+        return self.state == "down" or "NOT_RESPONDING" in self.flags
+
+    @property
+    def responding(self) -> bool:
+        return "NOT_RESPONDING" not in self.flags
+
+    @property
+    def is_idle(self) -> bool:
+        return self.state == "idle" and not self.flags & {"DRAIN", "NOT_RESPONDING", "MAINTENANCE", "RESERVED"}
+
+    @property
+    def busy(self) -> bool:
+        return self.state in ("allocated", "mixed", "completing") or "COMPLETING" in self.flags
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["flags"] = sorted(self.flags)
+        d["partitions"] = list(self.partitions)
+        d["drained"] = self.drained
+        return d
+
+
+# Base states as Slurm spells them in lists (23.02+) and in scontrol's State= field.
+_NODE_BASES = {"IDLE", "ALLOCATED", "ALLOC", "MIXED", "DOWN", "ERROR", "FUTURE", "UNKNOWN", "COMPLETING"}
+_SCONTROL_FLAG_ALIASES = {"NOT_RESPONDING": "NOT_RESPONDING", "DRAIN": "DRAIN", "DRAINED": "DRAIN",
+                          "DRAINING": "DRAIN", "MAINT": "MAINTENANCE", "RESERVED": "RESERVED",
+                          "POWERED_DOWN": "POWERED_DOWN", "POWERING_UP": "POWERING_UP",
+                          "REBOOT_REQUESTED": "REBOOT_REQUESTED", "FAIL": "FAIL",
+                          "COMPLETING": "COMPLETING", "CLOUD": "CLOUD", "PLANNED": "PLANNED",
+                          "INVALID_REG": "INVALID_REG", "DYNAMIC_NORM": "DYNAMIC_NORM"}
+
+
+def _split_node_state(items: List[str]) -> Tuple[str, FrozenSet[str]]:
+    base = "unknown"
+    flags = set()
+    for it in items:
+        u = it.upper().rstrip("*")
+        if u in _NODE_BASES and base == "unknown":
+            base = "allocated" if u == "ALLOC" else u.lower()
+        else:
+            flags.add(_SCONTROL_FLAG_ALIASES.get(u, u))
+    return base, frozenset(flags)
+
+
+def node_from_json(n: Dict[str, Any]) -> NodeInfo:
+    raw = n.get("state")
+    if isinstance(raw, list):                 # 23.02+: ["IDLE", "DRAIN"]
+        base, flags = _split_node_state(raw)
+    else:                                     # 22.05: "idle" + state_flags
+        base, flags = _split_node_state([raw or "unknown"] + list(n.get("state_flags") or []))
+    parts = n.get("partitions") or []
+    if isinstance(parts, str):
+        parts = [p for p in parts.split(",") if p]
+    return NodeInfo(
+        name=n["name"],
+        state=base,
+        flags=flags,
+        reason=_null(n.get("reason")),
+        reason_user=_null(n.get("reason_set_by_user")),
+        reason_time=epoch(n.get("reason_changed_at")),
+        gres=n.get("gres") or "",
+        partitions=tuple(parts),
+        cpus=int(number(n.get("cpus")) or 0),
+        alloc_cpus=int(number(n.get("alloc_cpus")) or 0),
+    )
+
+
+def parse_sinfo_json(text: str) -> List[NodeInfo]:
+    """``sinfo --json``: 22.05 lists nodes under ``nodes``; 24.05+ under ``sinfo`` (by partition)."""
+    data = json.loads(text)
+    if "nodes" in data:
+        return [node_from_json(n) for n in data["nodes"]]
+    seen: Dict[str, NodeInfo] = {}
+    for entry in data.get("sinfo", []):
+        names = entry.get("nodes", {}).get("nodes", []) if isinstance(entry.get("nodes"), dict) else []
+        for name in names:
+            seen.setdefault(name, NodeInfo(name=name, state="unknown"))
+    return list(seen.values())
+
+
+_REASON_TAIL = re.compile(r"^(?P<reason>.*?)\s*\[(?P<user>[^@\]]+)@(?P<time>[^\]]+)\]\s*$")
+
+
+def node_from_oneliner(line: str) -> NodeInfo:
+    """One line of ``scontrol show node --oneliner``; State is like ``IDLE+DRAIN``."""
+    kv = parse_oneliner(line)
+    base, flags = _split_node_state(kv.get("State", "UNKNOWN").split("+"))
+    reason = _null(kv.get("Reason"))
+    user = when = None
+    if reason:
+        m = _REASON_TAIL.match(reason)
+        if m:
+            reason, user, when = m.group("reason"), m.group("user"), parse_iso(m.group("time"))
+    return NodeInfo(
+        name=kv["NodeName"],
+        state=base,
+        flags=flags,
+        reason=reason,
+        reason_user=user,
+        reason_time=when,
+        gres=_null(kv.get("Gres")) or "",
+        partitions=tuple(p for p in (_null(kv.get("Partitions")) or "").split(",") if p),
+        cpus=int(kv.get("CPUTot", "0") or 0),
+        alloc_cpus=int(kv.get("CPUAlloc", "0") or 0),
+    )
+
+
+def parse_scontrol_nodes(text: str) -> List[NodeInfo]:
+    return [node_from_oneliner(line) for line in text.splitlines() if line.startswith("NodeName=")]
+
+
+def parse_version(text: str) -> Tuple[int, ...]:
+    """``slurm 22.05.8`` (or ``slurm-wlm 22.05.8``) -> (22, 5, 8)."""
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        raise ValueError(f"no Slurm version in {text!r}")
+    return tuple(int(g) for g in m.groups() if g is not None)
+
+
+def parse_sbatch_parsable(text: str) -> int:
+    """``sbatch --parsable`` prints ``jobid`` or ``jobid;cluster``."""
+    first = text.strip().splitlines()[-1] if text.strip() else ""
+    jid = first.split(";", 1)[0]
+    if not jid.isdigit():
+        raise ValueError(f"sbatch printed no job id: {text.strip()!r}")
+    return int(jid)

@@ -1,0 +1,1 @@
+"""Health profiles (YAML), installed as package data (see setup.cfg)."""

@@ -1,0 +1,1 @@
+"""Jinja2 sbatch templates, installed as package data (see setup.cfg)."""

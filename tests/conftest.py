@@ -1,0 +1,103 @@
+"""Shared test fixtures.
+
+The ``devcluster`` fixture brings up one real 4-node Slurm cluster (4 counted GPUs
+per node) for the whole session, on ports picked free for this run, and points
+SLURM_CONF at it. ``cluster`` is the per-test handle: after each test it cancels
+leftover jobs, restarts stopped slurmds and resumes drained nodes so tests do not
+leak state into each other.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+DEV_NODES = 4
+DEV_GPUS = 4
+
+
+def _ports_free(base: int, count: int) -> bool:
+    for port in range(base, base + count + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def pick_port_base(count: int) -> int:
+    env = os.environ.get("CLUSTEROPS_TEST_PORT_BASE")
+    if env:
+        return int(env)
+    rng = random.Random()
+    for _ in range(50):
+        base = rng.randrange(20000, 60000, 100)
+        if _ports_free(base, count):
+            return base
+    raise RuntimeError("no free port range for the dev cluster")
+
+
+@pytest.fixture(scope="session")
+def devcluster():
+    from clusterops.devcluster import DevCluster, DevClusterConfig
+
+    state = Path(tempfile.mkdtemp(prefix="clusterops-test-dc-"))
+    dc = DevCluster(state)
+    cfg = DevClusterConfig(nodes=DEV_NODES, gpus_per_node=DEV_GPUS, cpus_per_node=2,
+                           port_base=pick_port_base(DEV_NODES))
+    dc.up(cfg)
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(dc.conf_path)
+    try:
+        yield dc
+    finally:
+        dc.down()
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+def _restore(dc) -> None:
+    """Put the shared cluster back to 4 idle nodes with no jobs."""
+    from clusterops.devcluster import _pid_alive
+
+    env = dict(os.environ, SLURM_CONF=str(dc.conf_path))
+    subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30)
+    cfg = dc.config()
+    for name in cfg.node_names:
+        if not _pid_alive(dc.daemon_pids().get(f"slurmd:{name}")):
+            dc.start_node(name)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = dc.node_states()
+        bad = [n for n in cfg.node_names if states.get(n) != "idle"]
+        if not bad:
+            return
+        for n in bad:
+            st = states.get(n, "")
+            if "drain" in st or st.startswith("down"):
+                subprocess.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"],
+                               env=env, capture_output=True, timeout=30)
+        time.sleep(0.5)
+    raise RuntimeError(f"dev cluster did not return to idle: {dc.node_states()}")
+
+
+@pytest.fixture
+def cluster(devcluster):
+    """The shared dev cluster, restored to a clean state after the test."""
+    _restore(devcluster)
+    yield devcluster
+    _restore(devcluster)

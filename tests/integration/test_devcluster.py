@@ -1,0 +1,91 @@
+"""The dev cluster itself: GPUs counted, scratch dirs, a 4-node torchrun gloo job, a node killed."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clusterops.slurm import Slurm
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_for(pred, timeout_s=60.0, interval_s=0.3, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_up_is_idempotent_and_status(cluster):
+    before = cluster.daemon_pids()
+    info = cluster.up(cluster.config())
+    assert cluster.daemon_pids() == before           # nothing restarted
+    assert info["running"] and set(info["nodes"].values()) == {"idle"}
+    out = subprocess.run([sys.executable, "-m", "clusterops", "devcluster", "status", "--json",
+                          "--state-dir", str(cluster.state)], capture_output=True, text=True)
+    assert out.returncode == 0
+    data = json.loads(out.stdout)
+    assert data["running"] and data["config"]["nodes"] == 4 and len(data["nodes"]) == 4
+
+
+def test_counted_gpus_and_scratch(cluster):
+    out = subprocess.run(
+        ["srun", "--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=2", "bash", "-c",
+         'echo "$SLURMD_NODENAME $SLURM_GPUS_ON_NODE $CLUSTEROPS_NODE_SCRATCH"'],
+        capture_output=True, text=True, timeout=60, check=True)
+    rows = sorted(line.split() for line in out.stdout.splitlines())
+    assert [r[0] for r in rows] == ["node1", "node2", "node3", "node4"]
+    assert all(r[1] == "2" for r in rows)
+    assert all(r[2] == str(cluster.scratch_dir(r[0])) for r in rows)
+
+
+def test_torchrun_gloo_allreduce_on_4_nodes(cluster, tmp_path):
+    """A real 4-node torchrun (gloo) job through clusterops' Slurm layer; the all-reduce is checked."""
+    from clusterops.demo_job import render_allreduce_job
+
+    out_dir = tmp_path / "ranks"
+    out_dir.mkdir()
+    text = render_allreduce_job(python=sys.executable, out_dir=str(out_dir), nodes=4)
+    slurm = Slurm.from_environment()
+    jid = slurm.submit(text=text, args=[f"--output={tmp_path}/job-%j.out"], workdir=str(tmp_path))
+    job = wait_for(lambda: (j := slurm.job(jid)).category in ("done", "failed") and j, timeout_s=180,
+                   what="torchrun job ends")
+    log = next(tmp_path.glob("job-*.out")).read_text()
+    assert job.category == "done", log
+    results = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+    assert len(results) == 4, log
+    assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
+    assert {r["world_size"] for r in results} == {4}
+    assert {r["hostname"] for r in results} == {"node1", "node2", "node3", "node4"}
+    assert len({(r["master_addr"], r["master_port"]) for r in results}) == 1
+    # sum over ranks of (rank + 1) = 10
+    assert all(r["allreduce"] == 10.0 for r in results)
+
+
+def test_kill_node_is_seen_and_node_comes_back(cluster):
+    slurm = Slurm.from_environment()
+    cluster.kill_node("node4")
+    n = wait_for(lambda: (x := slurm.node("node4")).is_down and x, timeout_s=60, what="node4 down")
+    assert not n.responding
+    cluster.start_node("node4")
+    wait_for(lambda: slurm.node("node4").is_idle, timeout_s=60, what="node4 back (ReturnToService=2)")
+
+
+def test_bad_input_exits_2():
+    for args in (["--nodes", "0"], ["--nodes", "abc"], ["--nodes", "-3"]):
+        out = subprocess.run([sys.executable, "-m", "clusterops", "devcluster", "up", *args,
+                              "--state-dir", "/tmp/clusterops-never-used"], capture_output=True, text=True)
+        assert out.returncode == 2, out
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("Error:") and "--nodes" in lines[0]
+    assert not Path("/tmp/clusterops-never-used").exists()
