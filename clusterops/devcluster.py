@@ -280,6 +280,10 @@ class DevCluster:
         else:
             self.down()  # clear whatever a crashed cluster left
         start = self.clock()
+        busy = [p for p in range(cfg.port_base, cfg.port_base + cfg.nodes + 1) if not self._port_free(p)]
+        if busy:
+            raise DevClusterError(f"ports {busy[:5]} on 127.0.0.1 are in use (another cluster?): "
+                                  f"pick another --port-base")
         self._prepare(cfg)
         env = {MARKER_ENV: str(self.state), "SLURM_CONF": str(self.conf_path)}
         pids: Dict[str, Optional[int]] = {}
@@ -338,6 +342,16 @@ class DevCluster:
         prolog = st / "task_prolog.sh"
         prolog.write_text(TASK_PROLOG.format(marker=MARKER_ENV, scratch=SCRATCH_ENV, state=st))
         prolog.chmod(0o755)
+
+    @staticmethod
+    def _port_free(port: int) -> bool:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
 
     @staticmethod
     def _port_open(port: int) -> bool:

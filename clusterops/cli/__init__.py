@@ -9,6 +9,7 @@ code they carry (see clusterops.errors).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import sys

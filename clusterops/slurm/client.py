@@ -91,6 +91,12 @@ class Slurm:
         return cls(Runner(env=env), **kwargs)
 
     # -- plumbing ---------------------------------------------------------------
+    def _check_config(self) -> None:
+        # Slurm's tools wait up to 60 s for a slurm.conf that is not there; say so at once.
+        conf = self.runner.env.get("SLURM_CONF") or os.environ.get("SLURM_CONF")
+        if conf and not Path(conf).is_file():
+            raise SlurmConfigError(f"SLURM_CONF={conf}: no such file")
+
     def _classify(self, err: CommandError) -> ClusteropsError:
         text = (err.stderr or "").lower()
         if "could not establish a configuration source" in text or "unable to process configuration file" in text:
@@ -101,6 +107,7 @@ class Slurm:
         return SlurmError(str(err))
 
     def _read(self, argv: Sequence[str]) -> str:
+        self._check_config()
         last: Optional[Exception] = None
         for attempt in range(self.read_attempts):
             try:
@@ -121,6 +128,7 @@ class Slurm:
         raise SlurmUnavailable(f"Slurm did not answer after {self.read_attempts} attempts: {last}")
 
     def _write(self, argv: Sequence[str], *, input: Optional[str] = None) -> str:
+        self._check_config()
         try:
             return self.runner.run(argv, timeout_s=self.timeout_s, input=input).stdout
         except CommandNotFound:
