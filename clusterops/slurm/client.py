@@ -81,6 +81,11 @@ class Slurm:
     def from_environment(cls, **kwargs) -> "Slurm":
         """Honour SLURM_CONF; with no system slurm.conf and no SLURM_CONF, use the default
         dev cluster's config if one exists (so `clusterops` just works after `devcluster up`)."""
+        # Site knobs for a slow controller (documented in the README's sysadmin guide).
+        if "CLUSTEROPS_SLURM_TIMEOUT_S" in os.environ:
+            kwargs.setdefault("timeout_s", float(os.environ["CLUSTEROPS_SLURM_TIMEOUT_S"]))
+        if "CLUSTEROPS_SLURM_READ_ATTEMPTS" in os.environ:
+            kwargs.setdefault("read_attempts", int(os.environ["CLUSTEROPS_SLURM_READ_ATTEMPTS"]))
         env = {}
         if not os.environ.get("SLURM_CONF") and not Path("/etc/slurm/slurm.conf").exists():
             from clusterops.devcluster import DEFAULT_STATE_DIR

@@ -1,0 +1,79 @@
+"""The Slurm client's retry policy, with a runner stand-in that fails on cue."""
+
+import pytest
+
+from clusterops.errors import NotFoundError
+from clusterops.runner import CommandError, CommandTimeout, Completed
+from clusterops.slurm import Slurm, SlurmError, SlurmUnavailable
+
+SQUEUE_EMPTY = '{"jobs": []}'
+
+
+class ScriptedRunner:
+    """Answers each call with the next scripted outcome (an exception or stdout)."""
+
+    def __init__(self, outcomes):
+        self.outcomes = list(outcomes)
+        self.calls = []
+        self.env = {}
+
+    def run(self, argv, **kw):
+        self.calls.append(list(argv))
+        out = self.outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return Completed(tuple(argv), 0, out, "", 0.01)
+
+
+def client(outcomes, attempts=3):
+    sleeps = []
+    runner = ScriptedRunner(outcomes)
+    return Slurm(runner, read_attempts=attempts, backoff_s=0.1, sleep=sleeps.append), runner, sleeps
+
+
+def down(argv=("squeue",)):
+    return CommandError(list(argv), 1, "slurm_load_jobs error: Unable to contact slurm controller (connect failure)")
+
+
+def test_reads_retry_with_backoff_then_succeed():
+    s, runner, sleeps = client([down(), CommandTimeout(["squeue"], 5), SQUEUE_EMPTY])
+    assert s.jobs() == []
+    assert len(runner.calls) == 3 and sleeps == [0.1, 0.2]
+
+
+def test_reads_give_up_after_bounded_attempts():
+    s, runner, sleeps = client([down(), down(), down()])
+    with pytest.raises(SlurmUnavailable) as ei:
+        s.jobs()
+    assert "after 3 attempts" in str(ei.value) and "connect failure" in str(ei.value)
+    assert len(runner.calls) == 3
+
+
+def test_not_found_is_not_retried():
+    err = CommandError(["scontrol"], 1, "slurm_load_jobs error: Invalid job id specified")
+    s, runner, _ = client([err])
+    with pytest.raises(NotFoundError):
+        s.job(42)
+    assert len(runner.calls) == 1
+
+
+def test_writes_are_never_retried_blindly(tmp_path):
+    script = tmp_path / "j.sh"
+    script.write_text("#!/bin/bash\ntrue\n")
+    s, runner, _ = client([down(["sbatch"]), "7\n"])
+    with pytest.raises(SlurmError):
+        s.submit(script)
+    assert len(runner.calls) == 1           # one sbatch, no second submission
+    s2, runner2, _ = client([CommandTimeout(["scontrol"], 5)])
+    with pytest.raises(SlurmUnavailable):
+        s2.resume("node1")
+    assert len(runner2.calls) == 1
+
+
+def test_argv_shapes():
+    s, runner, _ = client(["", ""])
+    s.drain("node[1-2],node4", "clusterops: xid: Xid 79, GPU fell off the bus")
+    s.resume(["node3", "node1"])
+    assert runner.calls[0] == ["scontrol", "update", "NodeName=node[1-2,4]", "State=DRAIN",
+                               "Reason=clusterops: xid: Xid 79, GPU fell off the bus"]
+    assert runner.calls[1] == ["scontrol", "update", "NodeName=node[1,3]", "State=RESUME"]
