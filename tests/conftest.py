@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -65,6 +66,7 @@ def devcluster():
         yield dc
     finally:
         dc.down()
+        shutil.rmtree(state, ignore_errors=True)
         if old is None:
             os.environ.pop("SLURM_CONF", None)
         else:

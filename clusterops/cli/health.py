@@ -1,0 +1,182 @@
+"""``clusterops health``: node health checks (thin layer over clusterops.health)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from clusterops.cli.common import echo_json, json_option
+
+profile_option = click.option(
+    "--profile", "profile_name", default="fast", show_default=True, metavar="NAME|PATH",
+    help="Built-in profile (fast, preflight, deep) or a YAML profile file.")
+site_option = click.option(
+    "--site-config", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+    help="Site overrides (profiles, GPU-model figures). Default: $CLUSTEROPS_HEALTH_SITE.")
+
+
+@click.group()
+def health() -> None:
+    """Node health probes and checks.
+
+    \b
+    Profiles: fast (NVML, XID, host; for HealthCheckProgram), preflight (fast +
+    torch-distributed test + quick matmul), deep (everything, DCGM, bandwidth sweep).
+    """
+
+
+@health.command()
+@profile_option
+@site_option
+@json_option
+@click.option("--prometheus", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Also write a Prometheus textfile (node_exporter textfile collector), atomically.")
+@click.option("--drain-on-fail", is_flag=True,
+              help="Drain this node in Slurm with reason 'clusterops: <probe>: <detail>' when unhealthy; "
+                   "resume it when healthy again, only if clusterops drained it.")
+@click.option("--node", default=None, help="This node's Slurm name (default: $SLURMD_NODENAME, else short hostname).")
+@click.option("--drain-timeout-s", type=float, default=20.0, show_default=True,
+              help="Upper bound on the Slurm calls of --drain-on-fail.")
+def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, drain_timeout_s):
+    """Run a health profile on this node.
+
+    \b
+    Exit codes: 0 healthy (warnings allowed); 1 unhealthy (a probe failed or
+    hung); 2 bad usage or profile.
+    """
+    from clusterops.health import load_profile, prometheus_text, run_check, self_drain, write_atomic, format_table
+    from clusterops.probes.base import ProbeContext, node_name
+
+    profile = load_profile(profile_name, site_config)  # InputError -> exit 2
+    ctx = ProbeContext(node=node or node_name())
+    run = run_check(profile, ctx)
+    report = run.report
+    if drain_on_fail:
+        report["slurm"] = self_drain(report, ctx.node, timeout_s=drain_timeout_s)
+    if prometheus:
+        try:
+            write_atomic(prometheus, prometheus_text(report))
+        except OSError as e:
+            from clusterops.errors import ClusteropsError
+
+            raise ClusteropsError(f"--prometheus {prometheus}: cannot write: {e.strerror}") from None
+    if as_json:
+        echo_json(report)
+    else:
+        click.echo(format_table(report))
+        if drain_on_fail:
+            s = report["slurm"]
+            click.echo(f"slurm: {s['action']} ({s['why']})")
+    code = report["exit_code"]
+    if run.outcome.hung:
+        # A probe thread is stuck (maybe in the kernel): do not wait for it at exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+@health.command()
+@click.argument("name", required=False)
+@site_option
+@json_option
+def profiles(name, site_config, as_json):
+    """List the profiles, or show one profile's resolved values (with site overrides)."""
+    from clusterops.health import builtin_profiles, load_profile
+
+    names = [name] if name else builtin_profiles()
+    resolved = [load_profile(n, site_config) for n in names]
+    if as_json:
+        echo_json([p.to_dict() for p in resolved] if not name else resolved[0].to_dict())
+        return 0
+    import yaml
+
+    for p in resolved:
+        if not name:
+            click.echo(f"{p.name:<10} {p.description}  ({len(p.probes)} probes: {', '.join(p.probes)})")
+            continue
+        click.echo(yaml.safe_dump(p.to_dict(), sort_keys=False, default_flow_style=None).rstrip())
+    return 0
+
+
+@health.command()
+@click.option("--result-dir", type=click.Path(file_okay=False), default=None,
+              help="Directory shared by all ranks for their results "
+                   "(default: $SLURM_SUBMIT_DIR/.clusterops-dist/<job>.<step>).")
+@click.option("--timeout-s", type=float, default=60.0, show_default=True, help="Each rank's deadline.")
+@click.option("--backend", type=click.Choice(["auto", "nccl", "gloo"]), default="auto", show_default=True)
+@click.option("--size", "sizes", multiple=True, metavar="BYTES",
+              help="All-reduce bandwidth payload (repeatable; K/M/G suffixes). None: no bandwidth test.")
+@click.option("--warmup", type=int, default=5, show_default=True)
+@click.option("--iters", type=int, default=20, show_default=True)
+@click.option("--min-busbw-gbps", type=float, default=None, help="Fail below this busbw (GB/s).")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
+              help="Rank 0 also writes the JSON report here.")
+def dist(result_dir, timeout_s, backend, sizes, warmup, iters, min_busbw_gbps, report_path):
+    """torch-distributed test + all-reduce bandwidth, one task per node (or per GPU).
+
+    \b
+    Run under srun or torchrun, e.g.:
+      srun --ntasks-per-node=1 clusterops health dist --size 256M
+    Every rank checks init, all-reduce == world size and a barrier under a deadline;
+    rank 0 prints the JSON report naming any rank/host that failed or did not answer.
+    Exit 0 pass, 1 fail (rank 0 speaks for the whole test).
+    """
+    from clusterops.errors import InputError
+    from clusterops.probes.dist import DistOptions, run_rank
+
+    env = dict(os.environ)
+    if not result_dir:
+        job = env.get("SLURM_JOB_ID", "nojob")
+        step = env.get("SLURM_STEP_ID", "0")
+        base = env.get("SLURM_SUBMIT_DIR") or os.getcwd()
+        result_dir = os.path.join(base, ".clusterops-dist", f"{job}.{step}")
+    parsed = []
+    for s in sizes:
+        try:
+            parsed.append(_parse_size(s))
+        except ValueError:
+            raise InputError(f"--size: {s!r} is not a byte count (e.g. 1048576, 64M, 1G)") from None
+    return run_rank(DistOptions(result_dir=result_dir, timeout_s=timeout_s, backend=backend, sizes_bytes=parsed,
+                                warmup=warmup, iters=iters, min_busbw_gbps=min_busbw_gbps,
+                                report_path=report_path, env=env))
+
+
+def _parse_size(text: str) -> int:
+    t = text.strip().upper().rstrip("B")
+    mult = 1
+    if t and t[-1] in "KMG":
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[t[-1]]
+        t = t[:-1]
+    n = int(float(t) * mult)
+    if n <= 0:
+        raise ValueError(text)
+    return n
+
+
+@health.command("xid-ack")
+@click.option("--state-file", type=click.Path(dir_okay=False), default=None,
+              help="XID state file (default: the one the xid probe uses for this node).")
+@click.option("--node", default=None)
+def xid_ack(state_file, node):
+    """Acknowledge open Xid failures after the GPU was reset (a reboot clears them by itself)."""
+    from pathlib import Path
+
+    from clusterops.probes.base import ProbeContext, node_name
+    from clusterops.probes.xid import ack, default_state_file
+
+    path = Path(state_file) if state_file else default_state_file(ProbeContext(node=node or node_name()))
+    n = ack(path)
+    click.echo(f"{n} open Xid event(s) acknowledged in {path}")
+    return 0
+
+
+# The sweep helper's history command lives in its own module when installed.
+try:
+    from clusterops.cli.history import history  # noqa: E402
+
+    health.add_command(history)
+except ImportError:
+    pass

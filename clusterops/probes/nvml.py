@@ -1,0 +1,413 @@
+"""NVML probe (nvidia-ml-py, ``import pynvml``): one result per rule, folded over the GPUs.
+
+Rules (per GPU unless said): GPU count against the profile; uncorrectable ECC
+(volatile -> fail, aggregate -> warn); remapped rows pending / remap failure (Ampere and
+later) or retired pages pending (earlier GPUs); uncorrectable SRAM errors; temperature;
+clock-event reasons (HW slowdown, HW thermal, power brake -> fail; SW thermal -> warn);
+PCIe link width against the maximum (fail), generation against the maximum only while the
+GPU is busy (the link drops to a low generation at idle to save power); NVLink links
+inactive and error counters; persistence mode; driver version against the profile;
+compute processes left over from a previous job.
+
+The pynvml module is passed in through ``ctx.nvml`` (tests use the stand-in in
+``clusterops.probes.nvml_standin``) or imported here, lazily.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from clusterops.probes.base import ProbeContext, ProbeResult, worst
+
+# NVML return codes (nvml.h); used through err.value so any pynvml-like module works.
+ERR_INVALID_ARGUMENT = 2
+ERR_NOT_SUPPORTED = 3
+ERR_DRIVER_NOT_LOADED = 9
+ERR_LIBRARY_NOT_FOUND = 12
+ERR_FUNCTION_NOT_FOUND = 13
+ERR_GPU_IS_LOST = 15
+
+# Clock-event ("throttle") reason bits (nvml.h nvmlClocksEventReason*).
+REASON_GPU_IDLE = 0x1
+REASON_SW_POWER_CAP = 0x4
+REASON_HW_SLOWDOWN = 0x8
+REASON_SW_THERMAL = 0x20
+REASON_HW_THERMAL = 0x40
+REASON_HW_POWER_BRAKE = 0x80
+
+MEMORY_ERROR_UNCORRECTED = 1
+VOLATILE_ECC = 0
+AGGREGATE_ECC = 1
+MEMORY_LOCATION_SRAM = 7
+TEMPERATURE_GPU = 0
+NVLINK_MAX_LINKS = 18
+NVLINK_ERRORS = {"replay": 0, "recovery": 1, "crc_flit": 2, "crc_data": 3}
+
+NOT_SUPPORTED = object()  # a sentinel: the GPU or driver does not offer this reading
+
+
+class GpuLost(Exception):
+    pass
+
+
+def load_nvml(ctx: ProbeContext):
+    """The pynvml-like module to use: injected, the recorded stand-in, or the real one."""
+    if ctx.nvml is not None:
+        return ctx.nvml
+    standin = ctx.env.get("CLUSTEROPS_NVML_STANDIN")
+    if standin:
+        from clusterops.probes.nvml_standin import load
+
+        return load(standin)
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None
+    return pynvml
+
+
+def _code(err: BaseException) -> Optional[int]:
+    return getattr(err, "value", None)
+
+
+def _call(nv, fn_name: str, *args):
+    """Call nv.fn_name; NOT_SUPPORTED when the GPU/driver lacks it; GpuLost when the GPU is gone."""
+    fn = getattr(nv, fn_name, None)
+    if fn is None:
+        return NOT_SUPPORTED
+    try:
+        return fn(*args)
+    except nv.NVMLError as e:
+        code = _code(e)
+        if code in (ERR_NOT_SUPPORTED, ERR_FUNCTION_NOT_FOUND, ERR_INVALID_ARGUMENT):
+            return NOT_SUPPORTED
+        if code == ERR_GPU_IS_LOST:
+            raise GpuLost(str(e)) from None
+        raise
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def version_tuple(v: str) -> Tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", str(v)))
+
+
+def match_model(name: str, gpu_models: Dict[str, Dict[str, Any]]) -> Optional[str]:
+    """GPU marketing name (``NVIDIA H100 80GB HBM3``) -> model key of the profile's gpu_models."""
+    for key, spec in gpu_models.items():
+        for pat in spec.get("match", [key]):
+            if re.search(pat, name, re.I):
+                return key
+    return None
+
+
+# -- per-GPU readings ------------------------------------------------------------------
+
+def read_gpu(nv, index: int) -> Dict[str, Any]:
+    """Every reading the rules need, for one GPU. NOT_SUPPORTED where the GPU lacks it."""
+    h = nv.nvmlDeviceGetHandleByIndex(index)
+    g: Dict[str, Any] = {"index": index}
+    g["name"] = _text(_call(nv, "nvmlDeviceGetName", h))
+    pci = _call(nv, "nvmlDeviceGetPciInfo", h)
+    g["pci_bus_id"] = _text(getattr(pci, "busId", "")) if pci is not NOT_SUPPORTED else ""
+    g["ecc_volatile"] = _call(nv, "nvmlDeviceGetTotalEccErrors", h, MEMORY_ERROR_UNCORRECTED, VOLATILE_ECC)
+    g["ecc_aggregate"] = _call(nv, "nvmlDeviceGetTotalEccErrors", h, MEMORY_ERROR_UNCORRECTED, AGGREGATE_ECC)
+    g["remapped_rows"] = _call(nv, "nvmlDeviceGetRemappedRows", h)
+    if g["remapped_rows"] is NOT_SUPPORTED:
+        g["retired_pages_pending"] = _call(nv, "nvmlDeviceGetRetiredPagesPendingStatus", h)
+    g["sram_uncorrected"] = _call(nv, "nvmlDeviceGetMemoryErrorCounter", h, MEMORY_ERROR_UNCORRECTED,
+                                  VOLATILE_ECC, MEMORY_LOCATION_SRAM)
+    g["temperature_c"] = _call(nv, "nvmlDeviceGetTemperature", h, TEMPERATURE_GPU)
+    reasons = _call(nv, "nvmlDeviceGetCurrentClocksEventReasons", h)
+    if reasons is NOT_SUPPORTED:  # drivers before 535 only know the old name
+        reasons = _call(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", h)
+    g["clock_event_reasons"] = reasons
+    g["pcie_width"] = _call(nv, "nvmlDeviceGetCurrPcieLinkWidth", h)
+    g["pcie_max_width"] = _call(nv, "nvmlDeviceGetMaxPcieLinkWidth", h)
+    g["pcie_gen"] = _call(nv, "nvmlDeviceGetCurrPcieLinkGeneration", h)
+    g["pcie_max_gen"] = _call(nv, "nvmlDeviceGetMaxPcieLinkGeneration", h)
+    util = _call(nv, "nvmlDeviceGetUtilizationRates", h)
+    g["utilization_pct"] = getattr(util, "gpu", None) if util is not NOT_SUPPORTED else None
+    links: Dict[int, Any] = {}
+    for link in range(NVLINK_MAX_LINKS):
+        state = _call(nv, "nvmlDeviceGetNvLinkState", h, link)
+        if state is NOT_SUPPORTED:
+            continue  # no such link on this GPU
+        errs = {}
+        for ename, ecode in NVLINK_ERRORS.items():
+            v = _call(nv, "nvmlDeviceGetNvLinkErrorCounter", h, link, ecode)
+            if v is not NOT_SUPPORTED:
+                errs[ename] = int(v)
+        links[link] = {"active": bool(state), "errors": errs}
+    g["nvlink"] = links
+    g["persistence"] = _call(nv, "nvmlDeviceGetPersistenceMode", h)
+    procs = _call(nv, "nvmlDeviceGetComputeRunningProcesses", h)
+    g["processes"] = [] if procs is NOT_SUPPORTED else [
+        {"pid": int(p.pid), "used_mib": (int(p.usedGpuMemory) // (1 << 20)) if p.usedGpuMemory else None}
+        for p in procs]
+    return g
+
+
+# -- rules: each takes (gpu readings, cfg) -> (status, message or "", value) -----------------
+
+Rule = Callable[[Dict[str, Any], Dict[str, Any]], Tuple[str, str, Any]]
+
+
+def rule_ecc(g, cfg):
+    vol, agg = g["ecc_volatile"], g["ecc_aggregate"]
+    if vol is NOT_SUPPORTED and agg is NOT_SUPPORTED:
+        return "skip", "", None
+    if vol is not NOT_SUPPORTED and vol > int(cfg.get("ecc_volatile_max", 0)):
+        return "fail", f"{vol} uncorrectable ECC errors since driver load: reset the GPU; RMA if they recur", vol
+    if agg is not NOT_SUPPORTED and agg > int(cfg.get("ecc_aggregate_max", 0)):
+        return "warn", f"{agg} uncorrectable ECC errors in its lifetime: watch it, RMA if the count grows", agg
+    return "pass", "", 0 if vol is NOT_SUPPORTED else vol
+
+
+def rule_row_remap(g, cfg):
+    rr = g["remapped_rows"]
+    if rr is NOT_SUPPORTED:
+        pend = g.get("retired_pages_pending", NOT_SUPPORTED)
+        if pend is NOT_SUPPORTED:
+            return "skip", "", None
+        if int(pend) == 1:
+            return "fail", "retired pages pending: reboot (or reset the GPU) to retire them", 1
+        return "pass", "", 0
+    corr, unc, pending, failure = (int(x) for x in rr)
+    if failure:
+        return "fail", f"row remapping failed ({unc} rows remapped for uncorrectable errors): RMA the GPU", unc
+    if pending:
+        return "fail", "row remap pending: reset the GPU (or reboot) to apply it", unc
+    return "pass", "", corr + unc
+
+
+def rule_sram(g, cfg):
+    v = g["sram_uncorrected"]
+    if v is NOT_SUPPORTED:
+        return "skip", "", None
+    if v > int(cfg.get("sram_uncorrected_max", 0)):
+        return "fail", f"{v} uncorrectable SRAM errors: reset the GPU; RMA if they recur", v
+    return "pass", "", v
+
+
+def rule_temperature(g, cfg):
+    t = g["temperature_c"]
+    if t is NOT_SUPPORTED:
+        return "skip", "", None
+    if t >= float(cfg.get("temperature_fail_c", 95)):
+        return "fail", f"{t} C: check cooling (fans, airflow, inlet temperature)", t
+    if t >= float(cfg.get("temperature_warn_c", 85)):
+        return "warn", f"{t} C is running hot: check cooling", t
+    return "pass", "", t
+
+
+def rule_clocks(g, cfg):
+    r = g["clock_event_reasons"]
+    if r is NOT_SUPPORTED:
+        return "skip", "", None
+    r = int(r)
+    hard = []
+    if r & REASON_HW_THERMAL:
+        hard.append("HW thermal slowdown")
+    if r & REASON_HW_POWER_BRAKE:
+        hard.append("HW power brake")
+    if r & REASON_HW_SLOWDOWN and not hard:
+        hard.append("HW slowdown")
+    if hard:
+        return "fail", f"clocks held down by {', '.join(hard)}: check cooling and power supply/PSU", hex(r)
+    if r & REASON_SW_THERMAL:
+        return "warn", "SW thermal slowdown: the GPU is near its temperature limit, check cooling", hex(r)
+    return "pass", "", hex(r)
+
+
+def rule_pcie(g, cfg):
+    w, mw, gen, mg = g["pcie_width"], g["pcie_max_width"], g["pcie_gen"], g["pcie_max_gen"]
+    if NOT_SUPPORTED in (w, mw):
+        return "skip", "", None
+    if w < mw:
+        return "fail", f"PCIe link x{w} < x{mw}: reseat the GPU/riser or check the slot", f"x{w}"
+    busy = g.get("utilization_pct")
+    min_busy = float(cfg.get("pcie_gen_busy_pct", 50))
+    if gen is not NOT_SUPPORTED and mg is not NOT_SUPPORTED and gen < mg:
+        if busy is not None and busy >= min_busy:
+            return "fail", (f"PCIe gen{gen} < gen{mg} while {busy}% busy: reseat the GPU or check "
+                            "the slot/BIOS link speed"), f"gen{gen} x{w}"
+        # Idle GPUs drop the link generation to save power: not a fault by itself.
+        return "pass", "", f"gen{gen} x{w} (idle)"
+    return "pass", "", f"gen{gen} x{w}"
+
+
+def rule_nvlink(g, cfg):
+    links = g["nvlink"]
+    expected = cfg.get("nvlink_links")  # resolved per GPU model; None = as many as the GPU has
+    if not links:
+        if expected:
+            return "fail", f"no NVLink links reported, expected {expected}: check the NVSwitch/fabric manager", 0
+        return "skip", "", None
+    inactive = [l for l, v in links.items() if not v["active"]]
+    active = len(links) - len(inactive)
+    if inactive:
+        return "fail", (f"NVLink links {','.join(map(str, inactive))} inactive: reset the GPU; "
+                        "check fabric manager / RMA if it persists"), active
+    if expected and active < int(expected):
+        return "fail", f"{active} NVLink links < {expected}: check fabric manager, RMA if it persists", active
+    totals = {k: sum(v["errors"].get(k, 0) for v in links.values()) for k in NVLINK_ERRORS}
+    if totals["recovery"] > int(cfg.get("nvlink_recovery_max", 0)):
+        return "fail", f"{totals['recovery']} NVLink recovery errors: reset the GPU; RMA if they recur", active
+    noisy = totals["replay"] + totals["crc_flit"] + totals["crc_data"]
+    if noisy > int(cfg.get("nvlink_crc_replay_max", 1000)):
+        return "warn", f"{noisy} NVLink CRC/replay errors: a marginal link, watch it", active
+    return "pass", "", active
+
+
+def rule_persistence(g, cfg):
+    p = g["persistence"]
+    if p is NOT_SUPPORTED:
+        return "skip", "", None
+    if int(p) != 1:
+        level = "fail" if cfg.get("persistence_required") else "warn"
+        return level, "persistence mode off: start nvidia-persistenced (or nvidia-smi -pm 1)", "off"
+    return "pass", "", "on"
+
+
+def rule_processes(g, cfg):
+    ignore = set(cfg.get("_ignore_pids", ()))
+    left = [p for p in g["processes"] if p["pid"] not in ignore]
+    if left:
+        pids = " ".join(str(p["pid"]) for p in left)
+        level = cfg.get("leftover_process_status", "fail")
+        return level, f"compute processes still on the GPU (pids {pids}), left from an earlier job?: kill them", len(left)
+    return "pass", "", 0
+
+
+RULES: List[Tuple[str, Rule, str]] = [
+    ("nvml.ecc", rule_ecc, "errors"),
+    ("nvml.row_remap", rule_row_remap, "rows"),
+    ("nvml.sram", rule_sram, "errors"),
+    ("nvml.temperature", rule_temperature, "C"),
+    ("nvml.clocks", rule_clocks, ""),
+    ("nvml.pcie", rule_pcie, ""),
+    ("nvml.nvlink", rule_nvlink, "links"),
+    ("nvml.persistence", rule_persistence, ""),
+    ("nvml.processes", rule_processes, "processes"),
+]
+
+_THRESHOLDS = {
+    "nvml.ecc": lambda c: {"volatile_max": c.get("ecc_volatile_max", 0), "aggregate_max": c.get("ecc_aggregate_max", 0)},
+    "nvml.sram": lambda c: c.get("sram_uncorrected_max", 0),
+    "nvml.temperature": lambda c: {"warn_c": c.get("temperature_warn_c", 85), "fail_c": c.get("temperature_fail_c", 95)},
+    "nvml.row_remap": lambda c: "no pending, no failure",
+    "nvml.clocks": lambda c: "no HW slowdown/thermal/power brake",
+    "nvml.pcie": lambda c: "width and (when busy) gen at max",
+    "nvml.nvlink": lambda c: {"links": c.get("nvlink_links"), "recovery_max": c.get("nvlink_recovery_max", 0)},
+    "nvml.persistence": lambda c: "on",
+    "nvml.processes": lambda c: 0,
+}
+
+
+def _fold(rule_name: str, unit: str, per_gpu: List[Tuple[Dict[str, Any], str, str, Any]],
+          cfg: Dict[str, Any]) -> ProbeResult:
+    statuses = [s for _, s, _, _ in per_gpu]
+    status = worst(statuses) if statuses else "skip"
+    bad = [(g, m) for g, s, m, _ in per_gpu if s in ("fail", "warn", "error") and m]
+    data = {f"gpu{g['index']}": {"status": s, "value": v} for g, s, _, v in per_gpu}
+    numeric = [v for _, s, _, v in per_gpu if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if rule_name == "nvml.nvlink":
+        value = min(numeric) if numeric else None
+    else:
+        value = max(numeric) if numeric else None
+    if bad:
+        detail = "; ".join(f"GPU{g['index']} ({g['pci_bus_id'] or g['name']}): {m}" for g, m in bad[:4])
+        if len(bad) > 4:
+            detail += f"; and {len(bad) - 4} more GPUs"
+    elif status == "skip":
+        detail = "not supported on these GPUs"
+    else:
+        detail = f"{len(per_gpu)} GPUs ok"
+    return ProbeResult(rule_name, status, value=value, unit=unit, threshold=_THRESHOLDS[rule_name](cfg),
+                       detail=detail, data=data)
+
+
+def probe_nvml(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
+    required = bool(cfg.get("required", ctx.gpus_required))
+    nv = load_nvml(ctx)
+    if nv is None:
+        return [ProbeResult("nvml", "fail" if required else "skip",
+                            detail=("pynvml not installed: pip install nvidia-ml-py" if required
+                                    else "pynvml not installed; no GPUs checked"))]
+    try:
+        nv.nvmlInit()
+    except nv.NVMLError as e:
+        if _code(e) in (ERR_LIBRARY_NOT_FOUND, ERR_DRIVER_NOT_LOADED) and not required:
+            return [ProbeResult("nvml", "skip", detail="no NVIDIA driver on this node; GPU probes skipped")]
+        return [ProbeResult("nvml", "fail", detail=f"NVML init failed ({e}): check the NVIDIA driver "
+                                                   "(nvidia-smi, dmesg); reboot if it is wedged")]
+    try:
+        return _probe(nv, cfg, ctx)
+    finally:
+        try:
+            nv.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _probe(nv, cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
+    results: List[ProbeResult] = []
+    count = int(nv.nvmlDeviceGetCount())
+    ctx.cache["gpu_count"] = count  # the local dist test runs one rank per GPU
+    want = cfg.get("gpu_count")
+    if want is None and (cfg.get("required", ctx.gpus_required)) and count == 0:
+        want = 1
+    if want is not None and count != int(want):
+        results.append(ProbeResult("nvml.gpu_count", "fail", value=count, unit="GPUs", threshold=int(want),
+                                   detail=f"{count} GPUs visible, expected {want}: a GPU fell off the bus "
+                                          "or is missing; check dmesg for Xid 79, reboot, RMA if it stays"))
+    else:
+        results.append(ProbeResult("nvml.gpu_count", "pass", value=count, unit="GPUs", threshold=want,
+                                   detail=f"{count} GPUs visible"))
+    # Driver version against the profile.
+    drv = _text(_call(nv, "nvmlSystemGetDriverVersion"))
+    dcfg = cfg.get("driver") or {}
+    problems = []
+    if dcfg.get("min") and version_tuple(drv) < version_tuple(dcfg["min"]):
+        problems.append(f"driver {drv} older than {dcfg['min']}")
+    if dcfg.get("exact") and version_tuple(drv) != version_tuple(dcfg["exact"]):
+        problems.append(f"driver {drv} is not the fleet's {dcfg['exact']}")
+    results.append(ProbeResult("nvml.driver", "fail" if problems else "pass", value=drv,
+                               threshold={k: v for k, v in dcfg.items() if v} or None,
+                               detail=("; ".join(problems) + ": install the site's driver version") if problems
+                               else f"driver {drv}"))
+    if count == 0:
+        return results
+
+    ignore = {os.getpid()}
+    gpus: List[Dict[str, Any]] = []
+    lost: List[Tuple[int, str]] = []
+    for i in range(count):
+        try:
+            gpus.append(read_gpu(nv, i))
+        except GpuLost as e:
+            lost.append((i, str(e)))
+    if lost:
+        results.append(ProbeResult("nvml.gpu_lost", "fail", value=len(lost), unit="GPUs", threshold=0,
+                                   detail="; ".join(f"GPU{i}: {m}" for i, m in lost) +
+                                          ": the GPU fell off the bus; reboot the node, RMA if it recurs"))
+    # Per-model expectations (NVLink link count) resolved from the profile's gpu_models.
+    models = {g["index"]: match_model(g["name"], ctx.gpu_models) for g in gpus}
+    for name, rule, unit in RULES:
+        per_gpu = []
+        for g in gpus:
+            c = dict(cfg, _ignore_pids=ignore)
+            if name == "nvml.nvlink" and c.get("nvlink_links") is None:
+                m = models.get(g["index"])
+                c["nvlink_links"] = (ctx.gpu_models.get(m) or {}).get("nvlink_links") if m else None
+            status, msg, value = rule(g, c)
+            per_gpu.append((g, status, msg, value))
+        results.append(_fold(name, unit, per_gpu, cfg))
+    results[0].data = {"gpus": [{"index": g["index"], "name": g["name"], "pci_bus_id": g["pci_bus_id"],
+                                 "model": models.get(g["index"])} for g in gpus]}
+    return results

@@ -1,0 +1,189 @@
+"""A stand-in for the pynvml module, fed with recorded values (tests, demos, the dev cluster).
+
+It has the same function names as nvidia-ml-py and raises the real pynvml exception
+classes (``NVMLError_NotSupported`` ...), so the NVML probe runs unchanged against it.
+Values come from a JSON document (see tests/fixtures/nvml/):
+
+    {"driver_version": "550.54.15",
+     "count": 8,                       # optional, defaults to len(gpus) after expansion
+     "template": { ...one GPU... },    # optional, copied for every GPU
+     "gpus": [ {...}, ... ] | {"3": {...overrides for GPU 3...}}}
+
+A GPU value of ``"not_supported"`` raises NVMLError_NotSupported, ``"gpu_lost"`` raises
+NVMLError_GpuIsLost, and ``"hang"`` blocks forever (a wedged driver call).
+Set ``CLUSTEROPS_NVML_STANDIN=<file.json>`` to make the NVML probe use it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from types import SimpleNamespace
+from typing import Any, Dict, List
+
+try:  # the real error classes and constants, when nvidia-ml-py is installed
+    import pynvml as _real
+except ImportError:  # pragma: no cover - the gpu extra is a test dependency
+    _real = None
+
+
+class _NVMLError(Exception):
+    """Used only when nvidia-ml-py is missing: mirrors pynvml.NVMLError(value)."""
+
+    def __init__(self, value):
+        super().__init__(value)
+        self.value = value
+
+
+_CODES = {"not_supported": 3, "gpu_lost": 15, "driver_not_loaded": 9, "library_not_found": 12,
+          "unknown": 999}
+
+
+def _error(kind: str) -> Exception:
+    code = _CODES[kind]
+    if _real is not None:
+        return _real.NVMLError(code)  # pynvml maps the code to its subclass
+    return _NVMLError(code)
+
+
+def _merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def expand(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """Resolve template/overrides into a plain list of GPUs."""
+    doc = copy.deepcopy(doc)
+    gpus = doc.get("gpus", [])
+    template = doc.get("template")
+    if isinstance(gpus, dict) or template is not None:
+        n = int(doc.get("count", len(gpus) if isinstance(gpus, list) else 0))
+        overrides = gpus if isinstance(gpus, dict) else {str(i): g for i, g in enumerate(gpus)}
+        gpus = [_merge(template or {}, overrides.get(str(i), {})) for i in range(n)]
+    doc["gpus"] = gpus
+    return doc
+
+
+class StandinNVML:
+    """pynvml-shaped object over recorded values."""
+
+    def __init__(self, doc: Dict[str, Any]):
+        self.doc = expand(doc)
+        self.gpus: List[Dict[str, Any]] = self.doc["gpus"]
+        self.NVMLError = _real.NVMLError if _real is not None else _NVMLError
+        self.calls: List[str] = []
+
+    def __getattr__(self, name):  # constants such as NVML_TEMPERATURE_GPU
+        if _real is not None and name.startswith(("NVML_", "nvmlClocks")):
+            return getattr(_real, name)
+        raise AttributeError(name)
+
+    # -- helpers ------------------------------------------------------------------
+    def _v(self, value):
+        if isinstance(value, str) and value in _CODES:
+            raise _error(value)
+        if value == "hang":
+            threading.Event().wait()  # never returns: a wedged driver call
+        return value
+
+    def _g(self, h, key, default="not_supported"):
+        self.calls.append(key)
+        return self._v(self.gpus[h].get(key, default))
+
+    # -- library ------------------------------------------------------------------
+    def nvmlInit(self):
+        self._v(self.doc.get("init", None))
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlSystemGetDriverVersion(self):
+        return self._v(self.doc.get("driver_version", "550.54.15"))
+
+    def nvmlDeviceGetCount(self):
+        return self._v(self.doc.get("count_visible", len(self.gpus)))
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        if i >= len(self.gpus):
+            raise _error("unknown")
+        self._v(self.gpus[i].get("handle", None))
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return self._g(h, "name", "NVIDIA H100 80GB HBM3")
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return SimpleNamespace(busId=self._g(h, "pci_bus_id", f"00000000:{h:02x}:00.0"))
+
+    def nvmlDeviceGetTotalEccErrors(self, h, error_type, counter_type):
+        ecc = self._g(h, "ecc", {})
+        return self._v(ecc.get("volatile" if counter_type == 0 else "aggregate", "not_supported"))
+
+    def nvmlDeviceGetRemappedRows(self, h):
+        return tuple(self._g(h, "remapped_rows"))
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
+        return self._g(h, "retired_pages_pending")
+
+    def nvmlDeviceGetMemoryErrorCounter(self, h, error_type, counter_type, location):
+        return self._g(h, "sram_uncorrected")
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        return self._g(h, "temperature_c")
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return self._g(h, "clock_event_reasons")
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
+        return self._g(h, "clock_event_reasons")
+
+    def _pcie(self, h, key):
+        return self._v(self._g(h, "pcie", {}).get(key, "not_supported"))
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
+        return self._pcie(h, "width")
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h):
+        return self._pcie(h, "max_width")
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
+        return self._pcie(h, "gen")
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h):
+        return self._pcie(h, "max_gen")
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=self._g(h, "utilization_pct", 0), memory=0)
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        nvl = self._g(h, "nvlink", {})
+        n = nvl.get("links", 0)
+        if link >= n:
+            raise _error("not_supported")
+        return 0 if link in nvl.get("inactive", []) else 1
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, h, link, counter):
+        nvl = self._g(h, "nvlink", {})
+        errs = nvl.get("errors", {})
+        if errs == "not_supported":
+            raise _error("not_supported")
+        name = {0: "replay", 1: "recovery", 2: "crc_flit", 3: "crc_data"}[counter]
+        return int(errs.get(str(link), {}).get(name, 0))
+
+    def nvmlDeviceGetPersistenceMode(self, h):
+        return self._g(h, "persistence", 1)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        procs = self._g(h, "processes", [])
+        return [SimpleNamespace(pid=p["pid"], usedGpuMemory=p.get("used_bytes")) for p in procs]
+
+
+def load(path: str) -> StandinNVML:
+    with open(path) as f:
+        return StandinNVML(json.load(f))
