@@ -1,0 +1,125 @@
+"""``clusterops launch``: render and submit sbatch scripts from a YAML job spec."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from clusterops.cli.common import echo_json, json_option
+
+set_option = click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+    help="Override a spec key (value parsed as YAML; dotted keys reach nested ones, "
+         "e.g. supervise.spare_nodes=1). Repeatable.")
+templates_option = click.option(
+    "--templates", "template_dirs", multiple=True, metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="Site templates directory searched before $CLUSTEROPS_TEMPLATES and the built-in "
+         "templates. Repeatable.")
+
+
+@click.group()
+def launch() -> None:
+    """Render and submit sbatch scripts from a YAML job spec.
+
+    \b
+    A job spec names the launcher (torchrun, accelerate, deepspeed or srun), the
+    script, its arguments and the Slurm resources; see docs/launch.md for every key.
+
+    \b
+    Exit codes:
+      0  ok
+      1  Slurm refused the job or failed (the script is not left behind)
+      2  bad spec, flag or template: one line naming the file, line and key;
+         nothing is written or submitted
+    """
+
+
+@launch.command()
+@click.argument("spec", type=click.Path(dir_okay=True))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
+              help="Write the script to this file (default: standard output).")
+@set_option
+@templates_option
+def render(spec: str, output: str | None, overrides, template_dirs) -> None:
+    """Print (or write) the sbatch script for SPEC. Submits nothing."""
+    from clusterops import launch as lib
+    from clusterops.errors import InputError
+
+    job = lib.load_spec(spec, overrides, template_dirs)
+    text = lib.render(job, template_dirs)
+    if output:
+        try:
+            with open(output, "w") as f:
+                f.write(text)
+            os.chmod(output, 0o755)
+        except OSError as e:
+            raise InputError(f"-o {output}: cannot write: {e.strerror or e}") from None
+    else:
+        click.echo(text, nl=False)
+
+
+@launch.command()
+@click.argument("spec", type=click.Path(dir_okay=True))
+@set_option
+@templates_option
+@click.option("--dry-run", is_flag=True, help="Render and show what would be submitted; write and submit nothing.")
+@json_option
+def submit(spec: str, overrides, template_dirs, dry_run: bool, as_json: bool) -> None:
+    """Render SPEC, write the script into its log_dir and submit it (prints the job id).
+
+    With --json: {"job_id", "script_path", "sbatch", "dry_run"} (and "script" on a dry run).
+    """
+    from clusterops import launch as lib
+
+    job = lib.load_spec(spec, overrides, template_dirs)
+    slurm = None
+    if not dry_run:
+        from clusterops.cli.common import slurm_client
+
+        slurm = slurm_client()
+    result = lib.submit(job, slurm, dry_run=dry_run, template_dirs=template_dirs)
+    if as_json:
+        data = result.to_dict()
+        if dry_run:
+            data["script"] = result.script
+        echo_json(data)
+    elif dry_run:
+        click.echo(result.script, nl=False)
+        click.echo(f"# dry run: would write the script into {job.log_dir} and run sbatch --parsable on it",
+                   err=True)
+    else:
+        click.echo(result.job_id)
+        click.echo(f"script: {result.script_path}", err=True)
+
+
+@launch.command()
+@templates_option
+@json_option
+def templates(template_dirs, as_json: bool) -> None:
+    """List the available templates, where each comes from and what it shadows."""
+    from clusterops import launch as lib
+
+    found = lib.list_templates(template_dirs)
+    if as_json:
+        echo_json({"search_path": [{"dir": str(d), "origin": o}
+                                   for d, o in lib.template_search_path(template_dirs)],
+                   "templates": found})
+        return
+    click.echo("Search path (first match wins):")
+    for d, origin in lib.template_search_path(template_dirs):
+        click.echo(f"  {d}  ({origin})")
+    click.echo("Templates:")
+    width = max((len(t["name"]) for t in found), default=4)
+    for t in found:
+        kind = "launcher" if t["launcher"] else "base"
+        line = f"  {t['name']:<{width}}  {kind:<8}  {t['path']}  ({t['origin']})"
+        if t["shadows"]:
+            line += f"  shadows {', '.join(t['shadows'])}"
+        click.echo(line)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(launch())

@@ -1,0 +1,1 @@
+"""Placeholder training script for the golden job specs (only its path matters)."""
