@@ -71,7 +71,7 @@ def rank_info(env: Mapping[str, str]) -> Dict[str, Any]:
         if nodes:
             import hostlist
 
-            addr = hostlist.expand_hostlist(nodes)[0]
+            addr = node_address(hostlist.expand_hostlist(nodes)[0])
         else:
             addr = "127.0.0.1"
     port = first("MASTER_PORT")
@@ -82,6 +82,26 @@ def rank_info(env: Mapping[str, str]) -> Dict[str, Any]:
     return {"rank": rank, "world_size": world, "local_rank": local, "master_addr": addr,
             "master_port": int(port), "host": socket.gethostname(),
             "node": env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]}
+
+
+def node_address(name: str) -> str:
+    """An address for a Slurm node: its name when that resolves, else Slurm's NodeAddr
+    (node names need not be hostnames; the dev cluster's are not)."""
+    try:
+        socket.gethostbyname(name)
+        return name
+    except OSError:
+        pass
+    try:
+        from clusterops.runner import Runner
+
+        info = Runner().run(["scontrol", "show", "node", name, "--oneliner"], timeout_s=10, check=False).stdout
+    except Exception:  # no Slurm here: keep the name, the caller's error will say why
+        return name
+    for token in info.split():
+        if token.startswith("NodeAddr="):
+            return token.split("=", 1)[1] or name
+    return name
 
 
 def expected_hosts(env: Mapping[str, str], world: int) -> Dict[int, str]:

@@ -265,3 +265,16 @@ class Slurm:
         if not names:
             raise NotFoundError(f"partition {partition} has no nodes (or does not exist)")
         return sorted(set(names), key=names.index)
+
+    # -- reservations -----------------------------------------------------------------
+    def create_reservation(self, name: str, nodes: Nodes, *, minutes: int, users: str,
+                           flags: str = "MAINT,IGNORE_JOBS") -> None:
+        """A reservation starting now (used to hold nodes for maintenance checks)."""
+        if not name.replace("-", "").replace("_", "").isalnum():
+            raise InputError(f"bad reservation name {name!r}")
+        self._write(["scontrol", "create", "reservation", f"ReservationName={name}",
+                     f"Nodes={_hostlist(nodes)}", "StartTime=now", f"Duration={int(minutes)}",
+                     f"Users={users}", f"Flags={flags}"])
+
+    def delete_reservation(self, name: str) -> None:
+        self._write(["scontrol", "delete", f"ReservationName={name}"])

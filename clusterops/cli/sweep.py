@@ -1,0 +1,264 @@
+"""``clusterops sweep``: the fleet health sweep, made for cron."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from clusterops.cli.common import echo_json, json_option
+
+
+class SweepLocked(Exception):
+    pass
+
+
+class SweepLock:
+    """``fcntl.flock`` on ``<db>.lock``: one sweep at a time, and a crashed sweep never
+    leaves a stale lock (the kernel drops it with the process)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> "SweepLock":
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = ""
+            try:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            except OSError:
+                pass
+            os.close(fd)
+            raise SweepLocked(holder)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)   # releases the flock
+            self.fd = None
+
+
+class _Progress:
+    """A rich progress bar on a terminal, plain lines otherwise (cron mail, logs)."""
+
+    def __init__(self, live: bool, quiet: bool):
+        self.live = live
+        self.quiet = quiet
+        self.total = 0
+        self.done = 0
+        self.failed = 0
+        self.bar = None
+        self.task = None
+        import threading
+
+        self.lock = threading.Lock()
+
+    def targets(self, n: int) -> None:
+        self.total = n
+        if self.live and not self.quiet:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("[red]{task.fields[failed]} failed[/red]"),
+                                TextColumn("{task.fields[left]} remaining"), TimeElapsedColumn(),
+                                transient=True, console=_console(stderr=True))
+            self.bar.start()
+            self.task = self.bar.add_task("sweep", total=n, failed=0, left=n)
+        elif not self.quiet:
+            click.echo(f"sweep: {n} target nodes", err=True)
+
+    def result(self, r) -> None:
+        # Called from the sweep's worker threads too.
+        with self.lock:
+            self.done += 1
+            if r.failing or r.status == "error":
+                self.failed += 1
+            if self.bar is not None:
+                self.bar.update(self.task, advance=1, failed=self.failed, left=self.total - self.done)
+            elif not self.quiet:
+                extra = f" ({r.detail})" if r.detail else ""
+                click.echo(f"[{self.done}/{self.total}] {r.node}: {r.status}{extra}", err=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def _summary(doc: dict) -> None:
+    from rich.table import Table
+
+    counts = doc["counts"]
+    table = Table(title=f"sweep {doc['sweep_id']} ({doc['duration_s']:.1f} s)", show_lines=False)
+    for col in ("node", "status", "detail", "check s", "TFLOPS", "busbw", "action"):
+        table.add_column(col)
+    applied = {a["node"]: a["action"] for a in doc["applied"]}
+    planned = {a["node"]: a["action"] for a in (doc["plan"] or {}).get("actions", [])}
+    colors = {"pass": "green", "warn": "yellow", "fail": "red", "unreachable": "red", "error": "magenta",
+              "skipped": "dim"}
+    for n in doc["nodes"]:
+        m = n.get("metrics") or {}
+        action = applied.get(n["node"]) or (f"(would {planned[n['node']]})"
+                                            if planned.get(n["node"]) in ("drain", "resume") else "")
+        status = n["status"] + (" straggler" if n.get("stragglers") else "")
+        table.add_row(n["node"], f"[{colors.get(n['status'], '')}]{status}[/]", n.get("detail") or "",
+                      "" if n.get("duration_s") is None else f"{n['duration_s']:.2f}",
+                      f"{m['matmul_tflops']:.4g}" if "matmul_tflops" in m else "",
+                      f"{m['busbw_gbps']:.4g}" if "busbw_gbps" in m else "", action)
+    con = _console()
+    con.print(table)
+    con.print(" ".join(f"{k}={v}" for k, v in counts.items()) + f"  check CPU {doc['check_cpu_s']:.1f} s",
+              soft_wrap=True)
+
+
+@click.command("sweep")
+@click.option("--partition", "-p", help="Sweep the nodes of this partition.")
+@click.option("--nodes", "-w", "nodes", metavar="HOSTLIST", help="Sweep these nodes (e.g. gpu[001-128]).")
+@click.option("--profile", default="fast", show_default=True, help="Health profile name or YAML file.")
+@click.option("--via", type=click.Choice(["slurm", "ssh"]), default="slurm", show_default=True,
+              help="Run checks as Slurm jobs (idle nodes only) or over SSH.")
+@click.option("--concurrency", type=int, default=32, show_default=True,
+              help="Parallel SSH sessions / parallel sbatch calls.")
+@click.option("--max-running", type=int, default=0, show_default=True,
+              help="Slurm: at most this many check jobs in flight (0: every node at once). Set it when "
+                   "many nodes share one host (the dev cluster).")
+@click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True,
+              help="Seconds a node's check may take (Slurm: from submission) before it is unreachable.")
+@click.option("--drain", is_flag=True, help="Drain failing nodes, resume clusterops-drained nodes that pass.")
+@click.option("--max-drain-fraction", type=float, default=0.1, show_default=True,
+              help="Safety guard: drain none if more than this fraction of swept nodes would go.")
+@click.option("--flap-k", type=int, default=3, show_default=True, help="Flapping: failed in K ...")
+@click.option("--flap-n", type=int, default=5, show_default=True, help="... of the last N sweeps.")
+@click.option("--straggler-tolerance", type=float, default=0.10, show_default=True,
+              help="A node below (1 - T) x the fleet median TFLOPS/busbw is a straggler.")
+@click.option("--drain-stragglers", is_flag=True, help="Drain stragglers too (needs --drain).")
+@click.option("--dry-run", is_flag=True, help="Check and print the plan; change no node.")
+@click.option("--pairs", is_flag=True, help="Also a 2-node all-reduce on pairs of healthy nodes (Slurm).")
+@json_option
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write a self-contained HTML report.")
+@click.option("--prometheus", "prom_path", type=click.Path(dir_okay=False),
+              help="Write a node_exporter textfile (atomically).")
+@click.option("--db", "db_path", type=click.Path(dir_okay=False),
+              help="History database [default: $CLUSTEROPS_SWEEP_DB, /var/lib/clusterops/sweep.db as root].")
+@click.option("--no-history", is_flag=True, help="Do not read or write the history database.")
+@click.option("--retention-days", type=float, default=90.0, show_default=True, help="Prune history older than this.")
+@click.option("--work-dir", type=click.Path(file_okay=False),
+              help="Where check jobs write results (Slurm; must be shared with the nodes).")
+@click.option("--keep-work-dir", is_flag=True, help="Keep the check jobs' result files (debugging).")
+@click.option("--check-cmd", help="Command replacing `clusterops health check --json` (shell-split; "
+                                  "--profile is appended).")
+@click.option("--accept-new-hosts", is_flag=True, help="SSH: accept and record unknown host keys.")
+@click.option("--ssh-config", type=click.Path(dir_okay=False), help="SSH client config [~/.ssh/config].")
+@click.option("--known-hosts", type=click.Path(dir_okay=False), help="known_hosts file [~/.ssh/known_hosts].")
+@click.option("--ssh-key", type=click.Path(dir_okay=False), help="Private key for SSH.")
+@click.option("--ssh-user", help="SSH user [from config, else current user].")
+@click.option("--ssh-port", type=int, help="SSH port [from config, else 22].")
+@click.option("--connect-timeout", "connect_timeout_s", type=float, default=10.0, show_default=True,
+              help="SSH: seconds for TCP connect and handshake.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, drain, max_drain_fraction, flap_k, flap_n,
+          straggler_tolerance, drain_stragglers, dry_run, pairs, as_json, report_path, prom_path, db_path,
+          no_history, retention_days, work_dir, keep_work_dir, check_cmd, accept_new_hosts, ssh_config, known_hosts,
+          ssh_key, ssh_user, ssh_port, connect_timeout_s, quiet):
+    """Health-check a fleet of nodes; optionally drain the bad and resume the recovered.
+
+    Via Slurm (default) each idle node gets a short exclusive job pinned to it that runs
+    `clusterops health check --json`; busy nodes are skipped and listed, never disturbed;
+    nodes drained by clusterops are rechecked inside a maintenance reservation. A check
+    that does not come back within --timeout makes its node `unreachable`, never healthy.
+
+    \b
+    Exit codes:
+      0  every checked node healthy (skipped nodes allowed)
+      1  at least one node failed, was unreachable, or its check errored
+      2  usage or input error
+      3  safety guard: more than --max-drain-fraction would be drained; none was
+      4  another sweep is running (lock held)
+    """
+    from clusterops import sweep as sw
+    from clusterops.errors import InputError
+    from clusterops.history import History, default_db_path
+
+    opts = sw.SweepOptions(
+        partition=partition, nodes=nodes, profile=profile, via=via, concurrency=concurrency, max_running=max_running, drain=drain,
+        max_drain_fraction=max_drain_fraction, dry_run=dry_run, timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s, pairs=pairs, flap_k=flap_k, flap_n=flap_n,
+        straggler_tolerance=straggler_tolerance, drain_stragglers=drain_stragglers,
+        check_cmd=shlex.split(check_cmd) if check_cmd else None, work_dir=work_dir, keep_work_dir=keep_work_dir,
+        accept_new_hosts=accept_new_hosts, ssh_config=ssh_config, known_hosts=known_hosts, ssh_key=ssh_key,
+        ssh_user=ssh_user, ssh_port=ssh_port)
+    opts.validate()
+    if drain_stragglers and not drain:
+        raise InputError("--drain-stragglers: needs --drain")
+    import signal
+
+    def _terminate(signum, frame):
+        # systemd stops a unit with SIGTERM: unwind, so check jobs are cancelled, drains
+        # put back and the reservation deleted.
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    db = Path(db_path) if db_path else default_db_path()
+    lock_path = db.with_name(db.name + ".lock")
+    progress = _Progress(live=sys.stderr.isatty() and not as_json, quiet=quiet)
+    try:
+        with SweepLock(lock_path):
+            history = None if no_history else History.open(db)
+            try:
+                report = sw.run_sweep(opts, history=history, on_result=progress.result, on_targets=progress.targets)
+                if history is not None:
+                    history.prune(retention_days)
+            finally:
+                progress.close()
+                if history is not None:
+                    history.close()
+    except SweepLocked as e:
+        click.echo(f"Error: another sweep is running (lock {lock_path} held{': ' + str(e) if str(e) else ''}); "
+                   "not starting a second one", err=True)
+        return sw.EXIT_LOCKED
+    doc = report.to_dict()
+    if prom_path:
+        from clusterops.report import write_prometheus
+
+        write_prometheus(prom_path, doc)
+    if report_path:
+        from clusterops.report import write_html
+
+        write_html(report_path, doc)
+    if as_json:
+        echo_json(doc)
+    else:
+        _summary(doc)
+        plan = report.plan
+        if plan is not None:
+            verb = "would " if (dry_run or not drain) else ""
+            for a in plan.actions:
+                if a.action in ("drain", "resume"):
+                    click.echo(f"{verb}{a.action} {a.node}: {a.reason or a.why}")
+    for e in report.errors:
+        click.echo(f"warning: {e}", err=True)
+    if report.plan is not None and report.plan.guard_tripped and drain:
+        # Loud, on stderr, where cron mail and journald will show it.
+        bar = "!" * 78
+        click.echo(f"{bar}\n{report.plan.message}\n{bar}", err=True)
+    return report.exit_code

@@ -1,0 +1,271 @@
+"""Sweep reports: a Prometheus textfile and a self-contained HTML page.
+
+Both are rendered from the same ``SweepReport.to_dict()`` document the ``--json``
+output prints, so the three always agree. Files are written atomically (a
+temporary file in the same directory, fsync, rename): node_exporter's textfile
+collector and a browser never see half a file.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Mapping
+
+from clusterops.errors import ClusteropsError
+
+STATUSES = ("pass", "warn", "fail", "error", "unreachable", "skipped")
+COLORS = {"pass": "#2e7d32", "warn": "#f9a825", "fail": "#c62828", "error": "#6a1b9a",
+          "unreachable": "#d84315", "skipped": "#9e9e9e"}
+
+
+def write_atomic(path: os.PathLike | str, text: str, mode: int = 0o644) -> None:
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=str(p.parent), prefix=f".{p.name}.", suffix=".tmp")
+    except OSError as e:
+        raise ClusteropsError(f"{p}: cannot write: {e}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# -- Prometheus -------------------------------------------------------------------
+
+def _label(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(v: float) -> str:
+    if v != v:  # NaN
+        return "NaN"
+    return repr(float(v)) if not float(v).is_integer() else str(int(v))
+
+
+def prometheus_text(doc: Mapping) -> str:
+    """node_exporter textfile-collector format (Prometheus text exposition 0.0.4)."""
+    out: List[str] = []
+    metrics: Dict[str, List[str]] = {}
+    helps = {
+        "clusterops_sweep_node_healthy": "1 when the node passed its check in the last sweep (warnings allowed), "
+                                         "0 when it failed or did not answer; absent when skipped.",
+        "clusterops_sweep_node_status": "The node's status in the last sweep (one series per status, value 1 "
+                                        "for the current one).",
+        "clusterops_sweep_node_straggler": "1 when a fleet figure of the node is below (1 - tolerance) x the "
+                                           "sweep median.",
+        "clusterops_sweep_node_check_duration_seconds": "Wall time of the node's health check.",
+        "clusterops_sweep_node_matmul_tflops": "Matmul throughput measured on the node (TFLOPS).",
+        "clusterops_sweep_node_busbw_gbps": "All-reduce bus bandwidth measured on the node (GB/s).",
+        "clusterops_sweep_node_action": "What the sweep did to the node (drain, resume, keep).",
+        "clusterops_sweep_fleet_median": "The sweep's fleet median of a per-node figure.",
+        "clusterops_sweep_nodes": "Nodes per status in the last sweep.",
+        "clusterops_sweep_guard_tripped": "1 when the drain safety guard refused to drain.",
+        "clusterops_sweep_timestamp_seconds": "When the last sweep finished (epoch seconds).",
+        "clusterops_sweep_duration_seconds": "Wall time of the last sweep.",
+        "clusterops_sweep_exit_code": "Exit code of the last sweep.",
+    }
+
+    def add(name: str, labels: Mapping[str, object], value: float) -> None:
+        lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+        metrics.setdefault(name, []).append(f"{name}{{{lab}}} {_num(value)}" if lab else f"{name} {_num(value)}")
+
+    for n in doc.get("nodes", []):
+        node = n["node"]
+        if n["status"] != "skipped" and n["status"] != "error":
+            add("clusterops_sweep_node_healthy", {"node": node}, 1 if n.get("healthy") else 0)
+        for s in STATUSES:
+            add("clusterops_sweep_node_status", {"node": node, "status": s}, 1 if n["status"] == s else 0)
+        if n["status"] not in ("skipped", "error"):
+            add("clusterops_sweep_node_straggler", {"node": node}, 1 if n.get("stragglers") else 0)
+        if n.get("duration_s") is not None:
+            add("clusterops_sweep_node_check_duration_seconds", {"node": node}, n["duration_s"])
+        m = n.get("metrics") or {}
+        if "matmul_tflops" in m:
+            add("clusterops_sweep_node_matmul_tflops", {"node": node}, m["matmul_tflops"])
+        if "busbw_gbps" in m:
+            add("clusterops_sweep_node_busbw_gbps", {"node": node}, m["busbw_gbps"])
+    for a in doc.get("applied", []):
+        add("clusterops_sweep_node_action", {"node": a["node"], "action": a["action"]}, 1)
+    for k, v in (doc.get("medians") or {}).items():
+        add("clusterops_sweep_fleet_median", {"metric": k}, v)
+    counts = doc.get("counts") or {}
+    for s in STATUSES:
+        add("clusterops_sweep_nodes", {"status": s}, counts.get(s, 0))
+    plan = doc.get("plan") or {}
+    add("clusterops_sweep_guard_tripped", {}, 1 if plan.get("guard_tripped") else 0)
+    add("clusterops_sweep_timestamp_seconds", {}, doc.get("finished", time.time()))
+    add("clusterops_sweep_duration_seconds", {}, doc.get("duration_s", 0))
+    add("clusterops_sweep_exit_code", {}, doc.get("exit_code", 0))
+    for name, lines in metrics.items():
+        out.append(f"# HELP {name} {helps.get(name, name)}")
+        out.append(f"# TYPE {name} gauge")
+        out.extend(lines)
+    return "\n".join(out) + "\n"
+
+
+def write_prometheus(path: os.PathLike | str, doc: Mapping) -> None:
+    write_atomic(path, prometheus_text(doc))
+
+
+# -- HTML -------------------------------------------------------------------------
+
+def _chart_metric(nodes: List[Mapping]) -> tuple:
+    for key, label in (("matmul_tflops", "matmul TFLOPS"), ("busbw_gbps", "all-reduce busbw GB/s")):
+        if any(key in (n.get("metrics") or {}) for n in nodes):
+            return key, label, lambda n, k=key: (n.get("metrics") or {}).get(k)
+    return "duration_s", "check duration (s)", lambda n: n.get("duration_s")
+
+
+def svg_chart(doc: Mapping, width: int = 900) -> str:
+    """Per-node bars of the fleet figure with the sweep median as a dashed line; failing
+    nodes red, stragglers orange with a marker, skipped nodes a grey stub."""
+    nodes = list(doc.get("nodes", []))
+    if not nodes:
+        return "<p>No nodes.</p>"
+    key, label, get = _chart_metric(nodes)
+    values = [get(n) for n in nodes]
+    known = [v for v in values if isinstance(v, (int, float))]
+    vmax = max(known) if known else 1.0
+    vmax = vmax * 1.1 or 1.0
+    median = (doc.get("medians") or {}).get(key)
+    if median is None and known:
+        import statistics
+
+        median = statistics.median(known)
+    left, top, height = 56, 24, 220
+    n = len(nodes)
+    slot = max(4.0, (width - left - 10) / n)
+    width = int(left + 10 + slot * n)
+    bar = max(2.0, slot * 0.7)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + height + 70}" '
+             f'role="img" aria-label="{html.escape(label)} per node">',
+             f'<text x="{left}" y="16" font-size="13" font-family="sans-serif">{html.escape(label)} per node'
+             f'{" (dashed: fleet median)" if median is not None else ""}</text>',
+             f'<line x1="{left}" y1="{top + height}" x2="{width - 5}" y2="{top + height}" stroke="#444"/>',
+             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + height}" stroke="#444"/>']
+    for frac in (0, 0.5, 1):
+        y = top + height - frac * height
+        parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" font-size="10" text-anchor="end" '
+                     f'font-family="sans-serif">{vmax / 1.1 * frac * 1.1:.3g}</text>')
+    label_every = max(1, int(n / 40))
+    for i, (nd, v) in enumerate(zip(nodes, values)):
+        x = left + i * slot + (slot - bar) / 2
+        status = nd.get("status")
+        color = COLORS.get(status, "#555")
+        if status in ("pass", "warn") and nd.get("stragglers"):
+            color = "#ef6c00"
+        title = html.escape(f"{nd['node']}: {status}" + (f", {v:.4g}" if isinstance(v, (int, float)) else "")
+                            + (" straggler" if nd.get("stragglers") else "")
+                            + (f" - {nd.get('detail')}" if nd.get("detail") else ""))
+        if isinstance(v, (int, float)):
+            h = max(1.0, v / vmax * height)
+        else:
+            h = 4.0
+        parts.append(f'<rect class="bar {html.escape(str(status))}" x="{x:.1f}" y="{top + height - h:.1f}" '
+                     f'width="{bar:.1f}" height="{h:.1f}" fill="{color}"><title>{title}</title></rect>')
+        if status in ("fail", "unreachable", "error") or nd.get("stragglers"):
+            mark = "✗" if status in ("fail", "unreachable", "error") else "▼"
+            parts.append(f'<text x="{x + bar / 2:.1f}" y="{top + height - h - 3:.1f}" font-size="11" '
+                         f'text-anchor="middle" fill="{color}">{mark}</text>')
+        if i % label_every == 0:
+            parts.append(f'<text x="{x + bar / 2:.1f}" y="{top + height + 12}" font-size="9" '
+                         f'font-family="sans-serif" text-anchor="end" '
+                         f'transform="rotate(-60 {x + bar / 2:.1f} {top + height + 12})">'
+                         f'{html.escape(nd["node"])}</text>')
+    if median is not None and vmax:
+        y = top + height - median / vmax * height
+        parts.append(f'<line class="median" x1="{left}" y1="{y:.1f}" x2="{width - 5}" y2="{y:.1f}" '
+                     f'stroke="#1565c0" stroke-dasharray="6,4" stroke-width="1.5"/>')
+        parts.append(f'<text x="{width - 8}" y="{y - 4:.1f}" font-size="10" text-anchor="end" fill="#1565c0" '
+                     f'font-family="sans-serif">median {median:.4g}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+CSS = """
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:left}
+th{background:#f0f0f0}.s-pass{color:#2e7d32}.s-warn{color:#b28704}.s-fail,.s-unreachable{color:#c62828;font-weight:bold}
+.s-error{color:#6a1b9a;font-weight:bold}.s-skipped{color:#777}.guard{background:#ffebee;border:2px solid #c62828;padding:8px}
+.summary span{margin-right:1.2em}tr.straggler td{background:#fff3e0}
+"""
+
+
+def html_report(doc: Mapping) -> str:
+    esc = html.escape
+    counts = doc.get("counts") or {}
+    plan = doc.get("plan") or {}
+    opts = doc.get("options") or {}
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(doc.get("started", 0)))
+    actions = {a["node"]: a for a in plan.get("actions", [])}
+    applied = {a["node"]: a for a in doc.get("applied", [])}
+    rows = []
+    for n in doc.get("nodes", []):
+        m = n.get("metrics") or {}
+        act = applied.get(n["node"]) or {}
+        planned = actions.get(n["node"]) or {}
+        action_text = act.get("action") or (f"(plan: {planned['action']})" if planned.get("action") not in
+                                            (None, "untouched") else "")
+        cls = "straggler" if n.get("stragglers") else ""
+        dur = "" if n.get("duration_s") is None else f"{n['duration_s']:.2f}"
+        tfl = "" if "matmul_tflops" not in m else f"{m['matmul_tflops']:.4g}"
+        bw = "" if "busbw_gbps" not in m else f"{m['busbw_gbps']:.4g}"
+        rows.append(
+            f'<tr class="{cls}" data-node="{esc(n["node"])}" data-status="{esc(n["status"])}">'
+            f'<td>{esc(n["node"])}</td><td class="s-{esc(n["status"])}">{esc(n["status"])}</td>'
+            f'<td>{esc(n.get("detail") or "")}</td>'
+            f'<td>{dur}</td><td>{tfl}</td><td>{bw}</td>'
+            f'<td>{esc(", ".join(n.get("stragglers") or []))}</td>'
+            f'<td>{esc(action_text)}</td></tr>')
+    guard = ""
+    if plan.get("guard_tripped"):
+        guard = f'<p class="guard"><b>{esc(plan.get("message", "safety guard tripped"))}</b></p>'
+    summary = " ".join(f'<span class="s-{s}">{s}: <b>{counts.get(s, 0)}</b></span>' for s in STATUSES)
+    summary += f' <span>stragglers: <b>{counts.get("stragglers", 0)}</b></span>'
+    errors = "".join(f"<li>{esc(e)}</li>" for e in doc.get("errors", []))
+    pairs = ""
+    if doc.get("pairs"):
+        prow = "".join(f"<tr><td>{esc(','.join(p['nodes']))}</td><td class=\"s-{esc(p['status'])}\">"
+                       f"{esc(p['status'])}</td><td>{'' if p.get('busbw_gbps') is None else p['busbw_gbps']}</td>"
+                       f"<td>{esc(p.get('detail') or '')}</td></tr>" for p in doc["pairs"])
+        pairs = ("<h2>Node pairs (2-node all-reduce)</h2><table><tr><th>nodes</th><th>status</th>"
+                 f"<th>busbw GB/s</th><th>detail</th></tr>{prow}</table>")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>clusterops sweep {esc(doc.get("sweep_id", ""))}</title>
+<style>{CSS}</style></head>
+<body>
+<h1>clusterops health sweep</h1>
+<p>Sweep <code>{esc(doc.get("sweep_id", ""))}</code>, started {esc(started)}, took {doc.get("duration_s", 0):.1f} s;
+profile <code>{esc(str(opts.get("profile", "")))}</code> via {esc(str(opts.get("via", "")))};
+{"dry run; " if opts.get("dry_run") else ""}{"drain on" if opts.get("drain") else "drain off"}; exit code {doc.get("exit_code")}.</p>
+{guard}
+<p class="summary">{summary}</p>
+{svg_chart(doc)}
+<h2>Nodes</h2>
+<table id="nodes"><tr><th>node</th><th>status</th><th>detail</th><th>check s</th><th>TFLOPS</th>
+<th>busbw GB/s</th><th>straggler</th><th>action</th></tr>
+{"".join(rows)}
+</table>
+{pairs}
+{"<h2>Errors</h2><ul>" + errors + "</ul>" if errors else ""}
+</body></html>
+"""
+
+
+def write_html(path: os.PathLike | str, doc: Mapping) -> None:
+    write_atomic(path, html_report(doc))

@@ -1,0 +1,316 @@
+"""Run one command on many hosts over SSH (paramiko), for sweeps outside Slurm.
+
+- bounded concurrency (a thread pool of ``concurrency`` sessions);
+- key authentication only (a key file, or the agent's keys), never passwords;
+- host keys checked against known_hosts: an unknown host is refused unless
+  ``accept_new_hosts`` (then its key is added to the file, as ssh's
+  ``StrictHostKeyChecking=accept-new`` does); a changed key is always refused;
+- a per-host deadline covering connect, handshake, authentication and the command:
+  a host that accepts the TCP connection and never speaks times out, is reported,
+  and the others go on;
+- host aliases, ports, users and key files from an OpenSSH client config
+  (``Host``/``HostName``/``Port``/``User``/``IdentityFile``/``UserKnownHostsFile``/
+  ``HostKeyAlias``), the way sysadmins already describe their fleet.
+
+paramiko is imported only when a fan-out runs (the ``ssh`` extra).
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from clusterops.errors import ClusteropsError, InputError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SSHOptions:
+    concurrency: int = 32
+    timeout_s: float = 120.0          # whole per-host budget
+    connect_timeout_s: float = 10.0   # TCP connect + SSH banner/handshake
+    accept_new_hosts: bool = False
+    ssh_config: Optional[str] = None  # default ~/.ssh/config when it exists
+    known_hosts: Optional[str] = None  # default: UserKnownHostsFile from the config, else ~/.ssh/known_hosts
+    key_filename: Optional[str] = None
+    user: Optional[str] = None
+    port: Optional[int] = None
+
+
+@dataclass
+class RemoteResult:
+    host: str
+    exit_code: Optional[int] = None
+    stdout: str = ""
+    stderr: str = ""
+    error: Optional[str] = None       # why no result: unknown host key, timeout, refused, auth ...
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.exit_code == 0
+
+
+@dataclass
+class HostConf:
+    alias: str
+    hostname: str
+    port: int
+    user: str
+    key_files: List[str]
+    known_hosts: str
+    host_key_alias: Optional[str] = None
+
+    @property
+    def key_name(self) -> str:
+        """The name the host key is filed under in known_hosts, as OpenSSH spells it."""
+        name = self.host_key_alias or self.hostname
+        return name if self.port == 22 else f"[{name}]:{self.port}"
+
+
+class HostKeyStore:
+    """known_hosts loaded once, shared by all threads; new keys appended under a lock."""
+
+    def __init__(self, path: str, accept_new: bool):
+        import paramiko
+
+        self.path = os.path.expanduser(path)
+        self.accept_new = accept_new
+        self.keys = paramiko.HostKeys()
+        if os.path.exists(self.path):
+            try:
+                self.keys.load(self.path)
+            except (OSError, paramiko.SSHException) as e:
+                raise ClusteropsError(f"{self.path}: cannot read known_hosts: {e}") from None
+        self.lock = threading.Lock()
+
+    def verify(self, name: str, key) -> Optional[str]:
+        """None when the key is trusted (or newly accepted); else why it is refused."""
+        with self.lock:
+            known = self.keys.lookup(name)
+            if known is not None and key.get_name() in known:
+                if known[key.get_name()] == key:
+                    return None
+                return (f"host key for {name} has CHANGED ({key.get_name()} {key.get_base64()[:16]}...): "
+                        "refused (possible man-in-the-middle; fix known_hosts if the host was reinstalled)")
+            if not self.accept_new:
+                return (f"unknown host key for {name} ({key.get_name()}): refused; add it to {self.path} "
+                        "or rerun with --accept-new-hosts")
+            self.keys.add(name, key.get_name(), key)
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(f"{name} {key.get_name()} {key.get_base64()}\n")
+            log.warning("accepted new host key for %s (%s)", name, key.get_name())
+            return None
+
+
+def resolve_hosts(hosts: Sequence[str], opts: SSHOptions) -> List[HostConf]:
+    import paramiko
+
+    cfg = paramiko.SSHConfig()
+    cfg_path = os.path.expanduser(opts.ssh_config or "~/.ssh/config")
+    if os.path.exists(cfg_path):
+        try:
+            cfg = paramiko.SSHConfig.from_path(cfg_path)
+        except Exception as e:  # paramiko raises several types for a bad config
+            raise InputError(f"{cfg_path}: cannot parse ssh config: {e}") from None
+    elif opts.ssh_config:
+        raise InputError(f"--ssh-config: {cfg_path}: no such file")
+    out = []
+    for h in hosts:
+        c = cfg.lookup(h)
+        keys = [opts.key_filename] if opts.key_filename else list(c.get("identityfile", []))
+        known = opts.known_hosts or (c.get("userknownhostsfile") or "~/.ssh/known_hosts").split()[0]
+        port = opts.port or int(c.get("port", 22))
+        out.append(HostConf(alias=h, hostname=c.get("hostname", h), port=port,
+                            user=opts.user or c.get("user") or getpass.getuser(),
+                            key_files=[os.path.expanduser(k) for k in keys],
+                            known_hosts=os.path.expanduser(known), host_key_alias=c.get("hostkeyalias")))
+    return out
+
+
+def _load_keys(paths: Sequence[str]):
+    import paramiko
+
+    keys = []
+    for p in paths:
+        if not os.path.exists(p):
+            continue
+        for cls in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
+            try:
+                keys.append(cls.from_private_key_file(p))
+                break
+            except paramiko.SSHException:
+                continue
+            except OSError as e:
+                raise ClusteropsError(f"{p}: cannot read ssh key: {e}") from None
+    return keys
+
+
+class _Deadline(Exception):
+    pass
+
+
+def run_one(hc: HostConf, command: str, store: HostKeyStore, keys, opts: SSHOptions,
+            clock: Callable[[], float] = time.monotonic) -> RemoteResult:
+    import paramiko
+
+    start = clock()
+    deadline = start + opts.timeout_s
+    res = RemoteResult(hc.alias)
+    sock = transport = None
+
+    def left(cap: Optional[float] = None) -> float:
+        rem = deadline - clock()
+        if rem <= 0:
+            raise _Deadline()
+        return min(rem, cap) if cap else rem
+
+    try:
+        try:
+            sock = socket.create_connection((hc.hostname, hc.port), timeout=left(opts.connect_timeout_s))
+        except socket.timeout:
+            raise _Deadline() from None
+        except OSError as e:
+            res.error = f"connect to {hc.hostname}:{hc.port}: {e.strerror or e}"
+            return res
+        transport = paramiko.Transport(sock)
+        transport.banner_timeout = left(opts.connect_timeout_s)
+        transport.handshake_timeout = left(opts.connect_timeout_s)
+        hs_start = clock()
+        hs_budget = left(opts.connect_timeout_s)
+        try:
+            transport.start_client(timeout=hs_budget)
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            # paramiko words a handshake timeout in several ways ("No existing session",
+            # banner errors); what counts is that the time ran out.
+            if clock() - hs_start >= hs_budget * 0.95 or isinstance(e, socket.timeout):
+                raise _Deadline() from None
+            res.error = f"ssh handshake with {hc.hostname}:{hc.port} failed: {e}"
+            return res
+        try:
+            # start_client returns quietly when its timeout passes: no server key then.
+            server_key = transport.get_remote_server_key()
+        except paramiko.SSHException as e:
+            if clock() - hs_start >= hs_budget * 0.95:
+                raise _Deadline() from None
+            res.error = f"ssh handshake with {hc.hostname}:{hc.port} failed: {e}"
+            return res
+        why = store.verify(hc.key_name, server_key)
+        if why:
+            res.error = why
+            return res
+        authed = False
+        for k in keys:
+            try:
+                transport.auth_publickey(hc.user, k)
+                authed = transport.is_authenticated()
+            except paramiko.AuthenticationException:
+                continue
+            if authed:
+                break
+        if not authed:
+            try:
+                agent_keys = paramiko.Agent().get_keys()
+            except Exception:
+                agent_keys = ()
+            for k in agent_keys:
+                try:
+                    transport.auth_publickey(hc.user, k)
+                    authed = transport.is_authenticated()
+                except paramiko.AuthenticationException:
+                    continue
+                if authed:
+                    break
+        if not authed:
+            res.error = f"key authentication as {hc.user} refused (keys tried: {len(keys)})"
+            return res
+        chan = transport.open_session(timeout=left())
+        chan.settimeout(0.5)
+        chan.exec_command(command)
+        out, err = [], []
+        eof = False
+        while True:
+            left()
+            if not eof:
+                try:
+                    data = chan.recv(65536)
+                    if data:
+                        out.append(data)
+                    else:
+                        eof = True
+                except socket.timeout:
+                    pass
+            while chan.recv_stderr_ready():
+                err.append(chan.recv_stderr(65536))
+            if eof:
+                if chan.exit_status_ready():
+                    while chan.recv_stderr_ready():
+                        err.append(chan.recv_stderr(65536))
+                    break
+                chan.status_event.wait(0.2)
+        res.exit_code = chan.recv_exit_status()
+        res.stdout = b"".join(out).decode(errors="replace")
+        res.stderr = b"".join(err).decode(errors="replace")
+        return res
+    except _Deadline:
+        res.error = (f"timed out after {clock() - start:.1f}s (no answer from {hc.hostname}:{hc.port}; "
+                     f"connect timeout {opts.connect_timeout_s:g}s, host timeout {opts.timeout_s:g}s)")
+        return res
+    except (paramiko.SSHException, OSError, EOFError) as e:
+        res.error = f"ssh to {hc.hostname}:{hc.port}: {e}"
+        return res
+    finally:
+        res.duration_s = clock() - start
+        if transport is not None:
+            transport.close()
+        elif sock is not None:
+            sock.close()
+
+
+def fan_out(hosts: Sequence[str], command: str, opts: SSHOptions,
+            on_result: Optional[Callable[[RemoteResult], None]] = None) -> Dict[str, RemoteResult]:
+    """Run ``command`` (a remote shell command line) on every host; a result per host."""
+    import importlib.util
+
+    if importlib.util.find_spec("paramiko") is None:
+        raise ClusteropsError("--via ssh needs paramiko: pip install 'clusterops[ssh]'")
+    # paramiko's transport threads log a traceback for every connection we abandon (a
+    # silent host after its timeout); the result already carries the reason.
+    logging.getLogger("paramiko.transport").setLevel(logging.CRITICAL)
+    if opts.concurrency < 1:
+        raise InputError(f"--concurrency: must be at least 1, got {opts.concurrency}")
+    confs = resolve_hosts(hosts, opts)
+    stores: Dict[str, HostKeyStore] = {}
+    keycache: Dict[tuple, list] = {}
+    for hc in confs:
+        if hc.known_hosts not in stores:
+            stores[hc.known_hosts] = HostKeyStore(hc.known_hosts, opts.accept_new_hosts)
+        kt = tuple(hc.key_files)
+        if kt not in keycache:
+            keycache[kt] = _load_keys(hc.key_files)
+    results: Dict[str, RemoteResult] = {}
+    lock = threading.Lock()
+
+    def one(hc: HostConf) -> None:
+        try:
+            r = run_one(hc, command, stores[hc.known_hosts], keycache[tuple(hc.key_files)], opts)
+        except Exception as e:  # one host's surprise must not end the fan-out
+            r = RemoteResult(hc.alias, error=f"{type(e).__name__}: {e}")
+        with lock:
+            results[hc.alias] = r
+        if on_result:
+            on_result(r)
+
+    with ThreadPoolExecutor(max_workers=min(opts.concurrency, max(1, len(confs)))) as pool:
+        list(pool.map(one, confs))
+    return results

@@ -1,0 +1,91 @@
+"""The sweep history database and `clusterops health history`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from clusterops.cli.history import history as history_cmd
+from clusterops.errors import InputError
+from clusterops.history import History, parse_since, sparkline
+from clusterops.sweep import NodeResult, SweepReport
+
+
+def report(sweep_id, t, statuses, tflops=None):
+    results = {}
+    for node, st in statuses.items():
+        r = NodeResult(node, st, detail="" if st == "pass" else "broken", duration_s=0.5,
+                       probe="" if st == "pass" else "host.paths")
+        r.probes = [{"name": "host.paths", "status": "pass" if st == "pass" else "fail", "value": None,
+                     "unit": None, "detail": r.detail}]
+        if tflops and node in tflops:
+            r.metrics["matmul_tflops"] = tflops[node]
+            r.probes.append({"name": "matmul", "status": "pass", "value": tflops[node], "unit": "TFLOPS",
+                             "detail": ""})
+        results[node] = r
+    return SweepReport(sweep_id, t - 5, t, {"via": "slurm", "profile": "fast"}, list(statuses), results, {}, None)
+
+
+def test_record_query_flapping_and_prune(tmp_path):
+    db = tmp_path / "h.db"
+    now = time.time()
+    with History.open(db) as h:
+        seq = ["pass", "fail", "skipped", "fail", "pass", "unreachable"]
+        for i, st in enumerate(seq):
+            h.record(report(f"s{i}", now - 3600 * (len(seq) - i), {"node1": st, "node2": "pass"},
+                            tflops={"node1": 100.0 + i, "node2": 99.0}))
+        fh = h.fail_history(["node1", "node2", "node9"], 4)
+        # newest first, skipped sweeps do not count: unreachable, pass, fail, fail
+        assert fh == {"node1": [True, False, True, True], "node2": [False] * 4, "node9": []}
+        rows = h.rows(node="node1", probe="matmul")
+        assert [r.value for r in rows] == [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+        assert [r.value for r in h.rows(node="node1", probe="matmul", limit=2)] == [104.0, 105.0]
+        latest = {r.node: r.status for r in h.latest()}
+        assert latest == {"node1": "unreachable", "node2": "pass"}
+        assert len(h.rows(node="node1", probe="check", since=now - 2.5 * 3600)) == 2
+        gone = h.prune(retention_days=3.5 / 24, now=now)
+        assert gone > 0
+        assert [r.sweep_id for r in h.rows(node="node1", probe="check")] == ["s3", "s4", "s5"]
+        assert [s["id"] for s in h.sweeps()] == ["s5", "s4", "s3"]
+
+
+def test_parse_since():
+    now = 1_000_000.0
+    assert parse_since("30m", now) == now - 1800
+    assert parse_since("7d", now) == now - 7 * 86400
+    assert parse_since("2026-01-01T00:00:00") > 0
+    with pytest.raises(InputError):
+        parse_since("yesterday-ish", now)
+
+
+def test_sparkline():
+    assert sparkline([1, 2, 3]) == "▁▄█"
+    assert sparkline([]) == ""
+
+
+def test_history_cli(tmp_path):
+    db = tmp_path / "h.db"
+    now = time.time()
+    with History.open(db) as h:
+        for i in range(5):
+            h.record(report(f"s{i}", now - 60 * (5 - i), {"node1": "pass", "node3": "fail" if i % 2 else "pass"},
+                            tflops={"node1": 90.0 + i}))
+    runner = CliRunner()
+    out = runner.invoke(history_cmd, ["node1", "--probe", "matmul", "--db", str(db), "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.output)
+    assert [r["value"] for r in doc["rows"]] == [90.0, 91.0, 92.0, 93.0, 94.0]
+    assert doc["trend"]["median"] == 92.0 and doc["trend"]["last"] == 94.0
+    out = runner.invoke(history_cmd, ["node1", "--probe", "matmul", "--db", str(db)])
+    assert "trend (5 values)" in out.output and "median 92" in out.output
+    out = runner.invoke(history_cmd, ["--db", str(db)])
+    assert "node3" in out.output and "fail" not in out.output    # node3 passed its latest sweep (i=4)
+    out = runner.invoke(history_cmd, ["node3", "--probe", "check", "--db", str(db), "--json"])
+    assert [r["status"] for r in json.loads(out.output)["rows"]] == ["pass", "fail", "pass", "fail", "pass"]
+    out = runner.invoke(history_cmd, ["--db", str(tmp_path / "none.db")])
+    assert out.exit_code != 0
+    out = runner.invoke(history_cmd, ["--db", str(db), "--since", "bogus"])
+    assert out.exit_code != 0

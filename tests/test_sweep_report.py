@@ -1,0 +1,95 @@
+"""Sweep outputs: Prometheus textfile and the HTML report, from one report document."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+from clusterops.report import html_report, prometheus_text, write_atomic, write_prometheus
+from clusterops.sweep import DrainPlan, Action, NodeResult, SweepReport, mark_stragglers
+
+
+def make_report(guard=False):
+    results = {}
+    for i, (st, tf) in enumerate([("pass", 100.0), ("pass", 99.0), ("fail", 97.0), ("pass", 70.0),
+                                  ("skipped", None), ("unreachable", None)], 1):
+        r = NodeResult(f"gpu{i:03d}", st, detail="" if st == "pass" else f'why "{st}"\\n', duration_s=0.8,
+                       probe="matmul" if st == "fail" else "")
+        if tf is not None:
+            r.metrics["matmul_tflops"] = tf
+        results[r.node] = r
+    medians = mark_stragglers(results, 0.1)
+    actions = [Action("gpu003", "untouched" if guard else "drain", "fail", "clusterops: matmul: slow"),
+               Action("gpu006", "untouched" if guard else "drain", "unreachable", "clusterops: sweep: gone")]
+    plan = DrainPlan(actions, swept=5, allowed=1, guard_tripped=guard,
+                     message="SAFETY GUARD: 2 of 5 swept nodes would be drained" if guard else "")
+    rep = SweepReport("s1", 1000.0, 1010.0, {"via": "slurm", "profile": "deep", "drain": True}, list(results),
+                      results, medians, plan,
+                      applied=[] if guard else [{"node": "gpu003", "action": "drain", "reason": "x"}])
+    rep.exit_code = 3 if guard else 1
+    return rep.to_dict()
+
+
+def test_prometheus_text_is_valid_exposition_and_says_what_json_says():
+    doc = make_report()
+    text = prometheus_text(doc)
+    line = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? '
+                      r'-?[0-9.e+-]+$|^NaN$')
+    for ln in text.splitlines():
+        if ln.startswith("#"):
+            assert ln.startswith("# HELP ") or ln.startswith("# TYPE ")
+        else:
+            assert line.match(ln), ln
+    by = {n["node"]: n for n in doc["nodes"]}
+    assert by["gpu004"]["stragglers"] == ["matmul_tflops"]          # 70 < 0.9 * median 98
+    assert 'clusterops_sweep_node_straggler{node="gpu004"} 1' in text
+    assert 'clusterops_sweep_node_healthy{node="gpu003"} 0' in text
+    assert 'clusterops_sweep_node_healthy{node="gpu006"} 0' in text
+    assert 'clusterops_sweep_node_healthy{node="gpu005"}' not in text   # skipped: no verdict
+    assert 'clusterops_sweep_node_matmul_tflops{node="gpu001"} 100' in text
+    assert 'clusterops_sweep_node_action{node="gpu003",action="drain"} 1' in text
+    assert 'clusterops_sweep_fleet_median{metric="matmul_tflops"} 98' in text
+    assert "clusterops_sweep_guard_tripped 0" in text
+    # one TYPE line per metric family
+    types = [ln for ln in text.splitlines() if ln.startswith("# TYPE")]
+    assert len(types) == len(set(types))
+
+
+def test_html_is_self_contained_and_marks_failures_stragglers_and_guard():
+    page = html_report(make_report(guard=True))
+    assert "<svg" in page and 'class="median"' in page
+    assert not re.search(r'(src|href)=["\']?https?://', page)
+    assert "<script" not in page
+    assert 'data-node="gpu003" data-status="fail"' in page
+    assert 'class="bar fail"' in page and "✗" in page
+    assert "▼" in page                                         # the straggler gpu004
+    assert 'class="guard"' in page and "SAFETY GUARD" in page
+    assert "why &quot;fail&quot;" in page                    # escaped
+
+
+def test_write_atomic_never_shows_half_a_file(tmp_path):
+    target = tmp_path / "m.prom"
+    big = "x" * 2_000_000 + "\n"
+    small = "y\n"
+    write_atomic(target, small)
+    seen = set()
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                seen.add(len(target.read_text()))
+            except FileNotFoundError:
+                seen.add(-1)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(20):
+        write_atomic(target, big if i % 2 == 0 else small)
+    stop.set()
+    t.join()
+    assert seen <= {len(big), len(small)}
+    assert [p for p in os.listdir(tmp_path) if p != "m.prom"] == []
+    write_prometheus(tmp_path / "sub" / "x.prom", make_report())
+    assert (tmp_path / "sub" / "x.prom").stat().st_mode & 0o777 == 0o644
