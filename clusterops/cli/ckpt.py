@@ -1,0 +1,162 @@
+"""``clusterops ckpt``: list, find, verify, prune and shrink checkpoints.
+
+A checkpoint is a ``step_<N>`` directory with a valid manifest under a checkpoint
+root (see docs/checkpoint.md). These commands never import torch except ``shrink``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from clusterops.cli.common import echo_json, json_option
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return str(n)
+
+
+def _root_arg(root: str) -> Path:
+    from clusterops.errors import InputError
+
+    p = Path(root)
+    if not p.exists():
+        raise InputError(f"{root}: checkpoint root does not exist")
+    if not p.is_dir():
+        raise InputError(f"{root}: checkpoint root is not a directory")
+    return p
+
+
+@click.group()
+def ckpt() -> None:
+    """List, verify, prune and shrink checkpoints.
+
+    \b
+    Exit codes: 0 ok; 1 no good checkpoint (latest) / checkpoint bad (verify);
+    2 usage error (missing root, bad flag value).
+    """
+
+
+@ckpt.command("list")
+@click.argument("root")
+@click.option("--deep", is_flag=True, help="Also check every file's hash (reads all data).")
+@json_option
+def list_cmd(root: str, deep: bool, as_json: bool) -> None:
+    """List the committed checkpoints under ROOT, oldest first, with their status."""
+    from clusterops import checkpoint as ck
+
+    infos = ck.list_checkpoints(_root_arg(root), deep=deep)
+    temps = ck.dead_temporaries(root)
+    if as_json:
+        echo_json({"root": str(root), "checkpoints": [i.to_dict() for i in infos],
+                   "dead_temporaries": [str(p) for p in temps]})
+        return
+    if not infos:
+        click.echo(f"no checkpoints under {root}")
+    for i in infos:
+        status = "ok" if i.ok else "BAD"
+        extra = "" if i.ok else "  " + "; ".join(i.problems)
+        ws = (i.manifest or {}).get("world_size", "-")
+        click.echo(f"{i.path.name}  step={i.step}  {status}  ranks={ws}  {_human(i.size_bytes)}{extra}")
+    for p in temps:
+        click.echo(f"{p.name}  (temporary of a dead save; `ckpt prune` removes it)")
+
+
+@ckpt.command("latest")
+@click.argument("root")
+@click.option("--deep", is_flag=True, help="Check hashes too (reads all data of the candidates).")
+@json_option
+def latest_cmd(root: str, deep: bool, as_json: bool) -> int:
+    """Print the path of the newest good checkpoint under ROOT (exit 1 when there is none).
+
+    Newer directories that fail the check are skipped and reported on stderr.
+    """
+    from clusterops import checkpoint as ck
+
+    found = ck.find_latest_good(_root_arg(root), deep=deep)
+    for bad in found.skipped:
+        click.echo(f"skipped {bad.path}: {'; '.join(bad.problems)}", err=True)
+    if as_json:
+        echo_json({"latest": found.latest.to_dict() if found.latest else None,
+                   "skipped": [b.to_dict() for b in found.skipped]})
+    elif found.latest is not None:
+        click.echo(str(found.latest.path))
+    else:
+        click.echo(f"no good checkpoint under {root}", err=True)
+    return 0 if found.latest is not None else 1
+
+
+@ckpt.command("verify")
+@click.argument("path")
+@click.option("--deep", is_flag=True, help="Recompute every file's hash against the manifest.")
+@json_option
+def verify_cmd(path: str, deep: bool, as_json: bool) -> int:
+    """Check one checkpoint directory: manifest, file sizes, and hashes with --deep.
+
+    Exit 0 when good, 1 when bad (each problem printed).
+    """
+    from clusterops import checkpoint as ck
+
+    info = ck.verify(path, deep=deep)
+    if as_json:
+        echo_json(info.to_dict())
+    elif info.ok:
+        m = info.manifest or {}
+        click.echo(f"{path}: ok (step {info.step}, {len(m.get('files', {}))} files, {_human(info.size_bytes)}"
+                   f"{', hashes checked' if deep else ', sizes checked; --deep checks hashes'})")
+    else:
+        click.echo(f"{path}: BAD", err=True)
+        for p in info.problems:
+            click.echo(f"  {p}", err=True)
+    return 0 if info.ok else 1
+
+
+@ckpt.command("prune")
+@click.argument("root")
+@click.option("--keep-last", type=click.IntRange(min=1), required=True, help="Keep the newest N checkpoints.")
+@click.option("--keep-every", type=click.IntRange(min=1), default=None,
+              help="Also keep every checkpoint whose step is a multiple of K.")
+@click.option("--dry-run", is_flag=True, help="Print what would be removed; change nothing.")
+@json_option
+def prune_cmd(root: str, keep_last: int, keep_every, dry_run: bool, as_json: bool) -> None:
+    """Remove old checkpoints and temporaries of dead saves under ROOT.
+
+    The latest good checkpoint is always kept, even when newer ones are broken.
+    """
+    from clusterops import checkpoint as ck
+
+    plan = ck.prune(_root_arg(root), keep_last, keep_every, dry_run=dry_run)
+    if as_json:
+        echo_json(dict(plan.to_dict(), dry_run=dry_run))
+        return
+    verb = "would remove" if dry_run else "removed"
+    for p in plan.remove:
+        click.echo(f"{verb} {p}")
+    for p in plan.temporaries:
+        click.echo(f"{verb} {p} (temporary of a dead save)")
+    click.echo(f"kept {len(plan.keep)}; latest good: {plan.latest_good or 'none'}")
+
+
+@ckpt.command("shrink")
+@click.argument("path")
+@json_option
+def shrink_cmd(path: str, as_json: bool) -> None:
+    """Re-save tensors whose storage is larger than their view (recommits PATH)."""
+    from clusterops import checkpoint as ck
+    from clusterops.errors import InputError
+
+    if not os.path.isdir(path):
+        raise InputError(f"{path}: not a checkpoint directory")
+    rep = ck.shrink(path)
+    if as_json:
+        echo_json(rep.to_dict())
+        return
+    saved = rep.bytes_before - rep.bytes_after
+    click.echo(f"{path}: {_human(rep.bytes_before)} -> {_human(rep.bytes_after)} "
+               f"({rep.tensors_shrunk} tensors shrunk, {_human(max(saved, 0))} saved)")

@@ -1,0 +1,666 @@
+"""The training SDK: what a training script imports.
+
+    from clusterops import sdk
+    dist = sdk.init_distributed()          # torchrun or srun-native ranks; gloo/nccl
+    ckpt = sdk.resume()                    # None, or the state to continue from
+    ...
+    for step in range(start, steps):
+        train_one_step()
+        sdk.heartbeat(step + 1)            # cheap: at most ~1 write per second
+        if (step + 1) % every == 0:
+            sdk.save(state, step + 1, async_=True)
+        if sdk.should_stop():              # all ranks agree (one small collective)
+            sdk.save(state, step + 1); break
+    sdk.wait()
+
+Environment contract (set by ``clusterops supervise``; all optional):
+``CLUSTEROPS_CKPT_DIR`` checkpoint root; ``CLUSTEROPS_RESUME_FROM`` checkpoint to
+resume from (empty: the latest good one under the root); ``CLUSTEROPS_HEARTBEAT_DIR``
+where file ``rank<RANK>`` holds the last step (its mtime is the last progress);
+``CLUSTEROPS_STOP_FILE`` a path whose existence requests a stop (SIGUSR2 and SIGTERM do
+too); ``CLUSTEROPS_RESTART_COUNT``.
+
+On disk (see clusterops.checkpoint): one process writes ``state.pt`` (torch.save of
+the state) and ``rank_0.pt`` (RNG states and per-rank state); many ranks write the
+state with torch.distributed.checkpoint into ``dcp/`` (each rank its shard) plus one
+``rank_<r>.pt`` each, and rank 0 writes the manifest and commits after all ranks are
+done. torch is imported on first use, not at import.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from clusterops import checkpoint as ck
+from clusterops.errors import ClusteropsError
+
+log = logging.getLogger(__name__)
+
+ENV_CKPT_DIR = "CLUSTEROPS_CKPT_DIR"
+ENV_RESUME_FROM = "CLUSTEROPS_RESUME_FROM"
+ENV_HEARTBEAT_DIR = "CLUSTEROPS_HEARTBEAT_DIR"
+ENV_STOP_FILE = "CLUSTEROPS_STOP_FILE"
+ENV_RESTART_COUNT = "CLUSTEROPS_RESTART_COUNT"
+
+HEARTBEAT_INTERVAL_S = 1.0
+STOP_FILE_POLL_S = 0.25
+STATE_FILE = "state.pt"
+DCP_DIR = "dcp"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: Optional[str] = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class Resumed:
+    """What resume() returns: the state to continue from."""
+
+    step: int
+    state: Any
+    rank_state: Any
+    path: Path
+    manifest: dict
+    rng_restored: bool
+
+
+class _Runtime:
+    def __init__(self):
+        self.dist = DistInfo()
+        self.initialized = False
+        self.ckpt_group = None  # process group used by checkpoint collectives (async-safe)
+        self.stop_requested = False
+        self.stop_agreed = False
+        self.stop_reason = ""
+        self.stop_file_checked_at = 0.0
+        self.stop_file_seen = False
+        self.hb_at = -1e18
+        self.hb_step = None
+        self.inflight: Optional[_AsyncSave] = None
+        self.last_async_step: Optional[int] = None
+        self.atexit_registered = False
+        self.snapshot_pool: dict = {}  # buffers of the last async snapshot, reused by the next
+        self.signals_installed = False
+        self.prev_handlers = {}
+        self.lock = threading.Lock()
+
+
+_rt = _Runtime()
+
+
+def _reset() -> None:
+    """Forget all SDK state and restore signal handlers (tests, or a second run in-process)."""
+    global _rt
+    for sig, h in _rt.prev_handlers.items():
+        signal.signal(sig, h)
+    _rt = _Runtime()
+
+
+def _env_int(*names: str, default: int) -> int:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            return int(v)
+    return default
+
+
+def restart_count() -> int:
+    return _env_int(ENV_RESTART_COUNT, default=0)
+
+
+def ckpt_root(root: Optional[os.PathLike] = None) -> Path:
+    r = root or os.environ.get(ENV_CKPT_DIR)
+    if not r:
+        raise ClusteropsError(f"no checkpoint root: pass root= or set {ENV_CKPT_DIR}")
+    return Path(r)
+
+
+def dist_info() -> DistInfo:
+    return _ensure_runtime()
+
+
+def _ensure_runtime() -> DistInfo:
+    """Adopt a process group the script initialized itself (without init_distributed)."""
+    if _rt.initialized:
+        return _rt.dist
+    dist_mod = sys.modules.get("torch.distributed")
+    if dist_mod is not None and dist_mod.is_available() and dist_mod.is_initialized():
+        world = dist_mod.get_world_size()
+        _rt.dist = DistInfo(rank=dist_mod.get_rank(), world_size=world,
+                            local_rank=_env_int("LOCAL_RANK", "SLURM_LOCALID", default=0),
+                            backend=str(dist_mod.get_backend()))
+        if world > 1:
+            _rt.ckpt_group = dist_mod.new_group(backend="gloo")  # collective: every rank gets here together
+        _rt.initialized = True
+    return _rt.dist
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 600.0,
+                     install_signal_handlers: bool = True) -> DistInfo:
+    """Join the process group from torchrun's or Slurm's environment.
+
+    torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; srun-native ranks have SLURM_PROCID/
+    SLURM_NTASKS/SLURM_LOCALID and the launcher exports MASTER_ADDR/MASTER_PORT.
+    A world of one initializes nothing. Also installs the stop-request handlers
+    (SIGTERM, SIGUSR2) when called from the main thread.
+    """
+    if install_signal_handlers:
+        install_stop_handlers()
+    if _rt.initialized:
+        return _rt.dist
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    info = DistInfo(rank=rank, world_size=world, local_rank=local)
+    if world > 1:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if not os.environ.get(var):
+                raise ClusteropsError(f"{var} is not set: the launcher must export it for {world} ranks")
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local)
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        # Checkpoint collectives run on their own gloo group, so an async save's
+        # background thread never interleaves with the training's collectives.
+        _rt.ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        info.backend = backend
+    _rt.dist = info
+    _rt.initialized = True
+    return info
+
+
+def shutdown() -> None:
+    """Wait for an in-flight save and leave the process group."""
+    try:
+        wait()
+    finally:
+        if _rt.dist.distributed:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        _rt.initialized = False
+        _rt.ckpt_group = None
+
+
+# ----------------------------------------------------------------------------- stop requests
+
+
+def _on_stop_signal(signum, frame) -> None:
+    if _rt.stop_requested and signum == signal.SIGTERM:
+        # A second SIGTERM: the caller means it. Die the default way.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _rt.stop_requested = True
+    _rt.stop_reason = _rt.stop_reason or signal.Signals(signum).name
+
+
+def install_stop_handlers() -> bool:
+    if _rt.signals_installed or threading.current_thread() is not threading.main_thread():
+        return _rt.signals_installed
+    for sig in (signal.SIGTERM, signal.SIGUSR2):
+        _rt.prev_handlers[sig] = signal.signal(sig, _on_stop_signal)
+    _rt.signals_installed = True
+    return True
+
+
+def request_stop(reason: str = "requested") -> None:
+    _rt.stop_requested = True
+    _rt.stop_reason = _rt.stop_reason or reason
+
+
+def _local_stop() -> bool:
+    if _rt.stop_requested:
+        return True
+    path = os.environ.get(ENV_STOP_FILE)
+    if path:
+        now = time.monotonic()
+        if now - _rt.stop_file_checked_at >= STOP_FILE_POLL_S:
+            _rt.stop_file_checked_at = now
+            if os.path.exists(path):
+                _rt.stop_requested = True
+                _rt.stop_reason = _rt.stop_reason or "stop file"
+    return _rt.stop_requested
+
+
+def should_stop() -> bool:
+    """True once a stop was requested on any rank; all ranks return the same value.
+
+    With many ranks this is a collective (one all-reduce of one number): every rank
+    must call it at the same points of the loop.
+    """
+    if _rt.stop_agreed:
+        return True
+    _ensure_runtime()
+    install_stop_handlers()
+    local = _local_stop()
+    if _rt.dist.distributed:
+        import torch
+        import torch.distributed as dist
+
+        device = f"cuda:{_rt.dist.local_rank}" if _rt.dist.backend == "nccl" else "cpu"
+        t = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        agreed = bool(t.item())
+    else:
+        agreed = local
+    if agreed:
+        _rt.stop_agreed = True
+        if not _rt.stop_reason:
+            _rt.stop_reason = "another rank"
+    return agreed
+
+
+def stop_reason() -> str:
+    return _rt.stop_reason
+
+
+# ----------------------------------------------------------------------------- heartbeat
+
+
+def heartbeat(step: int, *, force: bool = False) -> bool:
+    """Record progress for the supervisor's hang detection.
+
+    Writes ``$CLUSTEROPS_HEARTBEAT_DIR/rank<RANK>`` (content: the step) at most once per
+    HEARTBEAT_INTERVAL_S; other calls cost one clock read. Returns True when written.
+    """
+    d = os.environ.get(ENV_HEARTBEAT_DIR)
+    if not d:
+        return False
+    now = time.monotonic()
+    if not force and now - _rt.hb_at < HEARTBEAT_INTERVAL_S:
+        return False
+    _rt.hb_at = now
+    _rt.hb_step = step
+    rank = _rt.dist.rank if _rt.initialized else _env_int("RANK", "SLURM_PROCID", default=0)
+    final = os.path.join(d, f"rank{rank}")
+    tmp = os.path.join(d, f".rank{rank}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(f"{int(step)}\n")
+        os.replace(tmp, final)
+    except OSError as e:
+        # A heartbeat must never kill training; the supervisor sees staleness anyway.
+        log.warning("heartbeat write to %s failed: %s", final, e)
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def get_rng_state() -> dict:
+    """RNG states of python, numpy (if importable) and torch (+CUDA if initialized)."""
+    import torch
+
+    py = random.getstate()
+    out = {"python": [py[0], list(py[1]), py[2]], "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        out["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    import torch
+
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _snapshot(obj: Any, pool: Optional[dict] = None) -> Any:
+    """A copy that later training steps cannot change: tensors copied to CPU.
+
+    ``pool`` maps a tensor's place in the state to the buffer the previous async
+    save used for it; a buffer of the same shape and dtype is reused (no allocation,
+    no page faults), which is most of the cost of the copy. Only called after the
+    previous save finished, so those buffers are free.
+    """
+    import copy
+
+    import torch
+
+    new_pool = {}
+
+    def walk(o, key):
+        if isinstance(o, torch.Tensor):
+            src = o.detach()
+            buf = pool.get(key) if pool else None
+            if (buf is not None and buf.shape == src.shape and buf.dtype == src.dtype
+                    and buf.is_contiguous() and src.device.type == "cpu"):
+                buf.copy_(src)
+            else:
+                buf = src.to("cpu", copy=True, memory_format=torch.contiguous_format)
+            new_pool[key] = buf
+            return buf
+        if isinstance(o, dict):
+            return {k: walk(v, key + (k,)) for k, v in o.items()}
+        if isinstance(o, list):
+            return [walk(v, key + (i,)) for i, v in enumerate(o)]
+        if isinstance(o, tuple) and not hasattr(o, "_fields"):
+            return tuple(walk(v, key + (i,)) for i, v in enumerate(o))
+        return copy.deepcopy(o)
+
+    out = walk(obj, ())
+    if pool is not None:
+        pool.clear()
+        pool.update(new_pool)
+    return out
+
+
+class _AsyncSave:
+    def __init__(self, step: int, fn):
+        self.step = step
+        self.result: Optional[Path] = None
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=f"ckpt-save-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self.result = fn()
+        except BaseException as e:  # re-raised by wait()
+            self.error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self) -> Optional[Path]:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def async_done() -> bool:
+    """True when an async save was started and has finished (call wait() to collect it)."""
+    return _rt.inflight is not None and _rt.inflight.done()
+
+
+def async_in_flight() -> bool:
+    return _rt.inflight is not None and not _rt.inflight.done()
+
+
+def last_async_step() -> Optional[int]:
+    return _rt.last_async_step
+
+
+def _wait_at_exit() -> None:
+    try:
+        wait()
+    except Exception as e:
+        log.error("the last async checkpoint save failed: %s", e)
+
+
+def wait() -> Optional[Path]:
+    """Wait for the in-flight async save; raise its error if it failed."""
+    job, _rt.inflight = _rt.inflight, None
+    if job is None:
+        return None
+    return job.join()
+
+
+def save(state: dict, step: int, *, async_: bool = False, rank_state: Any = None,
+         root: Optional[os.PathLike] = None, meta: Optional[dict] = None,
+         algo: str = ck.DEFAULT_HASH) -> Optional[Path]:
+    """Commit a checkpoint of state at step (all ranks call it with the same step).
+
+    The RNG states are captured here. With async_=True the state is copied (tensors
+    cloned to CPU) and written by a background thread while training continues; at
+    most one save is in flight, so this first waits for the previous one, and an
+    earlier async failure is raised here (or by wait()). Returns the committed path
+    (None for an async save still in flight).
+    """
+    wait()
+    _ensure_runtime()
+    root = ckpt_root(root)
+    rng = get_rng_state()
+    meta = dict(meta or {}, restart_count=restart_count())
+    if async_:
+        snap, rsnap = _snapshot(state, _rt.snapshot_pool), _snapshot(rank_state)
+        _rt.last_async_step = step
+        if not _rt.atexit_registered:
+            # A script that ends without wait() still gets its last checkpoint committed.
+            atexit.register(_wait_at_exit)
+            _rt.atexit_registered = True
+        _rt.inflight = _AsyncSave(step, lambda: _save_now(snap, step, rng, rsnap, root, meta, algo))
+        return None
+    return _save_now(state, step, rng, rank_state, root, meta, algo)
+
+
+def _save_now(state, step, rng, rank_state, root: Path, meta, algo) -> Path:
+    t0 = time.monotonic()
+    d = _rt.dist
+    extra = {"rng": rng, "rank_state": rank_state, "rank": d.rank, "step": int(step)}
+    if not d.distributed:
+        path = ck.save_torch(root, step, {STATE_FILE: state, rank_file(0): extra}, world_size=1, meta=meta,
+                             algo=algo)
+    else:
+        path = _save_distributed(state, step, extra, root, meta, algo)
+    log.info("checkpoint step %d committed at %s in %.2fs", step, path, time.monotonic() - t0)
+    return path
+
+
+def _save_distributed(state, step, extra, root: Path, meta, algo) -> Path:
+    """Each rank writes its DCP shard and its rank file; rank 0 commits after all are done."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    d, pg = _rt.dist, _rt.ckpt_group
+    # 1. rank 0 makes the temporary directory and tells everyone its name.
+    box = [None]
+    pending = None
+    if d.rank == 0:
+        try:
+            pending = ck.PendingCheckpoint(root, step, algo=algo)
+            (pending.path / DCP_DIR).mkdir()
+            box[0] = ("ok", str(pending.path))
+        except BaseException as e:
+            box[0] = ("error", str(ck.wrap_save_error(e, root, step)))
+            if pending is not None:
+                pending.abort()
+    dist.broadcast_object_list(box, src=0, group=pg)
+    status, tmp = box[0]
+    if status != "ok":
+        raise ck.CheckpointError(tmp)
+    tmp = Path(tmp)
+    if pending is None:
+        pending = ck.PendingCheckpoint(root, step, algo=algo, tmp_path=tmp)
+    # 2. every rank: its DCP shard (a collective; failures reach every rank) and its rank file.
+    error = None
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True), process_group=pg)
+    except BaseException as e:
+        error = e
+    if error is None:
+        try:
+            pending.write_torch(rank_file(d.rank), extra)
+        except BaseException as e:
+            error = e
+    dist.barrier(group=pg)
+    # 3. every rank hashes its share of the DCP files (rank 0 does not re-read 1/W of them).
+    if error is None:
+        try:
+            names = sorted(str(p.relative_to(tmp)) for p in (tmp / DCP_DIR).rglob("*") if p.is_file())
+            for i, name in enumerate(names):
+                if i % d.world_size == d.rank:
+                    pending.record_file(name)
+        except BaseException as e:
+            error = e
+    report = {"rank": d.rank, "files": pending.files,
+              "error": None if error is None else str(ck.wrap_save_error(error, root, step))}
+    reports = [None] * d.world_size if d.rank == 0 else None
+    dist.gather_object(report, reports, dst=0, group=pg)
+    # 4. rank 0 commits (or aborts) and tells everyone the outcome.
+    box = [None]
+    if d.rank == 0:
+        errors = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"]]
+        if errors:
+            pending.abort()
+            box[0] = ("error", "; ".join(errors))
+        else:
+            for r in reports:
+                pending.files.update(r["files"])
+            try:
+                path = pending.commit(world_size=d.world_size, kind="dcp", meta=meta)
+                box[0] = ("ok", str(path))
+            except BaseException as e:
+                pending.abort()
+                box[0] = ("error", str(ck.wrap_save_error(e, root, step)))
+    dist.broadcast_object_list(box, src=0, group=pg)
+    status, msg = box[0]
+    if status != "ok":
+        if error is not None and ck._is_disk_full(error):
+            raise ck.CheckpointDiskFull(msg)
+        if "no space left" in msg:
+            raise ck.CheckpointDiskFull(msg)
+        raise ck.CheckpointError(msg)
+    return Path(msg)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def _choose_checkpoint(root: Optional[os.PathLike], deep: bool) -> Optional[Path]:
+    explicit = os.environ.get(ENV_RESUME_FROM)
+    if explicit:
+        info = ck.verify(explicit, deep=deep)
+        if info.ok:
+            return Path(explicit)
+        log.warning("%s=%s is not a good checkpoint (%s); looking for the latest good one",
+                    ENV_RESUME_FROM, explicit, "; ".join(info.problems))
+        if root is None and not os.environ.get(ENV_CKPT_DIR):
+            root = Path(explicit).parent
+    try:
+        r = ckpt_root(root)
+    except ClusteropsError:
+        return None
+    found = ck.find_latest_good(r, deep=deep)
+    for bad in found.skipped:
+        log.warning("skipped bad checkpoint %s: %s", bad.path, "; ".join(bad.problems))
+    return found.latest.path if found.latest else None
+
+
+def resume(*, root: Optional[os.PathLike] = None, template: Optional[dict] = None, deep: bool = False,
+           restore_rng: bool = True, weights_only: bool = True) -> Optional[Resumed]:
+    """The state to continue from, or None when there is no good checkpoint.
+
+    Uses $CLUSTEROPS_RESUME_FROM when set and good, else the latest good checkpoint
+    under the root (bad ones are skipped and logged). With many ranks, rank 0 chooses
+    and all ranks load the same checkpoint. A DCP checkpoint is loaded in place into
+    ``template`` when given (each rank reads what it needs), otherwise in full.
+    RNG states are restored (restore_rng=True) when this rank's file is present;
+    call resume() after building the model so nothing consumes randomness afterwards.
+    """
+    d = _ensure_runtime()
+    if d.distributed:
+        import torch.distributed as dist
+
+        box = [None]
+        if d.rank == 0:
+            try:
+                p = _choose_checkpoint(root, deep)
+                box[0] = ("ok", str(p) if p else None)
+            except Exception as e:  # every rank must hear about it, not wait forever
+                box[0] = ("error", f"{type(e).__name__}: {e}")
+        dist.broadcast_object_list(box, src=0, group=_rt.ckpt_group)
+        status, chosen = box[0]
+        if status != "ok":
+            raise ck.CheckpointError(f"choosing the checkpoint to resume from failed on rank 0: {chosen}")
+        path = Path(chosen) if chosen else None
+    else:
+        path = _choose_checkpoint(root, deep)
+    if path is None:
+        return None
+    manifest = ck.read_manifest(path)
+    step = manifest["step"]
+    if manifest.get("kind") == "dcp":
+        state = _load_dcp(path / DCP_DIR, template)
+    else:
+        state = ck.load_torch(path, STATE_FILE, weights_only=weights_only)
+    extra = None
+    rf = rank_file(d.rank)
+    if rf in manifest["files"] and manifest.get("world_size", 1) == d.world_size:
+        extra = ck.load_torch(path, rf, weights_only=weights_only)
+    else:
+        log.warning("checkpoint %s has no rank file for rank %d of %d (saved by %s ranks); RNG not restored",
+                    path, d.rank, d.world_size, manifest.get("world_size"))
+    rng_restored = False
+    if extra is not None and restore_rng:
+        set_rng_state(extra["rng"])
+        rng_restored = True
+    return Resumed(step=step, state=state, rank_state=extra.get("rank_state") if extra else None,
+                   path=path, manifest=manifest, rng_restored=rng_restored)
+
+
+def _load_dcp(dcp_path: Path, template: Optional[dict]):
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(dcp_path))
+    if template is not None:
+        dcp.load(template, storage_reader=reader, process_group=_rt.ckpt_group)
+        return template
+    # Without a template, rebuild the whole state from the checkpoint's metadata; every
+    # rank reads it on its own (no collectives). torch has no public call for this yet:
+    # dcp_to_torch_save() does the same with these two private pieces.
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state_dict=state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
