@@ -6,7 +6,6 @@ Prints the median of N runs for each and the difference (target: <= 150 ms above
 """
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys

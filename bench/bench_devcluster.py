@@ -8,7 +8,6 @@ Target: 4 nodes idle in under 15 s.
 """
 
 import argparse
-import os
 import shutil
 import statistics
 import subprocess

@@ -26,7 +26,6 @@ import difflib
 import importlib
 import logging
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -432,23 +431,6 @@ def prometheus_text(report: Dict[str, Any]) -> str:
         lines += ["# HELP clusterops_health_probe_value The probe's measured value (see unit).",
                   "# TYPE clusterops_health_probe_value gauge"] + values
     return "\n".join(lines) + "\n"
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write via a temporary file and rename (node_exporter must never read half a file)."""
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=str(p.parent) if str(p.parent) else ".", prefix=f".{p.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def format_table(report: Dict[str, Any]) -> str:

@@ -10,38 +10,14 @@ from __future__ import annotations
 
 import html
 import os
-import tempfile
 import time
-from pathlib import Path
 from typing import Dict, List, Mapping
 
-from clusterops.errors import ClusteropsError
+from clusterops.fsutil import write_atomic  # noqa: F401  (re-exported for callers)
 
 STATUSES = ("pass", "warn", "fail", "error", "unreachable", "skipped")
 COLORS = {"pass": "#2e7d32", "warn": "#f9a825", "fail": "#c62828", "error": "#6a1b9a",
           "unreachable": "#d84315", "skipped": "#9e9e9e"}
-
-
-def write_atomic(path: os.PathLike | str, text: str, mode: int = 0o644) -> None:
-    p = Path(path)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=str(p.parent), prefix=f".{p.name}.", suffix=".tmp")
-    except OSError as e:
-        raise ClusteropsError(f"{p}: cannot write: {e}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 # -- Prometheus -------------------------------------------------------------------

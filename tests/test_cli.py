@@ -4,10 +4,9 @@ import subprocess
 import sys
 
 import click
-import pytest
 from click.testing import CliRunner
 
-from clusterops.cli import COMMANDS, cli
+from clusterops.cli import cli
 
 
 def walk(group, ctx, path):

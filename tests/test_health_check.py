@@ -119,7 +119,7 @@ def test_check_json_contract_and_exit_codes(tmp_path):
     assert rep["node"] == "node9" and rep["profile"] == "p" and rep["status"] in ("pass", "warn")
     for res in rep["results"]:
         assert set(res) == {"name", "status", "value", "unit", "threshold", "detail", "duration_s", "data"}
-    assert {x["name"] for x in rep["results"]} >= {"nvml", "xid", "host.memory", f"host.path:${{MY_SCRATCH}}"}
+    assert {x["name"] for x in rep["results"]} >= {"nvml", "xid", "host.memory", "host.path:${MY_SCRATCH}"}
     prom = (tmp_path / "h.prom").read_text()
     assert 'clusterops_health_status{node="node9",profile="p"} ' in prom
     assert 'clusterops_health_probe_value{node="node9",probe="host.memory",unit="GB"}' in prom

@@ -8,7 +8,6 @@ launchers; the venv is activated through the spec's `setup` (path from sys.prefi
 from __future__ import annotations
 
 import json
-import os
 import sys
 import textwrap
 import time

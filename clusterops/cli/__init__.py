@@ -88,11 +88,17 @@ def cli(verbose: int) -> None:
 
 
 def main(argv=None) -> None:
+    run_command(cli, argv, "clusterops")
+
+
+def run_command(command: click.Command, argv=None, prog_name: str = "clusterops") -> None:
+    """Run a click command with clusterops' error contract: one-line ``Error:`` messages and
+    the exit code each error carries (2 for usage errors)."""
     from clusterops.errors import ClusteropsError
 
     try:
         # standalone_mode=False hands back ctx.exit(code) or a command's int return value.
-        rv = cli.main(args=argv, prog_name="clusterops", standalone_mode=False)
+        rv = command.main(args=argv, prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
@@ -100,7 +106,7 @@ def main(argv=None) -> None:
         sys.exit(e.exit_code)
     except click.UsageError as e:
         # One line, naming the command to ask for help (exit 2).
-        cmd = e.ctx.command_path if e.ctx else "clusterops"
+        cmd = e.ctx.command_path if e.ctx else prog_name
         click.echo(f"Error: {e.format_message()} (see '{cmd} --help')", err=True)
         sys.exit(e.exit_code)
     except click.ClickException as e:

@@ -46,7 +46,8 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
     Exit codes: 0 healthy (warnings allowed); 1 unhealthy (a probe failed or
     hung); 2 bad usage or profile.
     """
-    from clusterops.health import load_profile, prometheus_text, run_check, self_drain, write_atomic, format_table
+    from clusterops.fsutil import write_atomic
+    from clusterops.health import load_profile, prometheus_text, run_check, self_drain, format_table
     from clusterops.probes.base import ProbeContext, node_name
 
     profile = load_profile(profile_name, site_config)  # InputError -> exit 2

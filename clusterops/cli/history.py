@@ -67,21 +67,9 @@ def history(node, probe, since, limit, db_path, as_json):
 def main(argv=None) -> None:
     """Standalone entry (``python -m clusterops.cli.history``), with the same one-line
     errors and exit codes as under ``clusterops health``."""
-    import sys
+    from clusterops.cli import run_command
 
-    from clusterops.errors import ClusteropsError
-
-    try:
-        rv = history.main(args=argv, prog_name="clusterops-history", standalone_mode=False)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except ClusteropsError as e:
-        click.echo(f"Error: {e.message}", err=True)
-        sys.exit(e.exit_code)
-    sys.exit(rv if isinstance(rv, int) else 0)
+    run_command(history, argv, "clusterops-history")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """The dev cluster itself: GPUs counted, scratch dirs, a 4-node torchrun gloo job, a node killed."""
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -1,8 +1,6 @@
 """Every Slurm operation of the access layer, against the real dev cluster."""
 
-import os
 import time
-from pathlib import Path
 
 import hostlist
 import pytest
