@@ -209,29 +209,23 @@ def run_one(hc: HostConf, command: str, store: HostKeyStore, keys, opts: SSHOpti
         if why:
             res.error = why
             return res
-        authed = False
-        for k in keys:
-            try:
-                transport.auth_publickey(hc.user, k)
-                authed = transport.is_authenticated()
-            except paramiko.AuthenticationException:
-                continue
-            if authed:
-                break
-        if not authed:
-            try:
-                agent_keys = paramiko.Agent().get_keys()
-            except Exception:
-                agent_keys = ()
-            for k in agent_keys:
+        def try_keys(candidates) -> bool:
+            for k in candidates:
                 try:
                     transport.auth_publickey(hc.user, k)
-                    authed = transport.is_authenticated()
                 except paramiko.AuthenticationException:
                     continue
-                if authed:
-                    break
-        if not authed:
+                if transport.is_authenticated():
+                    return True
+            return False
+
+        def agent_keys():
+            try:
+                return paramiko.Agent().get_keys()
+            except Exception:
+                return ()
+
+        if not (try_keys(keys) or try_keys(agent_keys())):
             res.error = f"key authentication as {hc.user} refused (keys tried: {len(keys)})"
             return res
         chan = transport.open_session(timeout=left())
