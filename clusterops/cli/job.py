@@ -1,0 +1,41 @@
+"""``clusterops job``: inspect supervised jobs."""
+
+from __future__ import annotations
+
+import click
+
+from clusterops.cli.common import echo_json, json_option
+
+
+@click.group()
+def job():
+    """Inspect supervised jobs (their timeline)."""
+
+
+@job.command()
+@click.argument("job_dir", type=click.Path())
+@json_option
+@click.option("--chart", type=click.Path(dir_okay=False),
+              help="Also write a self-contained chart: FILE.svg, or FILE.html (chart + event table).")
+@click.option("--progress", is_flag=True, help="Include the periodic step samples in the text output.")
+def timeline(job_dir, as_json, chart, progress):
+    """Print the timeline of a supervised job (JOB_DIR/timeline.jsonl).
+
+    Every event and decision of every incarnation: preflight, launch, heartbeat lost,
+    failures with their classification, restarts, nodes dropped, checkpoints, stop
+    requests, requeues, give-up. Exit 0; 2 when JOB_DIR holds no timeline.
+    """
+    from clusterops import timeline as tl
+
+    records = tl.read(job_dir)
+    if chart:
+        tl.write_chart(records, chart, title=f"supervised job {job_dir}")
+    if as_json:
+        echo_json({"records": records, "summary": tl.summary(records)})
+        return
+    click.echo(tl.format_text(records, progress=progress))
+    s = tl.summary(records)
+    click.echo(f"-- {s['launches']} launch(es), {s['restarts']} restart(s), {s['requeues']} requeue(s); "
+               f"outcome: {s['outcome'] or 'running'}"
+               + (f" (exit {s['exit_code']})" if s["exit_code"] is not None else "")
+               + (f"; chart: {chart}" if chart else ""))

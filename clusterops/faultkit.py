@@ -1,0 +1,272 @@
+"""Run supervised training jobs on a dev cluster and inject real faults into them.
+
+Used by the fault-matrix tests, the demo (examples/demo.py) and the supervisor
+benchmark: write a job spec for examples/train.py with a ``supervise:`` section, submit
+it through ``clusterops launch submit``, watch its heartbeats, kill -9 / SIGSTOP a rank,
+corrupt a checkpoint, wait for the job to end, and compare the final weights bitwise
+with an uninterrupted run of the same world size. Test tooling, not a product API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from clusterops.errors import ClusteropsError
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_SCRIPT = REPO / "examples" / "train.py"
+
+
+@dataclass
+class TrainJob:
+    """One supervised run of examples/train.py in its own directory."""
+
+    root: Path
+    name: str
+    nodes: int = 4
+    steps: int = 60
+    ckpt_every: int = 10
+    step_sleep: float = 0.1
+    supervise: Dict[str, object] = field(default_factory=dict)
+    spec_extra: Dict[str, object] = field(default_factory=dict)
+    train_args: List[str] = field(default_factory=list)
+    script: Path = TRAIN_SCRIPT
+    python: str = sys.executable
+    job_id: Optional[int] = None
+
+    @property
+    def job_dir(self) -> Path:
+        return self.root / "job"
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return Path(str(self.supervise.get("ckpt_dir", self.root / "ckpt")))
+
+    @property
+    def out(self) -> Path:
+        return self.root / "final.pt"
+
+    @property
+    def spec_path(self) -> Path:
+        return self.root / f"{self.name}.yaml"
+
+    def args(self) -> List[str]:
+        return ["--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every),
+                "--step-sleep", str(self.step_sleep), "--out", str(self.out), *self.train_args]
+
+    def spec(self) -> dict:
+        sup = {"ckpt_dir": str(self.ckpt_dir), "job_dir": str(self.job_dir), "preflight": False,
+               "hang_timeout_s": 20, "startup_timeout_s": 120}
+        sup.update(self.supervise)
+        spec = {
+            "name": self.name, "launcher": "srun", "nodes": self.nodes, "time": "0:10:00",
+            "script": str(self.script), "python": self.python, "args": self.args(),
+            "workdir": str(self.root), "log_dir": str(self.root / "logs"),
+            "env": {"OMP_NUM_THREADS": "1"},
+            # The batch shell must find the same clusterops (`exec clusterops supervise`).
+            "setup": [f"export PATH={Path(self.python).parent}:$PATH"],
+            "signal_lead_s": 0,
+            "supervise": sup,
+        }
+        spec.update(self.spec_extra)
+        return spec
+
+    def write_spec(self) -> Path:
+        import yaml
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.spec_path.write_text(yaml.safe_dump(self.spec(), sort_keys=False))
+        return self.spec_path
+
+    def submit(self, env: Optional[Dict[str, str]] = None) -> int:
+        """`clusterops launch submit SPEC --json` -> job id."""
+        self.write_spec()
+        p = subprocess.run([self.python, "-m", "clusterops", "launch", "submit", str(self.spec_path), "--json"],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+        if p.returncode != 0:
+            raise ClusteropsError(f"launch submit failed ({p.returncode}): {p.stderr.strip()[-500:]}")
+        self.job_id = int(json.loads(p.stdout)["job_id"])
+        return self.job_id
+
+    # -- watching -------------------------------------------------------------------
+    def latest_attempt(self) -> Optional[Path]:
+        attempts = sorted(self.job_dir.glob("attempt-*"), key=lambda p: int(p.name.split("-")[1]))
+        return attempts[-1] if attempts else None
+
+    def progress(self) -> Optional[int]:
+        """Lowest step over the ranks of the latest attempt (None before the first beat)."""
+        att = self.latest_attempt()
+        if att is None:
+            return None
+        steps = []
+        for f in (att / "heartbeat").glob("rank*"):
+            try:
+                steps.append(int(f.read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                continue
+        return min(steps) if steps else None
+
+    def wait_step(self, step: int, timeout_s: float = 120.0, attempt: Optional[int] = None) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            att = self.latest_attempt()
+            if attempt is None or (att is not None and int(att.name.split("-")[1]) >= attempt):
+                got = self.progress()
+                if got is not None and got >= step:
+                    return got
+            if self.timeline_events("done", "give_up"):
+                raise ClusteropsError(f"{self.name}: job ended before step {step}")
+            time.sleep(0.2)
+        raise ClusteropsError(f"{self.name}: step {step} not reached in {timeout_s:g}s (at {self.progress()})")
+
+    def rank_pids(self, rank: int) -> List[int]:
+        """PIDs of the training process(es) of a rank of this job (read from /proc)."""
+        want = {f"SLURM_JOB_ID={self.job_id}".encode(), f"SLURM_PROCID={rank}".encode()}
+        found = []
+        for e in os.scandir("/proc"):
+            if not e.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{e.name}/environ", "rb") as f:
+                    env = set(f.read().split(b"\0"))
+                with open(f"/proc/{e.name}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if want <= env and str(self.script).encode() in argv and b"srun" not in Path(argv[0].decode()).name.encode():
+                found.append(int(e.name))
+        return found
+
+    def signal_rank(self, rank: int, sig: int) -> List[int]:
+        pids = self.rank_pids(rank)
+        if not pids:
+            raise ClusteropsError(f"{self.name}: no process for rank {rank} of job {self.job_id}")
+        for pid in pids:
+            os.kill(pid, sig)
+        return pids
+
+    def timeline(self) -> List[dict]:
+        from clusterops import timeline as tl
+
+        try:
+            return tl.read(self.job_dir)
+        except ClusteropsError:
+            return []
+
+    def timeline_events(self, *kinds: str) -> List[dict]:
+        return [r for r in self.timeline() if r.get("event") in kinds]
+
+    def wait_end(self, slurm, timeout_s: float = 300.0):
+        """Wait until Slurm says the job has ended for good (not requeued) -> JobInfo."""
+        deadline = time.monotonic() + timeout_s
+        info = None
+        while time.monotonic() < deadline:
+            try:
+                info = slurm.job(self.job_id)
+            except ClusteropsError:
+                time.sleep(1)
+                continue
+            if info.category in ("done", "failed") and info.state not in ("REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD"):
+                return info
+            time.sleep(0.5)
+        raise ClusteropsError(f"{self.name}: job {self.job_id} still {info.state if info else '?'} after "
+                              f"{timeout_s:g}s; timeline tail: "
+                              + " | ".join(r.get("event", "") for r in self.timeline()[-8:]))
+
+    def batch_log(self) -> str:
+        logs = sorted((self.root / "logs").glob(f"*-{self.job_id}*.out"))
+        return "\n".join(p.read_text(errors="replace") for p in logs)
+
+
+# ------------------------------------------------------------------------------ faults
+def corrupt_latest_checkpoint(ckpt_dir: Path) -> Path:
+    """Flip one byte in the biggest file of the newest committed checkpoint (same size, so
+    only a hash check catches it)."""
+    from clusterops import checkpoint as ck
+
+    steps = ck.committed_steps(ckpt_dir)
+    if not steps:
+        raise ClusteropsError(f"no checkpoint under {ckpt_dir}")
+    path = steps[-1][1]
+    files = [p for p in path.rglob("*") if p.is_file() and p.name != "manifest.json"]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    return path
+
+
+def damaged_checkpoints(ckpt_dir: Path, ignore: Sequence[Path] = ()) -> List[str]:
+    """Committed checkpoints that fail a deep verify (besides the ones we broke on purpose)."""
+    from clusterops import checkpoint as ck
+
+    bad = []
+    skip = {Path(p).resolve() for p in ignore}
+    for info in ck.list_checkpoints(ckpt_dir, deep=True):
+        if not info.ok and info.path.resolve() not in skip:
+            bad.append(f"{info.path}: {'; '.join(info.problems)}")
+    return bad
+
+
+# ------------------------------------------------------------------------------ reference runs
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_local(world: int, args: Sequence[str], *, workdir: Path, python: str = sys.executable,
+              script: Path = TRAIN_SCRIPT, timeout_s: float = 300.0) -> str:
+    """Run examples/train.py uninterrupted on `world` local gloo ranks (no Slurm); rank 0's output."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CLUSTEROPS_"))}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
+                   LOCAL_RANK=str(r), OMP_NUM_THREADS="1", CLUSTEROPS_CKPT_DIR=str(workdir / "ckpt"))
+        procs.append(subprocess.Popen([python, str(script), *args], env=env, cwd=str(workdir),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout_s)
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outs):
+        if p.returncode != 0:
+            raise ClusteropsError(f"reference run failed ({p.returncode}): {out[-800:]}")
+    return outs[0]
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    """Bitwise equality of two saved state dicts (names, dtypes, shapes and bytes)."""
+    import torch
+
+    sa = torch.load(a, map_location="cpu", weights_only=True)
+    sb = torch.load(b, map_location="cpu", weights_only=True)
+    if sa.keys() != sb.keys():
+        return False
+    for k in sa:
+        x, y = sa[k], sb[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if x.contiguous().view(-1).numpy().tobytes() != y.contiguous().view(-1).numpy().tobytes():
+            return False
+    return True
+
+
+def kill_signal_name(sig: int) -> str:
+    return signal.Signals(sig).name

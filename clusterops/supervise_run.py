@@ -1,0 +1,611 @@
+"""The supervisor's plumbing: signals, srun steps, heartbeats, node polls, Slurm calls.
+
+Runs inside a Slurm allocation (the batch script ``exec``\\ s ``clusterops supervise``,
+so this process itself receives the lead-time ``USR1`` and preemption's ``SIGTERM``).
+Every decision is made by :class:`clusterops.supervisor.Supervisor`; this module
+only turns its actions into ``srun``/``scancel``/``scontrol`` calls (through the
+Runner and the Slurm layer) and what it sees into events.
+
+The training step is one ``srun`` with one task per rank ("srun-native ranks": RANK
+from ``SLURM_PROCID``, ``MASTER_ADDR``/``MASTER_PORT`` exported here). That choice is
+deliberate: under preemption Slurm SIGTERMs every task of every step at once, and a
+rank that receives SIGTERM itself can finish its checkpoint (the SDK treats SIGTERM as
+a stop request), whereas torchrun's agent answers SIGTERM by killing its workers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from clusterops import supervisor as sv
+from clusterops.errors import ClusteropsError, InputError
+from clusterops.runner import CommandError, Runner
+from clusterops.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "supervisor-state.json"
+SRUN_FAILURE = re.compile(r"srun: error: (\S+): tasks? ([\d,\-\[\] ]+): (.+?)\s*$")
+STOPPED_LINE = re.compile(r"^(?:0: )?stopped step=\d+", re.MULTILINE)
+SRUN_NODE_FAILURE = re.compile(r"[Nn]ode failure on (\S+?)[\s,.;]*$")
+
+
+@dataclass
+class RunConfig:
+    command: List[str]                      # the training command (one per rank)
+    job_dir: Path
+    ckpt_dir: Path
+    policy: sv.Policy
+    nodes: List[str]                        # the allocation, batch host first
+    job_id: Optional[str] = None
+    slurm_restart_count: int = 0
+    env: Dict[str, str] = field(default_factory=dict)   # extra env for every rank
+    workdir: Optional[str] = None
+    cpus_per_task: Optional[int] = None
+    # The supervisor shares the nodes' CPUs with the ranks: poll gently. A 1 s reaction
+    # is nothing next to a restart; Slurm itself needs SlurmdTimeout to see a node go.
+    poll_s: float = 1.0
+    node_poll_s: float = 10.0
+    deep_verify: bool = True                # hash-check the checkpoint a restart resumes from
+    step_wait_s: int = 60                   # srun --wait: how long ranks outlive a finished one
+    python: str = sys.executable
+    stacks_timeout_s: float = 15.0
+    srun_args: List[str] = field(default_factory=list)   # extra srun arguments for the training step
+
+    @classmethod
+    def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
+                         **kwargs) -> "RunConfig":
+        """Fill allocation facts from the SLURM_* environment of the batch script."""
+        import hostlist
+
+        nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+        if not nodelist:
+            raise InputError("clusterops supervise must run inside a Slurm allocation "
+                             "(SLURM_JOB_NODELIST is not set)")
+        nodes = hostlist.expand_hostlist(nodelist)
+        batch = os.environ.get("SLURMD_NODENAME")
+        if batch in nodes:
+            nodes = [batch] + [n for n in nodes if n != batch]
+        return cls(command=list(command), job_dir=Path(job_dir), ckpt_dir=Path(ckpt_dir), policy=policy,
+                   nodes=nodes, job_id=os.environ.get("SLURM_JOB_ID"),
+                   slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0), **kwargs)
+
+
+# ------------------------------------------------------------------------------ helpers
+def parse_srun_failures(text: str) -> Tuple[List[sv.RankFailure], List[str]]:
+    """Per-rank failures in the order srun reported them, and nodes srun saw fail."""
+    import hostlist
+
+    failures: List[sv.RankFailure] = []
+    lost: List[str] = []
+    for line in text.splitlines():
+        m = SRUN_FAILURE.search(line)
+        if m:
+            node, tasks, reason = m.group(1), m.group(2).strip(), m.group(3)
+            try:
+                ranks = [int(t) for t in hostlist.expand_hostlist(f"[{tasks.strip('[]')}]")]
+            except Exception:  # noqa: BLE001 - a format we do not know: keep the line anyway
+                ranks = [-1]
+            for r in ranks:
+                failures.append(sv.RankFailure(node=node, rank=r, reason=reason))
+            continue
+        m = SRUN_NODE_FAILURE.search(line)
+        if m and m.group(1) not in lost:
+            lost.append(m.group(1))
+    return failures, lost
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def read_heartbeats(hb_dir: Path) -> Dict[int, Tuple[int, float]]:
+    beats: Dict[int, Tuple[int, float]] = {}
+    try:
+        entries = list(os.scandir(hb_dir))
+    except FileNotFoundError:
+        return beats
+    for e in entries:
+        if not e.name.startswith("rank") or not e.name[4:].isdigit():
+            continue
+        try:
+            mtime = e.stat().st_mtime
+            with open(e.path) as f:
+                step = int((f.read().strip() or "0").split()[0])
+        except (OSError, ValueError):
+            continue
+        beats[int(e.name[4:])] = (step, mtime)
+    return beats
+
+
+def _node_addr(node: str, runner: Runner) -> str:
+    """An address other nodes can reach node at: its name if it resolves, else NodeAddr."""
+    try:
+        socket.gethostbyname(node)
+        return node
+    except OSError:
+        pass
+    try:
+        out = runner.run(["scontrol", "show", "node", "--oneliner", node], timeout_s=15).stdout
+        m = re.search(r"\bNodeAddr=(\S+)", out)
+        if m:
+            return m.group(1)
+    except CommandError:
+        pass
+    return node
+
+
+def load_memory(job_dir: Path) -> sv.Memory:
+    try:
+        return sv.Memory.from_dict(json.loads((job_dir / STATE_FILE).read_text()))
+    except (OSError, ValueError):
+        return sv.Memory()
+
+
+def save_memory(job_dir: Path, memory: sv.Memory) -> None:
+    path = job_dir / STATE_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(memory.to_dict(), indent=1))
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------ the run
+class SupervisorRun:
+    def __init__(self, cfg: RunConfig, *, slurm=None, runner: Optional[Runner] = None,
+                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                 echo: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.runner = runner or Runner()
+        if slurm is None:
+            from clusterops.slurm import Slurm
+
+            # Polls must not block the loop for long: few attempts, short timeouts.
+            slurm = Slurm(self.runner, timeout_s=15.0, read_attempts=2, backoff_s=0.5)
+        self.slurm = slurm
+        self.clock = clock
+        self.sleep = sleep
+        self.echo = echo
+        self.timeline = Timeline(cfg.job_dir, job_id=cfg.job_id, incarnation=cfg.slurm_restart_count,
+                                 clock=clock)
+        self.sup: Optional[sv.Supervisor] = None
+        self.signals: List[str] = []
+        self.train: Optional[subprocess.Popen] = None
+        self.train_log: Optional[Path] = None
+        self.attempt_dir: Optional[Path] = None
+        self.step_name: Optional[str] = None
+        self.step_id: Optional[str] = None
+        self.stop_file: Optional[Path] = None
+        self.preflight: Optional[subprocess.Popen] = None
+        self.preflight_action: Optional[sv.RunPreflight] = None
+        self.preflight_dir: Optional[Path] = None
+        self.preflight_deadline = 0.0
+        self.exit_code: Optional[int] = None
+        self.seen_ckpt: Optional[int] = None
+        self.next_node_poll = 0.0
+        self.node_poll_failures = 0
+        self.launched_at: Optional[float] = None
+        self.preempt_seen = False
+
+    # -- signals ---------------------------------------------------------------------
+    def install_signals(self) -> None:
+        def on_signal(signum, frame):
+            self.signals.append({signal.SIGUSR1: "time_limit", signal.SIGTERM: "preemption"}.get(
+                signum, "user"))
+
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+
+    # -- main loop -------------------------------------------------------------------
+    def run(self) -> int:
+        cfg = self.cfg
+        cfg.job_dir.mkdir(parents=True, exist_ok=True)
+        cfg.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.install_signals()
+        memory = load_memory(cfg.job_dir)
+        latest = self._latest_ckpt(deep=False)
+        self.seen_ckpt = latest
+        self.sup = sv.Supervisor(cfg.policy, cfg.nodes, slurm_restart_count=cfg.slurm_restart_count,
+                                 memory=memory, ckpt_step=latest)
+        try:
+            self._do(self.sup.start(self.clock()))
+            while self.exit_code is None:
+                self._wait(cfg.poll_s)
+                for ev in self._observe():
+                    self._do(self.sup.handle(ev))
+                    if self.exit_code is not None:
+                        break
+        except BaseException as e:
+            # A bug or an interrupt in the plumbing: say so in the timeline and take the
+            # step down with us rather than leave ranks running unsupervised.
+            self._record("supervisor_error", {"error": f"{type(e).__name__}: {e}"})
+            for p in (self.train, self.preflight):
+                if p is not None and p.poll() is None:
+                    self._kill_proc(p)
+            raise
+        return self.exit_code
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep until the next poll, waking at once when the training step exits."""
+        if self.train is not None and self.sleep is time.sleep:
+            try:
+                self.train.wait(timeout=seconds)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            self.sleep(seconds)
+
+    def _observe(self) -> List[sv.Event]:
+        now = self.clock()
+        events: List[sv.Event] = []
+        while self.signals:
+            events.append(sv.StopRequested(now, self.signals.pop(0)))
+        if self.preflight is not None:
+            ev = self._poll_preflight(now)
+            if ev:
+                events.append(ev)
+        if self.train is not None:
+            step = self._latest_ckpt(deep=False)
+            if step is not None and (self.seen_ckpt is None or step > self.seen_ckpt):
+                self.seen_ckpt = step
+                events.append(sv.CheckpointCommitted(now, step, str(self.cfg.ckpt_dir / f"step_{step}")))
+            if self.attempt_dir is not None:
+                events.append(sv.Heartbeats(now, read_heartbeats(self.attempt_dir / "heartbeat")))
+            rc = self.train.poll()
+            if rc is not None:
+                events.append(self._step_exited(now, rc))
+        if now >= self.next_node_poll and self.cfg.job_id:
+            ev = self._poll_nodes(now)
+            if ev:
+                events.append(ev)
+        events.append(sv.Tick(now))
+        return events
+
+    # -- actions ---------------------------------------------------------------------
+    def _do(self, actions: List[sv.Action]) -> None:
+        for a in actions:
+            if self.exit_code is not None:
+                return
+            try:
+                getattr(self, "_act_" + type(a).__name__)(a)
+            except ClusteropsError as e:
+                self._record("warning", {"what": f"{type(a).__name__} failed: {e.message}"})
+                if isinstance(a, sv.Requeue):
+                    self._do(self.sup.handle(sv.RequeueFailed(self.clock(), e.message)))
+                elif isinstance(a, sv.Launch):
+                    # Could not even start srun: count it as a failed attempt.
+                    self.train = None
+                    self._do(self.sup.handle(sv.StepExited(self.clock(), returncode=127)))
+
+    def _record(self, kind: str, data: Optional[dict] = None) -> None:
+        from clusterops.timeline import describe
+
+        rec = self.timeline.append(kind, data or {})
+        self.echo(f"[clusterops supervise] {time.strftime('%H:%M:%S', time.gmtime(rec['t']))} {describe(rec)}")
+
+    def _act_Record(self, a: sv.Record) -> None:
+        self._record(a.kind, dict(a.data))
+
+    def _srun_base(self, nodes: Sequence[str], name: str, ntasks_per_node: int = 1) -> List[str]:
+        argv = ["srun", f"--job-name={name}", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}",
+                f"--ntasks={len(nodes) * ntasks_per_node}", f"--ntasks-per-node={ntasks_per_node}"]
+        if self.cfg.cpus_per_task:
+            argv.append(f"--cpus-per-task={self.cfg.cpus_per_task}")
+        return argv
+
+    def _act_RunPreflight(self, a: sv.RunPreflight) -> None:
+        liveness = a.profile == sv.LIVENESS
+        kind = "liveness" if liveness else ("postmortem" if a.postmortem else "preflight")
+        self._n_checks = getattr(self, "_n_checks", 0) + 1
+        d = self.cfg.job_dir / f"{kind}-{self.cfg.slurm_restart_count}-{self._n_checks}"
+        d.mkdir(parents=True, exist_ok=True)
+        # Per-task files (%t): srun's %N is the host name, which need not be the Slurm
+        # node name; each report names its node itself.
+        argv = self._srun_base(a.nodes, f"clusterops-{kind}") + [
+            "--kill-on-bad-exit=0", f"--output={d}/%t.out", f"--error={d}/%t.err"]
+        if liveness:
+            # Does each node still run a task? (--overlap: a dead step's leftovers must not
+            # make this wait for resources.)
+            argv += ["--overlap", "printenv", "SLURMD_NODENAME"]
+        else:
+            argv += [self.cfg.python, "-m", "clusterops", "health", "check", "--profile", a.profile, "--json"]
+        self.preflight = self.runner.spawn(argv, log_path=str(d / "srun.log"), cwd=self.cfg.workdir)
+        self.preflight_action = a
+        self.preflight_dir = d
+        self.preflight_deadline = self.clock() + a.timeout_s
+
+    def _poll_preflight(self, now: float) -> Optional[sv.Event]:
+        a, d, p = self.preflight_action, self.preflight_dir, self.preflight
+        if p.poll() is None and now < self.preflight_deadline:
+            if a.profile != sv.LIVENESS or not self._liveness_all_in(a, d):
+                return None
+        if p.poll() is None:
+            self._kill_proc(p)
+            p.wait()
+        statuses, details = {}, {}
+        for i in range(len(a.nodes)):
+            try:
+                text = (d / f"{i}.out").read_text()
+            except OSError:
+                text = ""
+            if a.profile == sv.LIVENESS:
+                name = text.strip()
+                if name:
+                    statuses[name] = "pass"
+                continue
+            try:
+                rep = json.loads(text)
+                name = rep.get("node")
+                statuses[name] = rep.get("status", "error")
+                bad = [r for r in rep.get("results", []) if r.get("status") in ("fail", "error")]
+                details[name] = "; ".join(f"{r.get('name')}: {r.get('detail')}" for r in bad[:3])
+            except (ValueError, AttributeError):
+                continue
+        srun_log = ""
+        try:
+            srun_log = " ".join((d / "srun.log").read_text().split())[-200:]
+        except OSError:
+            pass
+        for node in a.nodes:
+            if node not in statuses:
+                statuses[node] = "missing"
+                details[node] = srun_log or "no report (timed out or could not run)"
+        statuses = {n: st for n, st in statuses.items() if n in a.nodes}
+        self.preflight = None
+        return sv.PreflightDone(now, statuses, details, postmortem=a.postmortem)
+
+    @staticmethod
+    def _liveness_all_in(a: sv.RunPreflight, d: Path) -> bool:
+        """Every node answered the liveness check (srun may still wait on a dead one's peer)."""
+        for i in range(len(a.nodes)):
+            try:
+                if not (d / f"{i}.out").read_text().strip():
+                    return False
+            except OSError:
+                return False
+        return True
+
+    def _latest_ckpt(self, *, deep: bool) -> Optional[int]:
+        from clusterops import checkpoint as ck
+
+        try:
+            found = ck.find_latest_good(self.cfg.ckpt_dir, deep=deep).latest
+        except ClusteropsError:
+            return None
+        return found.step if found else None
+
+    def _act_Launch(self, a: sv.Launch) -> None:
+        from clusterops import checkpoint as ck
+
+        cfg = self.cfg
+        d = cfg.job_dir / f"attempt-{a.attempt}"
+        (d / "heartbeat").mkdir(parents=True, exist_ok=True)
+        self.attempt_dir = d
+        self.stop_file = d / "stop"
+        # Resume from a checkpoint verified now (hashes too): a newest checkpoint that was
+        # damaged since it was written is skipped and said so, not loaded.
+        resume = ""
+        lookup = ck.find_latest_good(cfg.ckpt_dir, deep=cfg.deep_verify)
+        for bad in lookup.skipped:
+            self._record("checkpoint_bad", {"step": bad.step, "path": str(bad.path), "problems": bad.problems[:3]})
+        if lookup.latest is not None:
+            resume = str(lookup.latest.path)
+        self.seen_ckpt = lookup.latest.step if lookup.latest else None
+        self._do(self.sup.handle(sv.ResumeChosen(self.clock(), self.seen_ckpt, resume,
+                                                 tuple(str(b.path) for b in lookup.skipped))))
+        nodes = list(a.nodes)
+        ppn = cfg.policy.ranks_per_node
+        env = dict(cfg.env)
+        env.update({
+            "CLUSTEROPS_CKPT_DIR": str(cfg.ckpt_dir),
+            "CLUSTEROPS_RESUME_FROM": resume,
+            "CLUSTEROPS_HEARTBEAT_DIR": str(d / "heartbeat"),
+            "CLUSTEROPS_STOP_FILE": str(self.stop_file),
+            "CLUSTEROPS_RESTART_COUNT": str(a.restart_count),
+            "MASTER_ADDR": _node_addr(nodes[0], self.runner),
+            "MASTER_PORT": str(free_port()),
+        })
+        # Values torchrun would set must not leak in from the supervisor's own environment:
+        # srun-native ranks take theirs from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID.
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            env.pop(var, None)
+        self.step_name = f"clusterops-train-{a.attempt}"
+        self.step_id = None
+        argv = self._srun_base(nodes, self.step_name, ppn) + [
+            "--kill-on-bad-exit=1", f"--wait={cfg.step_wait_s}", "--label", *cfg.srun_args, *cfg.command]
+        self.train_log = d / "step.log"
+        saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+        try:
+            for k in saved:
+                os.environ.pop(k, None)
+            self.train = self.runner.spawn(argv, log_path=str(self.train_log), env=env, cwd=cfg.workdir)
+        finally:
+            for k, v in saved.items():
+                if v is not None:
+                    os.environ[k] = v
+        self.launched_at = self.clock()
+        save_memory(cfg.job_dir, self.sup.memory)   # attempts survive even a lost batch host
+        with open(d / "command.txt", "w") as f:
+            f.write(shlex.join(argv) + "\n")
+            for k in sorted(env):
+                if k.startswith("CLUSTEROPS_") or k.startswith("MASTER_"):
+                    f.write(f"{k}={env[k]}\n")
+        self._do(self.sup.handle(sv.StepLaunched(self.clock(), None)))
+
+    def _step_exited(self, now: float, rc: int) -> sv.StepExited:
+        text = ""
+        try:
+            text = self.train_log.read_text(errors="replace")
+        except OSError:
+            pass
+        failures, lost = parse_srun_failures(text)
+        self.train = None
+        self.step_id = None
+        ckpt = self._latest_ckpt(deep=False)
+        self.seen_ckpt = ckpt
+        stopped_by = None
+        if rc == 0 and not failures:
+            stopped_by = self._external_stop(text)
+        return sv.StepExited(now, returncode=rc, failures=tuple(failures), ckpt_step=ckpt,
+                             node_failure=tuple(lost), stopped_by=stopped_by)
+
+    def _external_stop(self, step_log: str) -> Optional[str]:
+        """Did the ranks stop on a request that did not come through us?
+
+        Slurm's preemption SIGTERMs the steps' tasks but not the batch script (seen on
+        22.05): the ranks save and exit 0, which must not read as "finished". Slurm marks
+        such a job with a PreemptTime; a rank-0 line ``stopped step=N`` (what
+        examples/train.py prints after honouring a stop) is the training's own word.
+        """
+        if self._preempt_time():
+            return "preemption"
+        if STOPPED_LINE.search(step_log):
+            return "signal"
+        return None
+
+    def _preempt_time(self) -> Optional[str]:
+        if not self.cfg.job_id:
+            return None
+        try:
+            out = self.runner.run(["scontrol", "show", "job", "--oneliner", self.cfg.job_id], timeout_s=15).stdout
+        except CommandError:
+            return None
+        m = re.search(r"\bPreemptTime=(\S+)", out)
+        return m.group(1) if m and m.group(1) not in ("None", "Unknown", "(null)") else None
+
+    def _find_step_id(self) -> Optional[str]:
+        if self.step_id or not self.cfg.job_id or not self.step_name:
+            return self.step_id
+        try:
+            out = self.runner.run(["squeue", "--noheader", "--steps", f"--jobs={self.cfg.job_id}",
+                                   "--format=%i %j"], timeout_s=15).stdout
+        except CommandError:
+            return None
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[1] == self.step_name:
+                self.step_id = parts[0].split(".", 1)[1]
+        return self.step_id
+
+    def _kill_proc(self, p: subprocess.Popen) -> None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _signal_step(self, sig: str) -> bool:
+        step = self._find_step_id()
+        if step is None:
+            return False
+        try:
+            self.runner.run(["scancel", f"--signal={sig}", f"{self.cfg.job_id}.{step}"], timeout_s=20)
+            return True
+        except CommandError as e:
+            self._record("warning", {"what": f"scancel --signal={sig} {self.cfg.job_id}.{step}: {e}"})
+            return False
+
+    def _act_KillStep(self, a: sv.KillStep) -> None:
+        if self.train is None:
+            return
+        if a.force or not self._signal_step("KILL"):
+            # No step id (outside Slurm, or the controller is unreachable): kill srun;
+            # its tasks go with it (srun's exit ends the step).
+            self._kill_proc(self.train)
+
+    def _act_CaptureStacks(self, a: sv.CaptureStacks) -> None:
+        """py-spy dumps of the stuck ranks, all nodes at once, bounded in time (then the kill)."""
+        if self.attempt_dir is None or not self.cfg.job_id:
+            return
+        step = self._find_step_id()
+        out = self.attempt_dir / "stacks"
+        out.mkdir(exist_ok=True)
+        procs = {}
+        nodes = sorted({self.sup.rank_node(r) for r in a.ranks if self.sup.rank_node(r)})
+        for node in nodes:
+            ranks = [r for r in a.ranks if self.sup.rank_node(r) == node]
+            argv = ["srun", "--overlap", f"--jobid={self.cfg.job_id}", "--nodes=1", "--ntasks=1",
+                    f"--nodelist={node}", f"--output={out}/{node}.txt", "--job-name=clusterops-stacks",
+                    self.cfg.python, "-m", "clusterops.stacks", "--job", self.cfg.job_id,
+                    "--step", str(step if step is not None else ""), "--ranks", ",".join(map(str, ranks))]
+            try:
+                procs[node] = (self.runner.spawn(argv, log_path=str(out / f"{node}.srun.log")), ranks)
+            except ClusteropsError as e:
+                self._record("warning", {"what": f"stack capture on {node}: {e.message}"})
+        deadline = self.clock() + self.cfg.stacks_timeout_s
+        while any(p.poll() is None for p, _ in procs.values()) and self.clock() < deadline:
+            self.sleep(0.2)
+        for node, (p, ranks) in procs.items():
+            if p.poll() is None:
+                self._kill_proc(p)
+                p.wait()
+        self._record("stacks", {"nodes": nodes, "dir": str(out),
+                                "complete": all(p.returncode == 0 for p, _ in procs.values())})
+
+    def _act_RequestStop(self, a: sv.RequestStop) -> None:
+        if self.stop_file is not None:
+            self.stop_file.touch()
+        # SIGUSR2 (a signal NCCL does not use; the SDK treats it as a stop request) only
+        # once every rank has beaten: before that a rank may not have its handler yet and
+        # USR2's default action would kill it. The stop file reaches those ranks anyway.
+        beats = read_heartbeats(self.attempt_dir / "heartbeat") if self.attempt_dir else {}
+        if len(beats) < self.sup.expected_ranks:
+            return
+        # Never signal srun itself: srun 22.05 dies of a USR2 it does not forward, and a dead
+        # srun takes the step with it before the ranks have saved. The stop file remains.
+        self._signal_step("USR2")
+
+    def _act_DrainNodes(self, a: sv.DrainNodes) -> None:
+        self.slurm.drain(list(a.nodes), a.reason)
+
+    def _act_Requeue(self, a: sv.Requeue) -> None:
+        save_memory(self.cfg.job_dir, self.sup.memory)
+        if not self.cfg.job_id:
+            raise ClusteropsError("not in a Slurm job: nothing to requeue")
+        # ExcNodeList cannot be changed on a running job (Slurm: "Job is no longer pending
+        # execution"), and a requeue ends this process: the bad nodes are remembered in the
+        # job directory (the next incarnation keeps them out of its steps) and drained
+        # when the policy says so.
+        self.slurm.requeue(self.cfg.job_id)
+        # Slurm now ends this batch script; wait for it rather than racing it.
+        deadline = self.clock() + 120
+        while self.clock() < deadline:
+            self.sleep(1)
+        raise ClusteropsError("the job was requeued but this process was not ended by Slurm")
+
+    def _act_Exit(self, a: sv.Exit) -> None:
+        save_memory(self.cfg.job_dir, self.sup.memory)
+        self.exit_code = a.code
+
+    def _poll_nodes(self, now: float) -> Optional[sv.Event]:
+        try:
+            infos = self.slurm.nodes(self.cfg.nodes)
+        except ClusteropsError as e:
+            # A flaky controller is normal: back off, and say so after a few misses.
+            self.node_poll_failures += 1
+            delay = min(self.cfg.node_poll_s * (2 ** self.node_poll_failures), 60.0)
+            self.next_node_poll = now + delay
+            if self.node_poll_failures in (3, 10):
+                self._record("warning", {"what": f"node poll failed {self.node_poll_failures} times: {e.message}"})
+            return None
+        self.node_poll_failures = 0
+        self.next_node_poll = now + self.cfg.node_poll_s
+        if self.train is not None and not self.preempt_seen and self._preempt_time():
+            # Selected for preemption: the ranks have SIGTERM already; make it our stop.
+            self.preempt_seen = True
+            self.signals.append("preemption")
+        down = {n.name: (n.state + ("+" + "+".join(sorted(n.flags)) if n.flags else ""))
+                for n in infos if n.is_down}
+        return sv.NodesDown(now, down) if down else None

@@ -1,0 +1,680 @@
+"""The job supervisor's decisions: a plain state machine, no side effects.
+
+Events go in (preflight results, a step launched or exited, heartbeat snapshots, nodes
+seen down, a stop requested, a checkpoint committed, clock ticks), actions come out
+(run a preflight, launch the training step on these nodes, kill the step, capture
+stacks, ask the ranks to stop, drain nodes, requeue, exit with a code, write a
+timeline record). The clock is passed in with every event; nothing here reads the
+time, touches a process, a file or Slurm. ``clusterops.supervise_run`` is the thin
+plumbing that turns actions into srun/scancel/scontrol calls and observations into
+events.
+
+Exit codes of ``clusterops supervise`` (documented in ``--help`` and docs/supervisor.md):
+
+====  ==========================================================================
+ 0    training finished
+ 1    failed for good for another reason (e.g. the requeue itself failed)
+ 2    usage / input error (bad spec, broken preflight profile)
+ 3    no progress: the latest good checkpoint did not move across K restarts
+ 4    requeue budget spent (``SLURM_RESTART_COUNT`` reached ``max_requeues``)
+ 5    in-allocation restart budget spent (``max_restarts``)
+ 6    too few healthy nodes and requeueing is not allowed
+ 7    stopped (time limit / preemption) with the checkpoint saved, but requeueing
+      is not allowed
+====  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+EXIT_DONE = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NO_PROGRESS = 3
+EXIT_REQUEUE_BUDGET = 4
+EXIT_RESTART_BUDGET = 5
+EXIT_TOO_FEW_NODES = 6
+EXIT_STOPPED_NO_REQUEUE = 7
+
+EXIT_CODES = {
+    EXIT_DONE: "training finished",
+    EXIT_FAILED: "failed for good (see the timeline)",
+    EXIT_USAGE: "usage or input error",
+    EXIT_NO_PROGRESS: "no progress across the allowed restarts",
+    EXIT_REQUEUE_BUDGET: "requeue budget spent",
+    EXIT_RESTART_BUDGET: "restart budget spent",
+    EXIT_TOO_FEW_NODES: "too few healthy nodes and requeue not allowed",
+    EXIT_STOPPED_NO_REQUEUE: "stopped with checkpoint saved; requeue not allowed",
+}
+
+
+# --------------------------------------------------------------------------------------
+# Policy
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Policy:
+    """What the job asked for (the ``supervise:`` mapping plus the node count)."""
+
+    nodes: int = 1                     # training nodes wanted
+    spare_nodes: int = 0               # extra nodes allocated to replace bad ones
+    min_nodes: Optional[int] = None    # continue on fewer nodes down to this (None: = nodes)
+    max_restarts: int = 5              # in-allocation restarts per incarnation
+    max_requeues: int = 3              # compared with SLURM_RESTART_COUNT
+    requeue: bool = True               # may the supervisor requeue the job at all
+    no_progress_restarts: int = 3      # give up when K restarts in a row saw no new checkpoint
+    hang_timeout_s: float = 300.0      # no heartbeat progress for this long is a hang
+    startup_timeout_s: float = 600.0   # time a rank gets to its first heartbeat
+    hang_blame_margin_s: float = 5.0   # a hung rank is blamed when it fell silent this much before the rest
+    stop_timeout_s: float = 120.0      # time the ranks get to save after a stop request
+    kill_timeout_s: float = 30.0       # time a killed step gets to go away before escalation
+    preflight: Optional[str] = "preflight"   # health profile run before the first launch
+    preflight_timeout_s: float = 180.0
+    postmortem: Optional[str] = None   # health profile run on the step's nodes after a failure
+    liveness_check: bool = True        # without a postmortem profile: check every node still answers
+    liveness_timeout_s: float = 10.0
+    drain_bad_nodes: bool = False      # drain nodes judged bad (reason "clusterops: ...")
+    node_fail_threshold: int = 2       # failures blamed on one node before it is dropped
+    progress_interval_s: float = 2.0   # how often progress samples go to the timeline
+    ranks_per_node: int = 1            # training processes per node (GPUs per node, or 1)
+
+    def __post_init__(self):
+        if self.min_nodes is None:
+            object.__setattr__(self, "min_nodes", self.nodes)
+
+    def validate(self) -> List[str]:
+        """Problems as ``field: message`` strings (empty when fine)."""
+        bad = []
+        if self.nodes < 1:
+            bad.append(f"nodes: must be at least 1, got {self.nodes}")
+        if self.spare_nodes < 0:
+            bad.append(f"spare_nodes: must be >= 0, got {self.spare_nodes}")
+        if not 1 <= (self.min_nodes or 0) <= max(self.nodes, 1):
+            bad.append(f"min_nodes: must be from 1 to nodes ({self.nodes}), got {self.min_nodes}")
+        for name in ("max_restarts", "max_requeues", "no_progress_restarts"):
+            if getattr(self, name) < 0:
+                bad.append(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("hang_timeout_s", "startup_timeout_s", "stop_timeout_s", "kill_timeout_s",
+                     "preflight_timeout_s", "liveness_timeout_s", "progress_interval_s"):
+            if getattr(self, name) <= 0:
+                bad.append(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.ranks_per_node < 1:
+            bad.append(f"ranks_per_node: must be >= 1, got {self.ranks_per_node}")
+        if self.hang_blame_margin_s < 0:
+            bad.append(f"hang_blame_margin_s: must be >= 0, got {self.hang_blame_margin_s}")
+        if self.node_fail_threshold < 1:
+            bad.append(f"node_fail_threshold: must be >= 1, got {self.node_fail_threshold}")
+        return bad
+
+
+# --------------------------------------------------------------------------------------
+# Events (in)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Event:
+    now: float
+
+
+@dataclass(frozen=True)
+class PreflightDone(Event):
+    """Per-node health status: 'pass' | 'warn' | 'fail' | 'error' | 'missing'."""
+
+    statuses: Mapping[str, str] = field(default_factory=dict)
+    details: Mapping[str, str] = field(default_factory=dict)
+    postmortem: bool = False
+
+
+@dataclass(frozen=True)
+class StepLaunched(Event):
+    step_id: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    node: str
+    rank: int
+    reason: str          # "Killed", "Exited with exit code 3", "Terminated", "Node failure"...
+
+
+@dataclass(frozen=True)
+class StepExited(Event):
+    returncode: int = 0
+    failures: Tuple[RankFailure, ...] = ()   # in the order srun reported them; first is the culprit
+    ckpt_step: Optional[int] = None          # latest good checkpoint step after the exit
+    node_failure: Tuple[str, ...] = ()       # nodes srun reported as failed
+    stopped_by: Optional[str] = None         # the ranks stopped on a request that bypassed us
+                                             # (Slurm SIGTERMs only the steps on preemption)
+
+
+@dataclass(frozen=True)
+class Heartbeats(Event):
+    """Snapshot of the heartbeat files: rank -> (step, mtime); a missing rank has none yet."""
+
+    beats: Mapping[int, Tuple[int, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodesDown(Event):
+    nodes: Mapping[str, str] = field(default_factory=dict)   # node -> state text
+
+
+@dataclass(frozen=True)
+class StopRequested(Event):
+    reason: str = "time_limit"     # 'time_limit' (USR1 lead time) | 'preemption' (SIGTERM) | 'user'
+
+
+@dataclass(frozen=True)
+class CheckpointCommitted(Event):
+    step: int = 0
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class ResumeChosen(Event):
+    """The checkpoint a launch really resumes from (after verifying it), None for a fresh start."""
+
+    step: Optional[int] = None
+    path: str = ""
+    skipped: Tuple[str, ...] = ()     # newer checkpoints found bad and passed over
+
+
+@dataclass(frozen=True)
+class RequeueFailed(Event):
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Tick(Event):
+    pass
+
+
+# --------------------------------------------------------------------------------------
+# Actions (out)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Action:
+    pass
+
+
+@dataclass(frozen=True)
+class Record(Action):
+    """One timeline record."""
+
+    kind: str
+    data: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunPreflight(Action):
+    nodes: Tuple[str, ...]
+    profile: str
+    timeout_s: float
+    postmortem: bool = False
+
+
+@dataclass(frozen=True)
+class Launch(Action):
+    nodes: Tuple[str, ...]
+    attempt: int             # 0 for the first launch of this job, counting across requeues
+    restart_count: int       # restarts so far (in-allocation, across requeues)
+
+
+@dataclass(frozen=True)
+class KillStep(Action):
+    reason: str
+    force: bool = False      # escalate: kill the srun itself
+
+
+@dataclass(frozen=True)
+class CaptureStacks(Action):
+    ranks: Tuple[int, ...]
+    nodes: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RequestStop(Action):
+    reason: str
+
+
+@dataclass(frozen=True)
+class DrainNodes(Action):
+    nodes: Tuple[str, ...]
+    reason: str              # always starts with "clusterops:"
+
+
+@dataclass(frozen=True)
+class Requeue(Action):
+    exclude: Tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Exit(Action):
+    code: int
+    reason: str
+
+
+# --------------------------------------------------------------------------------------
+# The machine
+# --------------------------------------------------------------------------------------
+# The profile name the plumbing runs as a bare "does this node still run a task" check.
+LIVENESS = ":liveness"
+
+IDLE, PREFLIGHT, RUNNING, KILLING, STOPPING, POSTMORTEM, REQUEUEING, DONE = (
+    "idle", "preflight", "running", "killing", "stopping", "postmortem", "requeueing", "done")
+
+
+@dataclass
+class Memory:
+    """What survives a requeue (kept in the job directory by the plumbing)."""
+
+    bad_nodes: Dict[str, str] = field(default_factory=dict)   # node -> why
+    attempts: int = 0                  # launches so far, all incarnations
+    restarts: int = 0                  # restarts so far, all incarnations
+    no_progress: int = 0               # restarts in a row that saw no new checkpoint
+    last_ckpt_step: Optional[int] = None
+
+    def to_dict(self) -> dict:
+        return {"bad_nodes": dict(self.bad_nodes), "attempts": self.attempts, "restarts": self.restarts,
+                "no_progress": self.no_progress, "last_ckpt_step": self.last_ckpt_step}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Memory":
+        return cls(bad_nodes=dict(d.get("bad_nodes") or {}), attempts=int(d.get("attempts") or 0),
+                   restarts=int(d.get("restarts") or 0), no_progress=int(d.get("no_progress") or 0),
+                   last_ckpt_step=d.get("last_ckpt_step"))
+
+
+class Supervisor:
+    """Decides what to do. Call :meth:`start`, then :meth:`handle` for every event.
+
+    ``nodes`` is the allocation (batch host first), ``slurm_restart_count`` is
+    ``SLURM_RESTART_COUNT`` of this incarnation, ``memory`` what earlier incarnations
+    left behind.
+    """
+
+    def __init__(self, policy: Policy, nodes: Sequence[str], *, slurm_restart_count: int = 0,
+                 memory: Optional[Memory] = None, ckpt_step: Optional[int] = None):
+        self.policy = policy
+        self.allocation: List[str] = list(nodes)
+        self.slurm_restart_count = slurm_restart_count
+        self.memory = memory or Memory()
+        if self.memory.last_ckpt_step is None:
+            self.memory.last_ckpt_step = ckpt_step
+        self.state = IDLE
+        self.bad: Dict[str, str] = {}             # node -> why (this incarnation)
+        self.blame: Dict[str, int] = {}           # node -> failures blamed on it
+        self.down_seen: Set[str] = set()
+        self.active: List[str] = []               # nodes of the current/next step
+        self.spares: List[str] = []
+        self.restarts_here = 0
+        self.step_started_at: Optional[float] = None
+        self.kill_sent_at: Optional[float] = None
+        self.kill_cause: Optional[str] = None
+        self.hung_ranks: Tuple[int, ...] = ()
+        self.hang_culprits: Tuple[int, ...] = ()
+        self.stop_reason: Optional[str] = None
+        self.stop_deadline: Optional[float] = None
+        self.pending_stop: Optional[str] = None
+        self.last_progress_step: Optional[int] = None
+        self.last_progress_record: Optional[float] = None
+        self.preflight_done = False
+        self.ckpt_at_launch: Optional[int] = None
+        self.last_cause: Optional[str] = None
+        self.exit_code: Optional[int] = None
+
+    # -- helpers ---------------------------------------------------------------------
+    def _usable(self) -> List[str]:
+        return [n for n in self.allocation if n not in self.bad]
+
+    def _mark_bad(self, node: str, why: str, now: float, out: List[Action]) -> None:
+        if node in self.bad:
+            return
+        self.bad[node] = why
+        self.memory.bad_nodes[node] = why
+        out.append(Record("node_bad", {"node": node, "why": why}))
+        if self.policy.drain_bad_nodes:
+            out.append(DrainNodes((node,), f"clusterops: supervisor: {why}"))
+
+    def _exit(self, code: int, reason: str, out: List[Action]) -> List[Action]:
+        self.state = DONE
+        self.exit_code = code
+        kind = "done" if code == EXIT_DONE else "give_up"
+        out.append(Record(kind, {"code": code, "reason": reason}))
+        out.append(Exit(code, reason))
+        return out
+
+    def _requeue(self, reason: str, out: List[Action]) -> List[Action]:
+        """Requeue the job (once, only from here) or give up when not allowed."""
+        if self.slurm_restart_count >= self.policy.max_requeues:
+            return self._exit(EXIT_REQUEUE_BUDGET,
+                              f"{reason}; requeue budget spent ({self.slurm_restart_count} of "
+                              f"{self.policy.max_requeues})", out)
+        if not self.policy.requeue:
+            code = EXIT_STOPPED_NO_REQUEUE if self.stop_reason else EXIT_TOO_FEW_NODES
+            return self._exit(code, f"{reason}; requeue not allowed", out)
+        self.state = REQUEUEING
+        exclude = tuple(sorted(set(self.memory.bad_nodes)))
+        out.append(Record("requeue", {"reason": reason, "exclude": list(exclude),
+                                      "restart_count": self.slurm_restart_count + 1}))
+        out.append(Requeue(exclude, reason))
+        return out
+
+    # -- entry -----------------------------------------------------------------------
+    def start(self, now: float) -> List[Action]:
+        out: List[Action] = []
+        known = {n: w for n, w in self.memory.bad_nodes.items() if n in self.allocation}
+        out.append(Record("start", {"nodes": list(self.allocation),
+                                    "slurm_restart_count": self.slurm_restart_count,
+                                    "known_bad": sorted(known),
+                                    "policy": {"nodes": self.policy.nodes, "spare_nodes": self.policy.spare_nodes,
+                                               "min_nodes": self.policy.min_nodes}}))
+        for node, why in known.items():
+            # Slurm gave us a node an earlier incarnation judged bad (ExcNodeList cannot be
+            # changed on a running job): keep it out of this allocation's steps.
+            self.bad[node] = why
+        if self.policy.preflight and not self.preflight_done:
+            self.state = PREFLIGHT
+            nodes = tuple(self._usable())
+            out.append(Record("preflight_start", {"nodes": list(nodes), "profile": self.policy.preflight}))
+            out.append(RunPreflight(nodes, self.policy.preflight, self.policy.preflight_timeout_s))
+            return out
+        return self._plan_launch(now, out, first=True)
+
+    def _plan_launch(self, now: float, out: List[Action], *, first: bool = False) -> List[Action]:
+        if self.pending_stop:
+            # A stop arrived while no step ran: nothing to save, requeue straight away.
+            self.stop_reason = self.pending_stop
+            return self._requeue(f"stop requested ({self.pending_stop}) with no step running", out)
+        usable = self._usable()
+        want = self.policy.nodes
+        previous = list(self.active)
+        if len(usable) >= want:
+            # Keep surviving nodes of the previous step in place (same ranks), fill holes
+            # with spares in allocation order.
+            keep = [n for n in previous if n in usable][:want]
+            rest = [n for n in usable if n not in keep]
+            active = keep + rest[: want - len(keep)]
+            active = sorted(active, key=self.allocation.index)
+        elif len(usable) >= self.policy.min_nodes:
+            active = usable
+        else:
+            return self._requeue(
+                f"{len(usable)} healthy node(s) left, {self.policy.min_nodes} needed", out)
+        self.spares = [n for n in usable if n not in active]
+        if previous and not first:
+            added = [n for n in active if n not in previous]
+            if added:
+                out.append(Record("spare_used", {"nodes": added}))
+            if len(active) < len(previous):
+                out.append(Record("shrink", {"from": len(previous), "to": len(active)}))
+        if not first:
+            out.append(Record("restart", {"cause": self.last_cause, "restart": self.memory.restarts,
+                                          "resume_step": self.memory.last_ckpt_step}))
+        self.active = active
+        self.state = RUNNING
+        self.step_started_at = now
+        self.kill_sent_at = None
+        self.kill_cause = None
+        self.hung_ranks = ()
+        self.hang_culprits = ()
+        self.last_progress_step = None
+        attempt = self.memory.attempts
+        self.memory.attempts += 1
+        self.ckpt_at_launch = self.memory.last_ckpt_step
+        out.append(Record("launch", {"nodes": list(active), "spares": list(self.spares), "attempt": attempt,
+                                     "restart_count": self.memory.restarts, "resume_step": self.memory.last_ckpt_step}))
+        out.append(Launch(tuple(active), attempt, self.memory.restarts))
+        return out
+
+    # -- dispatch --------------------------------------------------------------------
+    def handle(self, ev: Event) -> List[Action]:
+        if self.state == DONE:
+            return []
+        handler = getattr(self, "_on_" + type(ev).__name__, None)
+        if handler is None:
+            raise TypeError(f"unknown event {ev!r}")
+        return handler(ev)
+
+    def _on_PreflightDone(self, ev: PreflightDone) -> List[Action]:
+        out: List[Action] = []
+        if self.state not in (PREFLIGHT, POSTMORTEM):
+            return out
+        statuses = dict(ev.statuses)
+        answered = [n for n, s in statuses.items() if s in ("pass", "warn", "fail")]
+        kind = "preflight" if not ev.postmortem else (
+            "liveness" if self.policy.postmortem is None else "postmortem")
+        out.append(Record(kind, {"statuses": statuses, "details": dict(ev.details)}))
+        if not answered:
+            # Nobody could run the check: the check is broken, not every node. Do not
+            # empty the allocation on its word (the sweep's safety idea).
+            out.append(Record("warning", {"what": f"{kind} gave no usable result on any node; ignored"}))
+        else:
+            for node, status in sorted(statuses.items()):
+                if status == "fail" or status in ("missing", "error"):
+                    self._mark_bad(node, f"{kind} {status}: {ev.details.get(node, '')}".strip().rstrip(":"),
+                                   ev.now, out)
+        self.preflight_done = True
+        if self.pending_stop:
+            self.stop_reason = self.pending_stop
+            return self._requeue(f"stop requested ({self.pending_stop}) before launch", out)
+        return self._plan_launch(ev.now, out, first=not ev.postmortem)
+
+    def _on_StepLaunched(self, ev: StepLaunched) -> List[Action]:
+        if self.state == RUNNING:
+            self.step_started_at = ev.now   # the startup allowance counts from here
+        return []
+
+    def _on_Heartbeats(self, ev: Heartbeats) -> List[Action]:
+        out: List[Action] = []
+        if self.state != RUNNING or self.step_started_at is None:
+            return out
+        p = self.policy
+        steps = [s for s, _ in ev.beats.values()]
+        if steps:
+            low = min(steps)
+            if self.last_progress_step != low and (
+                    self.last_progress_record is None
+                    or ev.now - self.last_progress_record >= p.progress_interval_s):
+                out.append(Record("progress", {"step": low, "max_step": max(steps), "ranks": len(steps)}))
+                self.last_progress_step = low
+                self.last_progress_record = ev.now
+        stale = []
+        ranks = set(ev.beats) | set(range(self.expected_ranks))
+        for r in sorted(ranks):
+            beat = ev.beats.get(r)
+            if beat is None:
+                # Not started yet (imports, process group, resume): the startup allowance.
+                if ev.now - self.step_started_at > p.startup_timeout_s:
+                    stale.append((r, None))
+            elif ev.now - beat[1] > p.hang_timeout_s:
+                stale.append((r, round(ev.now - beat[1], 1)))
+        if stale:
+            self.hung_ranks = tuple(r for r, _ in stale)
+            self.hang_culprits = self._hang_culprits(ev.beats, ranks)
+            nodes = tuple(sorted({self.rank_node(r) for r in self.hung_ranks if self.rank_node(r)}))
+            out.append(Record("heartbeat_lost", {"ranks": list(self.hung_ranks), "nodes": list(nodes),
+                                                 "ages_s": [a for _, a in stale],
+                                                 "culprits": list(self.hang_culprits)}))
+            out.append(CaptureStacks(self.hung_ranks, nodes))
+            out += self._kill(ev.now, "hang")
+        return out
+
+    def _hang_culprits(self, beats: Mapping[int, Tuple[int, float]], ranks) -> Tuple[int, ...]:
+        """Ranks that stopped first. One stuck rank soon blocks all the others in their next
+        collective, so "every rank is stale" says little; the culprits are the ranks that
+        fell silent clearly before the rest (or never started while the rest did)."""
+        silent = [r for r in ranks if r not in beats]
+        if silent and len(silent) < len(ranks):
+            return tuple(sorted(silent))
+        if silent:
+            return ()
+        times = sorted(t for _, t in beats.values())
+        newest = times[-1]
+        margin = self.policy.hang_blame_margin_s
+        early = tuple(sorted(r for r, (_, t) in beats.items() if t < newest - margin))
+        return early if len(early) < len(beats) else ()
+
+    @property
+    def expected_ranks(self) -> int:
+        return self.policy.ranks_per_node * len(self.active)
+
+    def rank_node(self, rank: int) -> Optional[str]:
+        """The node a rank runs on: srun's block distribution lays ranks out node by node."""
+        i = rank // max(self.policy.ranks_per_node, 1)
+        return self.active[i] if 0 <= i < len(self.active) else None
+
+    def _kill(self, now: float, cause: str) -> List[Action]:
+        self.state = KILLING
+        self.kill_cause = cause
+        self.kill_sent_at = now
+        return [KillStep(cause)]
+
+    def _on_NodesDown(self, ev: NodesDown) -> List[Action]:
+        out: List[Action] = []
+        fresh = {n: s for n, s in ev.nodes.items() if n in self.allocation and n not in self.down_seen}
+        for node, st in sorted(fresh.items()):
+            self.down_seen.add(node)
+            out.append(Record("node_down", {"node": node, "state": st}))
+            self._mark_bad(node, f"node {st}", ev.now, out)
+            if node in self.spares:
+                self.spares.remove(node)
+        if any(n in self.active for n in fresh) and self.state == RUNNING:
+            out += self._kill(ev.now, "node_down")
+        return out
+
+    def _on_StopRequested(self, ev: StopRequested) -> List[Action]:
+        out: List[Action] = [Record("stop_requested", {"reason": ev.reason, "state": self.state})]
+        if self.stop_reason or self.pending_stop:
+            return out          # one stop is enough; the first deadline stands
+        if self.state == RUNNING:
+            self.stop_reason = ev.reason
+            self.state = STOPPING
+            self.stop_deadline = ev.now + self.policy.stop_timeout_s
+            out.append(RequestStop(ev.reason))
+        elif self.state == KILLING:
+            # The step is going away anyway; requeue once it is gone.
+            self.pending_stop = ev.reason
+        elif self.state in (PREFLIGHT, POSTMORTEM, IDLE):
+            self.pending_stop = ev.reason
+            if self.state == IDLE:
+                self.stop_reason = ev.reason
+                return out + self._requeue(f"stop requested ({ev.reason})", out=[])
+        return out
+
+    def _on_CheckpointCommitted(self, ev: CheckpointCommitted) -> List[Action]:
+        out: List[Action] = [Record("checkpoint", {"step": ev.step, "path": ev.path})]
+        if self.memory.last_ckpt_step is None or ev.step > self.memory.last_ckpt_step:
+            self.memory.last_ckpt_step = ev.step
+        return out
+
+    def _on_Tick(self, ev: Tick) -> List[Action]:
+        out: List[Action] = []
+        if self.state == STOPPING and self.stop_deadline is not None and ev.now > self.stop_deadline:
+            out.append(Record("stop_timeout", {"after_s": self.policy.stop_timeout_s}))
+            out += self._kill(ev.now, "stop_timeout")
+            self.pending_stop = self.stop_reason
+        elif self.state == KILLING and self.kill_sent_at is not None:
+            if ev.now - self.kill_sent_at > self.policy.kill_timeout_s:
+                self.kill_sent_at = ev.now
+                out.append(Record("kill_escalated", {"cause": self.kill_cause}))
+                out.append(KillStep(self.kill_cause or "unknown", force=True))
+        return out
+
+    def _on_ResumeChosen(self, ev: ResumeChosen) -> List[Action]:
+        self.memory.last_ckpt_step = ev.step
+        if self.state == RUNNING:
+            self.ckpt_at_launch = ev.step
+        return [Record("resume", {"step": ev.step, "path": ev.path, "skipped": list(ev.skipped)})]
+
+    def _on_RequeueFailed(self, ev: RequeueFailed) -> List[Action]:
+        return self._exit(EXIT_FAILED, f"requeue failed: {ev.error}", [])
+
+    def classify(self, ev: StepExited) -> Tuple[str, List[str]]:
+        """(cause, blamed nodes) for a failed step."""
+        if self.kill_cause == "hang":
+            return "hang", sorted({self.rank_node(r) for r in self.hang_culprits if self.rank_node(r)})
+        lost = sorted(set(ev.node_failure) | (self.down_seen & set(self.active)))
+        if lost or self.kill_cause == "node_down":
+            return "node_lost", lost
+        if ev.failures:
+            first = ev.failures[0]
+            reason = first.reason.lower()
+            exited = {f.node for f in ev.failures if "exit code" in f.reason.lower()}
+            if "exit code" in reason and len(exited) >= 2:
+                # Ranks on several nodes exited with an error on their own: the program
+                # (or its input) is at fault, not a node.
+                return "program_error", []
+            if "killed" in reason or "signal" in reason or "segmentation" in reason or "aborted" in reason:
+                cause = "rank_killed"
+            elif "exit code" in reason:
+                cause = "rank_exit"
+            else:
+                cause = "rank_failed"
+            return cause, [first.node] if first.node else []
+        return "step_failed", []
+
+    def _on_StepExited(self, ev: StepExited) -> List[Action]:
+        out: List[Action] = []
+        if self.state not in (RUNNING, KILLING, STOPPING):
+            return out
+        if ev.ckpt_step is not None:
+            # The plumbing's look at the disk is the truth (a corrupted newest checkpoint
+            # can move the latest good one back).
+            self.memory.last_ckpt_step = ev.ckpt_step
+        failures = [{"node": f.node, "rank": f.rank, "reason": f.reason} for f in ev.failures]
+        if self.state == STOPPING:
+            out.append(Record("stopped", {"returncode": ev.returncode, "ckpt_step": self.memory.last_ckpt_step,
+                                          "reason": self.stop_reason}))
+            return self._requeue(f"stopped for {self.stop_reason}", out)
+        if self.state == RUNNING and ev.returncode == 0 and ev.stopped_by:
+            # Exit 0 is not "finished" when the ranks were told to stop behind our back.
+            self.stop_reason = ev.stopped_by
+            out.append(Record("stop_requested", {"reason": ev.stopped_by, "state": "seen after the exit"}))
+            out.append(Record("stopped", {"returncode": 0, "ckpt_step": self.memory.last_ckpt_step,
+                                          "reason": self.stop_reason}))
+            return self._requeue(f"stopped for {self.stop_reason}", out)
+        if self.state == RUNNING and ev.returncode == 0 and not ev.failures and not ev.node_failure:
+            out.append(Record("step_exit", {"returncode": 0, "cause": "finished"}))
+            return self._exit(EXIT_DONE, "training finished", out)
+        cause, blamed = self.classify(ev)
+        out.append(Record("step_exit", {"returncode": ev.returncode, "cause": cause, "blamed": blamed,
+                                        "failures": failures[:8]}))
+        if self.pending_stop:
+            self.stop_reason = self.pending_stop
+            return self._requeue(f"stopped for {self.pending_stop}", out)
+        # A failed attempt that ended with no newer checkpoint than it started from made
+        # no progress; K of those in a row is a crash loop, not bad luck.
+        start, end = self.ckpt_at_launch, self.memory.last_ckpt_step
+        if end is not None and (start is None or end > start):
+            self.memory.no_progress = 0
+        else:
+            self.memory.no_progress += 1
+        self.restarts_here += 1
+        self.memory.restarts += 1
+        if self.memory.no_progress > self.policy.no_progress_restarts:
+            return self._exit(EXIT_NO_PROGRESS,
+                              f"no progress: latest checkpoint step {self.memory.last_ckpt_step} unchanged "
+                              f"across {self.memory.no_progress} failed attempts "
+                              f"(last: {cause}, exit {ev.returncode})", out)
+        if self.restarts_here > self.policy.max_restarts:
+            return self._exit(EXIT_RESTART_BUDGET,
+                              f"restart budget spent ({self.policy.max_restarts}); last failure: {cause}", out)
+        for node in blamed:
+            self.blame[node] = self.blame.get(node, 0) + 1
+            if cause == "node_lost":
+                self._mark_bad(node, "node lost during the step", ev.now, out)
+            elif self.blame[node] >= self.policy.node_fail_threshold:
+                self._mark_bad(node, f"{self.blame[node]} failures blamed on it (last: {cause})", ev.now, out)
+        self.last_cause = cause
+        profile = self.policy.postmortem or (LIVENESS if self.policy.liveness_check else None)
+        targets = tuple(n for n in self.active + self.spares if n not in self.bad)
+        if profile and targets:
+            # Before trusting the same nodes again: does every node still answer (a
+            # lost slurmd is seen here in a second, by Slurm only after SlurmdTimeout)?
+            self.state = POSTMORTEM
+            timeout = self.policy.preflight_timeout_s if self.policy.postmortem else self.policy.liveness_timeout_s
+            out.append(RunPreflight(targets, profile, timeout, postmortem=True))
+            return out
+        return self._plan_launch(ev.now, out)

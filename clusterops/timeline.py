@@ -1,0 +1,266 @@
+"""The supervisor's timeline: one JSON object per line in ``<job dir>/timeline.jsonl``.
+
+Every event and decision of every incarnation of a supervised job is appended here
+(``t`` epoch seconds, ``event`` kind, ``job_id``, ``incarnation`` = SLURM_RESTART_COUNT,
+plus the event's own fields). ``clusterops job timeline JOBDIR`` prints it and renders
+a self-contained chart (SVG, or HTML wrapping the SVG): training step against wall
+time, with faults, restarts and requeues marked.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable, List, Mapping, Optional
+
+from clusterops.errors import InputError
+
+FILE_NAME = "timeline.jsonl"
+
+# Event kinds drawn as markers on the chart, and how.
+FAULT_KINDS = {"heartbeat_lost", "node_down", "node_bad", "step_exit", "stop_timeout", "kill_escalated"}
+DECISION_KINDS = {"restart", "requeue", "give_up", "spare_used", "shrink", "stop_requested", "stopped", "done"}
+
+
+class Timeline:
+    """Appends records to ``<job_dir>/timeline.jsonl`` (one write per record, flushed)."""
+
+    def __init__(self, job_dir: os.PathLike, *, job_id: Optional[str] = None, incarnation: int = 0,
+                 clock: Callable[[], float] = time.time):
+        self.path = Path(job_dir) / FILE_NAME
+        self.job_id = job_id
+        self.incarnation = incarnation
+        self.clock = clock
+
+    def append(self, event: str, data: Optional[Mapping] = None, *, t: Optional[float] = None) -> dict:
+        rec = {"t": round(self.clock() if t is None else t, 3), "event": event,
+               "job_id": self.job_id, "incarnation": self.incarnation}
+        rec.update(data or {})
+        line = json.dumps(rec, default=str, sort_keys=False)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # O_APPEND: one write per line, so two writers never interleave inside a line.
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+        return rec
+
+
+def timeline_path(job_dir: os.PathLike) -> Path:
+    p = Path(job_dir)
+    return p if p.is_file() else p / FILE_NAME
+
+
+def read(job_dir: os.PathLike) -> List[dict]:
+    """All records, in file order. A torn last line (a writer killed mid-write) is skipped."""
+    path = timeline_path(job_dir)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no timeline here (is this a supervised job's directory?)") from None
+    except OSError as e:
+        raise InputError(f"{path}: unreadable: {e.strerror}") from None
+    out = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if i == len(lines):
+                continue
+            raise InputError(f"{path}:{i}: not a JSON line") from None
+        if isinstance(rec, dict) and "event" in rec and "t" in rec:
+            out.append(rec)
+    return out
+
+
+def describe(rec: Mapping) -> str:
+    """One human line for a record."""
+    e = rec.get("event")
+    skip = {"t", "event", "job_id", "incarnation"}
+    fields = {k: v for k, v in rec.items() if k not in skip}
+    if e == "launch":
+        return (f"launch attempt {fields.get('attempt')} on {','.join(fields.get('nodes', []))}"
+                f" (resume from step {fields.get('resume_step')}"
+                + (f", spares {','.join(fields['spares'])}" if fields.get("spares") else "") + ")")
+    if e == "progress":
+        return f"step {fields.get('step')}"
+    if e == "checkpoint":
+        return f"checkpoint committed: step {fields.get('step')}"
+    if e == "step_exit":
+        s = f"step exited {fields.get('returncode')}: {fields.get('cause')}"
+        if fields.get("blamed"):
+            s += f" (blamed: {','.join(fields['blamed'])})"
+        if fields.get("failures"):
+            f0 = fields["failures"][0]
+            s += f"; first failure: rank {f0.get('rank')} on {f0.get('node')}: {f0.get('reason')}"
+        return s
+    if e == "give_up":
+        return f"GIVE UP (exit {fields.get('code')}): {fields.get('reason')}"
+    if e == "done":
+        return f"DONE: {fields.get('reason')}"
+    parts = []
+    for k, v in fields.items():
+        if isinstance(v, (list, tuple)):
+            v = ",".join(str(x) for x in v)
+        elif isinstance(v, dict):
+            v = json.dumps(v, sort_keys=True)
+        parts.append(f"{k}={v}")
+    return f"{e}: " + " ".join(parts) if parts else str(e)
+
+
+def format_text(records: Iterable[Mapping], *, progress: bool = False) -> str:
+    """Printable timeline; progress samples are left out unless asked for."""
+    recs = list(records)
+    if not recs:
+        return "(empty timeline)"
+    t0 = recs[0]["t"]
+    lines = []
+    for r in recs:
+        if r.get("event") == "progress" and not progress:
+            continue
+        stamp = time.strftime("%H:%M:%S", time.gmtime(r["t"]))
+        lines.append(f"{stamp} +{r['t'] - t0:7.1f}s [{r.get('incarnation', 0)}] {describe(r)}")
+    return "\n".join(lines)
+
+
+def summary(records: Iterable[Mapping]) -> dict:
+    """Counts a test or a report wants: restarts, requeues, outcome, final step."""
+    recs = list(records)
+    out = {"events": len(recs), "restarts": 0, "requeues": 0, "launches": 0, "faults": [],
+           "outcome": None, "exit_code": None, "last_step": None, "checkpoints": []}
+    for r in recs:
+        e = r.get("event")
+        if e == "restart":
+            out["restarts"] += 1
+        elif e == "requeue":
+            out["requeues"] += 1
+        elif e == "launch":
+            out["launches"] += 1
+        elif e in ("heartbeat_lost", "node_down", "stop_requested") or (e == "step_exit" and r.get("cause") != "finished"):
+            out["faults"].append(r.get("cause") or e)
+        elif e in ("done", "give_up"):
+            out["outcome"] = e
+            out["exit_code"] = r.get("code")
+        elif e == "progress":
+            out["last_step"] = r.get("step")
+        elif e == "checkpoint" and r.get("step") is not None and r["step"] not in out["checkpoints"]:
+            out["checkpoints"].append(r["step"])
+    return out
+
+
+# ------------------------------------------------------------------------------ chart
+def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 360, title: str = "") -> str:
+    """Training step against wall time; faults (red) and decisions (blue) marked."""
+    recs = list(records)
+    pad_l, pad_r, pad_t, pad_b = 60, 20, 40, 90
+    w, h = width - pad_l - pad_r, height - pad_t - pad_b
+    if not recs:
+        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="60"><text x="10" y="30">empty timeline</text></svg>'
+    t0 = recs[0]["t"]
+    t1 = max(r["t"] for r in recs)
+    span = max(t1 - t0, 1.0)
+    points = []
+    for r in recs:
+        step = None
+        if r.get("event") == "progress":
+            step = r.get("step")
+        elif r.get("event") in ("checkpoint", "stopped") and (r.get("step") or r.get("ckpt_step")) is not None:
+            step = r.get("step", r.get("ckpt_step"))
+        if isinstance(step, (int, float)):
+            points.append((r["t"], step, r.get("event")))
+    smax = max([p[1] for p in points] + [1])
+
+    def x(t):
+        return pad_l + (t - t0) / span * w
+
+    def y(s):
+        return pad_t + h - (s / smax) * h
+
+    esc = html.escape
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'font-family="sans-serif" font-size="11">',
+             f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
+             f'<text x="{pad_l}" y="20" font-size="14" font-weight="bold">{esc(title or "supervised job timeline")}</text>',
+             f'<line x1="{pad_l}" y1="{pad_t + h}" x2="{pad_l + w}" y2="{pad_t + h}" stroke="black"/>',
+             f'<line x1="{pad_l}" y1="{pad_t}" x2="{pad_l}" y2="{pad_t + h}" stroke="black"/>',
+             f'<text x="{pad_l + w / 2}" y="{pad_t + h + 30}" text-anchor="middle">wall time (s)</text>',
+             f'<text x="15" y="{pad_t + h / 2}" transform="rotate(-90 15 {pad_t + h / 2})" text-anchor="middle">step</text>']
+    for i in range(6):
+        tv = span * i / 5
+        parts.append(f'<text x="{x(t0 + tv):.1f}" y="{pad_t + h + 14}" text-anchor="middle">{tv:.0f}</text>')
+        sv = smax * i / 5
+        parts.append(f'<text x="{pad_l - 6}" y="{y(sv) + 4:.1f}" text-anchor="end">{sv:.0f}</text>')
+        parts.append(f'<line x1="{pad_l}" y1="{y(sv):.1f}" x2="{pad_l + w}" y2="{y(sv):.1f}" stroke="#eee"/>')
+    # Step line, broken at each launch so a restart shows as a drop back to the resume step.
+    segs: List[List[tuple]] = [[]]
+    for r in recs:
+        if r.get("event") == "launch":
+            segs.append([])
+            if r.get("resume_step") is not None:
+                segs[-1].append((r["t"], r["resume_step"]))
+        elif r.get("event") == "progress" and isinstance(r.get("step"), (int, float)):
+            segs[-1].append((r["t"], r["step"]))
+    for seg in segs:
+        if len(seg) >= 2:
+            d = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in seg)
+            parts.append(f'<polyline points="{d}" fill="none" stroke="#2a7" stroke-width="2"/>')
+        for t, s in seg:
+            parts.append(f'<circle cx="{x(t):.1f}" cy="{y(s):.1f}" r="1.8" fill="#2a7"/>')
+    for r in recs:
+        if r.get("event") == "checkpoint" and isinstance(r.get("step"), (int, float)):
+            parts.append(f'<rect x="{x(r["t"]) - 3:.1f}" y="{y(r["step"]) - 3:.1f}" width="6" height="6" '
+                         f'fill="#fc3" stroke="#960"><title>checkpoint step {r["step"]}</title></rect>')
+    row = 0
+    for r in recs:
+        e = r.get("event")
+        if e == "step_exit" and r.get("cause") == "finished":
+            e = "done"
+        if e in FAULT_KINDS or e in DECISION_KINDS:
+            color = "#d22" if e in FAULT_KINDS else "#25c"
+            xx = x(r["t"])
+            label = esc(describe(r))[:80]
+            parts.append(f'<line x1="{xx:.1f}" y1="{pad_t}" x2="{xx:.1f}" y2="{pad_t + h}" stroke="{color}" '
+                         f'stroke-dasharray="4,3"><title>{label}</title></line>')
+            short = esc(e.replace("_", " ") + (f": {r.get('cause')}" if r.get("cause") else ""))
+            ly = pad_t + h + 46 + 12 * (row % 3)
+            parts.append(f'<text x="{xx + 2:.1f}" y="{ly}" fill="{color}">{short}</text>')
+            row += 1
+    parts.append(f'<g transform="translate({pad_l + w - 250},{pad_t - 14})">'
+                 '<line x1="0" y1="0" x2="16" y2="0" stroke="#2a7" stroke-width="2"/><text x="20" y="4">step</text>'
+                 '<rect x="60" y="-4" width="7" height="7" fill="#fc3" stroke="#960"/><text x="70" y="4">checkpoint</text>'
+                 '<line x1="140" y1="-6" x2="140" y2="6" stroke="#d22"/><text x="144" y="4">fault</text>'
+                 '<line x1="185" y1="-6" x2="185" y2="6" stroke="#25c"/><text x="189" y="4">decision</text></g>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def render_html(records: Iterable[Mapping], *, title: str = "") -> str:
+    recs = list(records)
+    rows = "\n".join(
+        f"<tr><td>{time.strftime('%H:%M:%S', time.gmtime(r['t']))}</td><td>{r.get('incarnation', 0)}</td>"
+        f"<td>{html.escape(str(r.get('event')))}</td><td>{html.escape(describe(r))}</td></tr>"
+        for r in recs if r.get("event") != "progress")
+    t = html.escape(title or "supervised job timeline")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{t}</title>"
+            "<style>body{font-family:sans-serif;margin:20px}td{padding:2px 8px;border-bottom:1px solid #eee}"
+            "</style></head><body>"
+            f"<h1>{t}</h1>{render_svg(recs, title=title)}<table><tr><th>time (UTC)</th><th>incarnation</th>"
+            f"<th>event</th><th>what</th></tr>{rows}</table></body></html>\n")
+
+
+def write_chart(records: Iterable[Mapping], path: os.PathLike, *, title: str = "") -> Path:
+    path = Path(path)
+    if path.suffix.lower() not in (".svg", ".html", ".htm"):
+        raise InputError(f"--chart {path}: the file name must end in .svg or .html")
+    text = render_svg(records, title=title) if path.suffix.lower() == ".svg" else render_html(records, title=title)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,290 @@
+"""The supervisor's fault matrix, on the real dev cluster with real faults.
+
+Each test submits examples/train.py (gloo/CPU, one rank per node) through
+`clusterops launch submit` with a `supervise:` section, injects one fault for real, and
+checks that the job ends done (or cleanly given up, for the crash loop), that the final
+weights are bitwise identical to an uninterrupted run of the same world size, that no
+committed checkpoint is damaged, and that the timeline tells the story.
+
+Runs are short (60 steps, 0.1 s a step) so the whole matrix fits in minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from clusterops import faultkit as fk
+from clusterops import supervisor as sv
+from clusterops import timeline as tl
+
+pytestmark = pytest.mark.integration
+
+STEPS = 60
+CKPT_EVERY = 10
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Final weights of uninterrupted runs, per (world size, steps), computed once."""
+    cache = {}
+
+    def get(world: int, steps: int = STEPS) -> Path:
+        key = (world, steps)
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"ref-w{world}-s{steps}")
+            out = d / "final.pt"
+            fk.run_local(world, ["--steps", str(steps), "--ckpt-every", str(CKPT_EVERY), "--step-sleep", "0",
+                                 "--out", str(out)], workdir=d)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def slurm(cluster):
+    from clusterops.slurm import Slurm
+
+    return Slurm.from_environment()
+
+
+def make_job(tmp_path, name, **kw) -> fk.TrainJob:
+    kw.setdefault("steps", STEPS)
+    kw.setdefault("ckpt_every", CKPT_EVERY)
+    return fk.TrainJob(root=tmp_path / name, name=name, **kw)
+
+
+def events(job, kind):
+    return [r for r in job.timeline() if r["event"] == kind]
+
+
+def assert_healed(job, slurm, reference, world, *, steps=STEPS, ignore_ckpts=()):
+    info = job.wait_end(slurm)
+    story = tl.format_text(job.timeline())
+    assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state} {info.exit_code}\n{story}\n{job.batch_log()[-3000:]}"
+    assert events(job, "done"), story
+    assert job.out.exists(), story
+    assert fk.same_weights(job.out, reference(world, steps)), f"final weights differ from an uninterrupted run\n{story}"
+    assert fk.damaged_checkpoints(job.ckpt_dir, ignore=ignore_ckpts) == []
+    return info, story
+
+
+def first_progress_after(job, t):
+    for r in job.timeline():
+        if r["event"] == "progress" and r["t"] > t:
+            return r
+    return None
+
+
+# ----------------------------------------------------------------------------- (a) kill -9
+@pytest.mark.timeout(240)
+def test_a_kill9_rank_restarts_in_allocation(cluster, slurm, reference, tmp_path):
+    job = make_job(tmp_path, "fm-a", nodes=4)
+    job.submit()
+    job.wait_step(25)
+    victim = job.signal_rank(2, signal.SIGKILL)
+    assert victim
+    info, story = assert_healed(job, slurm, reference, 4)
+    exits = events(job, "step_exit")
+    assert exits[0]["cause"] == "rank_killed" and exits[0]["blamed"] == ["node3"], story
+    assert exits[0]["failures"][0]["rank"] == 2
+    launches = events(job, "launch")
+    assert len(launches) == 2 and launches[1]["nodes"] == ["node1", "node2", "node3", "node4"], story
+    assert launches[1]["resume_step"] >= 20
+    assert info.restart_count == 0 and not events(job, "requeue")   # healed inside the allocation
+
+
+# ----------------------------------------------------------------------------- (b) SIGSTOP
+@pytest.mark.timeout(240)
+def test_b_stopped_rank_is_a_hang_stacks_then_restart(cluster, slurm, reference, tmp_path):
+    job = make_job(tmp_path, "fm-b", nodes=4, supervise={"hang_timeout_s": 10})
+    job.submit()
+    job.wait_step(25)
+    job.signal_rank(1, signal.SIGSTOP)
+    info, story = assert_healed(job, slurm, reference, 4)
+    lost = events(job, "heartbeat_lost")
+    assert lost and 1 in lost[0]["ranks"], story
+    stacks = events(job, "stacks")
+    assert stacks, story
+    dumps = "".join(p.read_text() for p in Path(stacks[0]["dir"]).glob("node*.txt"))
+    assert "rank 1" in dumps, dumps
+    exits = events(job, "step_exit")
+    assert exits[0]["cause"] == "hang", story
+    assert len(events(job, "launch")) == 2 and not events(job, "requeue")
+
+
+# ----------------------------------------------------------------------------- (c) node lost, spare
+@pytest.mark.timeout(240)
+def test_c_lost_node_replaced_by_spare(cluster, slurm, reference, tmp_path):
+    job = make_job(tmp_path, "fm-c", nodes=3, supervise={"spare_nodes": 1})
+    job.submit()
+    job.wait_step(20)
+    cluster.kill_node("node3")
+    info, story = assert_healed(job, slurm, reference, 3)
+    bad = events(job, "node_bad")
+    assert bad and bad[0]["node"] == "node3", story
+    assert events(job, "spare_used")[0]["nodes"] == ["node4"], story
+    assert events(job, "launch")[-1]["nodes"] == ["node1", "node2", "node4"]
+    assert info.restart_count == 0 and not events(job, "requeue")
+
+
+# ----------------------------------------------------------------------------- (d) node lost, no spare
+@pytest.mark.timeout(300)
+def test_d_lost_node_without_spare_requeues_excluding_it(cluster, slurm, reference, tmp_path):
+    job = make_job(tmp_path, "fm-d", nodes=3, supervise={"drain_bad_nodes": True})
+    job.submit()
+    job.wait_step(20)
+    cluster.kill_node("node3")
+    info, story = assert_healed(job, slurm, reference, 3)
+    rq = events(job, "requeue")
+    assert len(rq) == 1 and rq[0]["exclude"] == ["node3"], story
+    assert info.restart_count == 1
+    second = [r for r in events(job, "launch") if r["incarnation"] == 1]
+    assert second and "node3" not in second[0]["nodes"], story
+    node3 = slurm.node("node3")
+    assert node3.drained and (node3.reason or "").startswith("clusterops:")
+
+
+# ----------------------------------------------------------------------------- (e) time limit
+@pytest.mark.timeout(300)
+def test_e_time_limit_stops_saves_requeues_zero_steps_lost(cluster, slurm, reference, tmp_path):
+    # Slurm checks time limits periodically: USR1@30 of a 1-minute job arrives 10-30 s
+    # in. 250 steps of 0.1 s outlast that, and the second incarnation finishes the rest.
+    steps = 250
+    job = make_job(tmp_path, "fm-e", nodes=4, steps=steps, ckpt_every=100,
+                   spec_extra={"time": "1", "signal_lead_s": 30}, supervise={"stop_timeout_s": 20})
+    job.submit()
+    # Wait for the requeue, then give the second incarnation room to finish.
+    deadline = time.monotonic() + 150
+    while not events(job, "requeue") and time.monotonic() < deadline:
+        assert not events(job, "give_up"), tl.format_text(job.timeline())
+        time.sleep(1)
+    assert events(job, "requeue"), tl.format_text(job.timeline())
+    slurm.update_job(job.job_id, TimeLimit="10")
+    info, story = assert_healed(job, slurm, reference, 4, steps=steps)
+    stop = events(job, "stop_requested")
+    assert stop and stop[0]["reason"] == "time_limit", story
+    stopped = events(job, "stopped")[0]
+    later = [r for r in events(job, "resume") if r["incarnation"] == 1]
+    # Zero steps lost: the stop saved the step the ranks had reached, and the next
+    # incarnation resumes exactly there.
+    assert stopped["ckpt_step"] is not None and later[0]["step"] == stopped["ckpt_step"], story
+    beats = [r["max_step"] for r in events(job, "progress") if r["incarnation"] == 0]
+    assert stopped["ckpt_step"] >= max(beats, default=0), story
+    assert info.restart_count == 1
+
+
+# ----------------------------------------------------------------------------- (f) preemption
+@pytest.mark.timeout(240)
+def test_f_preemption_sigterm_everywhere_zero_steps_lost(cluster, slurm, reference, tmp_path):
+    job = make_job(tmp_path, "fm-f", nodes=4, ckpt_every=25)
+    job.submit()
+    job.wait_step(18)
+    # What Slurm's preemption does: SIGTERM to the batch shell and every task of every step.
+    slurm.signal(job.job_id, "TERM", full=True)
+    info, story = assert_healed(job, slurm, reference, 4)
+    stop = events(job, "stop_requested")
+    assert stop and stop[0]["reason"] == "preemption", story
+    stopped = events(job, "stopped")[0]
+    assert stopped["ckpt_step"] is not None and stopped["ckpt_step"] >= 18, story
+    later = [r for r in events(job, "resume") if r["incarnation"] == 1]
+    assert later and later[0]["step"] == stopped["ckpt_step"], story
+    beats = [r["max_step"] for r in events(job, "progress") if r["incarnation"] == 0]
+    assert stopped["ckpt_step"] >= max(beats, default=0), story       # zero steps lost
+    assert len(events(job, "requeue")) == 1 and info.restart_count == 1
+
+
+# ----------------------------------------------------------------------------- (g) corrupt checkpoint
+@pytest.mark.timeout(240)
+def test_g_corrupted_latest_checkpoint_is_skipped_on_restart(cluster, slurm, reference, tmp_path):
+    job = make_job(tmp_path, "fm-g", nodes=4)
+    job.submit()
+    job.wait_step(33)
+    job.signal_rank(3, signal.SIGSTOP)          # freeze training so "latest" stays latest
+    time.sleep(0.5)
+    broken = fk.corrupt_latest_checkpoint(job.ckpt_dir)
+    job.signal_rank(3, signal.SIGKILL)
+    info, story = assert_healed(job, slurm, reference, 4, ignore_ckpts=[broken])
+    bad = events(job, "checkpoint_bad")
+    assert bad and Path(bad[0]["path"]).name == broken.name, story
+    from clusterops.checkpoint import parse_step
+
+    broken_step = parse_step(broken.name)
+    resumes = events(job, "resume")
+    assert resumes[1]["step"] == broken_step - CKPT_EVERY, story   # the one before the broken one
+    assert str(broken) in resumes[1]["skipped"]
+    resumed = [line for line in (job.latest_attempt() / "step.log").read_text().splitlines() if "resume step=" in line]
+    assert resumed and f"step={broken_step - CKPT_EVERY} " in resumed[0] + " ", resumed
+
+
+# ----------------------------------------------------------------------------- (h) disk full
+@pytest.mark.timeout(240)
+def test_h_disk_full_during_save_training_goes_on(cluster, slurm, reference, tmp_path):
+    if os.geteuid() != 0:
+        pytest.fail("the disk-full case needs root to mount a small tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)], check=True)
+    try:
+        job = make_job(tmp_path, "fm-h", nodes=4, supervise={"ckpt_dir": str(mnt)})
+        job.submit()
+        job.wait_step(45)
+        job.signal_rank(0, signal.SIGKILL)
+        info, story = assert_healed(job, slurm, reference, 4)
+        log = "\n".join(p.read_text() for p in job.job_dir.glob("attempt-*/step.log"))
+        assert "ckpt-failed" in log, "the tmpfs never filled up: make it smaller"
+        assert events(job, "launch")[1]["resume_step"] is not None
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# ----------------------------------------------------------------------------- (i) crash loop
+@pytest.mark.timeout(180)
+def test_i_crash_at_start_gives_up_without_looping(cluster, slurm, reference, tmp_path):
+    # --samples 1: every rank exits 1 right after joining the process group.
+    job = make_job(tmp_path, "fm-i", nodes=4, train_args=["--samples", "1"],
+                   supervise={"no_progress_restarts": 1, "max_restarts": 5, "max_requeues": 3})
+    job.submit()
+    info = job.wait_end(slurm)
+    story = tl.format_text(job.timeline())
+    assert info.exit_code == sv.EXIT_NO_PROGRESS, f"{info.state} {info.exit_code}\n{story}"
+    assert info.restart_count == 0 and not events(job, "requeue"), story
+    assert len(events(job, "launch")) == 2, story                     # first try + K=1 restart
+    # The ranks' own exit codes: the program, not a signal, a hang or a lost node.
+    assert all(e["cause"] in ("program_error", "rank_exit") for e in events(job, "step_exit")), story
+    assert events(job, "step_exit")[-1]["failures"][0]["reason"] == "Exited with exit code 1"
+    give_up = events(job, "give_up")
+    assert give_up and give_up[0]["code"] == sv.EXIT_NO_PROGRESS
+    assert not events(job, "node_bad")                                 # the program, not the nodes
+
+
+# ----------------------------------------------------------------------------- (j) preflight
+@pytest.mark.timeout(240)
+def test_j_node_failing_preflight_is_excluded_and_spare_used(cluster, slurm, reference, tmp_path):
+    profile = tmp_path / "needs-scratch.yaml"
+    profile.write_text("extends: fast\nprobes:\n  host.paths:\n    paths:\n"
+                       "      - {path: \"${CLUSTEROPS_NODE_SCRATCH}\", min_free_gb: 0.001}\n")
+    scratch = cluster.scratch_dir("node3")
+    hidden = scratch.with_name("node3.hidden")
+    shutil.move(str(scratch), str(hidden))
+    try:
+        job = make_job(tmp_path, "fm-j", nodes=3,
+                       supervise={"spare_nodes": 1, "preflight": str(profile), "drain_bad_nodes": True})
+        job.submit()
+        info, story = assert_healed(job, slurm, reference, 3)
+        pf = events(job, "preflight")[0]
+        assert pf["statuses"]["node3"] == "fail" and pf["statuses"]["node1"] in ("pass", "warn"), story
+        assert events(job, "launch")[0]["nodes"] == ["node1", "node2", "node4"], story
+        node3 = slurm.node("node3")
+        assert node3.drained and node3.reason.startswith("clusterops:"), node3
+    finally:
+        if hidden.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.move(str(hidden), str(scratch))

@@ -1,0 +1,163 @@
+"""Supervisor plumbing pieces that need no cluster: srun output parsing, the timeline
+file and its chart, the `job timeline` and `supervise` commands' input handling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from clusterops import timeline as tl
+from clusterops.cli import cli
+from clusterops.supervise_run import parse_srun_failures, read_heartbeats
+
+# Recorded from the dev cluster (srun 22.05): rank 2 SIGKILLed, the others torn down.
+SRUN_KILLED = """\
+0: step 1
+srun: error: node3: task 2: Killed
+srun: launch/slurm: _step_signal: Terminating StepId=5.0
+slurmstepd-node1: error: *** STEP 5.0 ON node1 CANCELLED AT 2026-11-30T14:44:38 ***
+srun: error: node1: task 0: Terminated
+srun: error: node2: task 1: Terminated
+srun: Force Terminated StepId=5.0
+"""
+SRUN_NODE_FAIL = """\
+srun: error: Node failure on node3
+srun: error: node1: tasks 0-1: Exited with exit code 1
+"""
+
+
+def test_parse_srun_failures_keeps_order_and_ranks():
+    failures, lost = parse_srun_failures(SRUN_KILLED)
+    assert [(f.node, f.rank, f.reason) for f in failures] == [
+        ("node3", 2, "Killed"), ("node1", 0, "Terminated"), ("node2", 1, "Terminated")]
+    assert lost == []
+    failures, lost = parse_srun_failures(SRUN_NODE_FAIL)
+    assert lost == ["node3"]
+    assert [f.rank for f in failures] == [0, 1] and failures[0].reason == "Exited with exit code 1"
+
+
+def test_read_heartbeats(tmp_path):
+    (tmp_path / "rank0").write_text("12\n")
+    (tmp_path / "rank1").write_text("garbage\n")
+    (tmp_path / ".rank2.tmp").write_text("5\n")
+    beats = read_heartbeats(tmp_path)
+    assert list(beats) == [0] and beats[0][0] == 12
+    assert read_heartbeats(tmp_path / "missing") == {}
+
+
+def _timeline(tmp_path):
+    t = [1000.0]
+    w = tl.Timeline(tmp_path, job_id="7", incarnation=0, clock=lambda: t[0])
+    w.append("start", {"nodes": ["node1", "node2"]})
+    w.append("launch", {"nodes": ["node1", "node2"], "attempt": 0, "resume_step": None, "spares": []})
+    for step in (5, 10, 15):
+        t[0] += 2
+        w.append("progress", {"step": step, "max_step": step})
+    w.append("checkpoint", {"step": 10})
+    t[0] += 1
+    w.append("step_exit", {"returncode": 137, "cause": "rank_killed", "blamed": ["node2"],
+                           "failures": [{"node": "node2", "rank": 1, "reason": "Killed"}]})
+    w.append("restart", {"cause": "rank_killed", "restart": 1, "resume_step": 10})
+    w.append("launch", {"nodes": ["node1", "node2"], "attempt": 1, "resume_step": 10, "spares": []})
+    t[0] += 5
+    w.append("progress", {"step": 20, "max_step": 20})
+    w.append("done", {"code": 0, "reason": "training finished"})
+    return tmp_path
+
+
+def test_timeline_roundtrip_summary_and_torn_last_line(tmp_path):
+    d = _timeline(tmp_path)
+    with open(d / tl.FILE_NAME, "a") as f:
+        f.write('{"t": 1, "event": "trunc')        # a writer killed mid-line
+    recs = tl.read(d)
+    assert [r["event"] for r in recs][:2] == ["start", "launch"]
+    s = tl.summary(recs)
+    assert s["restarts"] == 1 and s["launches"] == 2 and s["outcome"] == "done" and s["last_step"] == 20
+    text = tl.format_text(recs)
+    assert "rank_killed (blamed: node2); first failure: rank 1 on node2: Killed" in text
+    assert "step 5" not in text and "step 5" in tl.format_text(recs, progress=True)
+
+
+def test_timeline_bad_middle_line_is_an_input_error(tmp_path):
+    (tmp_path / tl.FILE_NAME).write_text('{"t": 1, "event": "start"}\nnot json\n{"t": 2, "event": "done"}\n')
+    from clusterops.errors import InputError
+
+    with pytest.raises(InputError, match=r"timeline.jsonl:2: not a JSON line"):
+        tl.read(tmp_path)
+
+
+def test_chart_svg_marks_faults_and_decisions(tmp_path):
+    recs = tl.read(_timeline(tmp_path))
+    svg = tl.render_svg(recs, title="t")
+    assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+    assert "<polyline" in svg                      # the step line
+    assert 'stroke="#d22"' in svg                  # a fault marker (step_exit)
+    assert 'stroke="#25c"' in svg                  # a decision marker (restart)
+    assert "checkpoint step 10" in svg
+    html = tl.render_html(recs, title="t")
+    assert "<table>" in html and "http" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_job_timeline_cli_text_json_chart(tmp_path):
+    d = _timeline(tmp_path)
+    r = CliRunner().invoke(cli, ["job", "timeline", str(d), "--chart", str(tmp_path / "c.html")])
+    assert r.exit_code == 0, r.output
+    assert "2 launch(es), 1 restart(s), 0 requeue(s); outcome: done (exit 0)" in r.output
+    assert (tmp_path / "c.html").read_text().startswith("<!doctype html>")
+    r = CliRunner().invoke(cli, ["job", "timeline", str(d), "--json"])
+    data = json.loads(r.output)
+    assert data["summary"]["restarts"] == 1 and data["records"][0]["event"] == "start"
+
+
+def test_job_timeline_cli_errors(tmp_path, monkeypatch, capsys):
+    assert run_main(["job", "timeline", str(tmp_path)], monkeypatch) == 2
+    assert "no timeline here" in capsys.readouterr().err
+    _timeline(tmp_path)
+    assert run_main(["job", "timeline", str(tmp_path), "--chart", str(tmp_path / "c.png")], monkeypatch) == 2
+    assert "must end in .svg or .html" in capsys.readouterr().err
+
+
+def run_main(args, monkeypatch, env=None):
+    """Run the real entry point (main maps errors to exit codes)."""
+    from clusterops.cli import main
+
+    for k in ("SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    return e.value.code
+
+
+def test_supervise_outside_allocation_is_usage_error(tmp_path, monkeypatch, capsys):
+    code = run_main(["supervise", "--job-dir", str(tmp_path), "--preflight", "none", "--", "true"], monkeypatch)
+    assert code == 2
+    assert "must run inside a Slurm allocation" in capsys.readouterr().err
+
+
+def test_supervise_bad_inputs(tmp_path, monkeypatch, capsys):
+    env = {"SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "1"}
+    assert run_main(["supervise", "--spec-json", "{nope", "--", "true"], monkeypatch, env) == 2
+    assert "--spec-json: not valid JSON" in capsys.readouterr().err
+    assert run_main(["supervise", "--job-dir", str(tmp_path), "--nodes", "2", "--nodes-min", "3", "--", "true"],
+                    monkeypatch, env) == 2
+    assert "min_nodes" in capsys.readouterr().err
+    assert run_main(["supervise", "--job-dir", str(tmp_path)], monkeypatch, env) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_policy_from_spec_keys():
+    from clusterops.cli.supervise import command_from_spec, policy_kwargs_from_spec
+    from clusterops.errors import InputError
+
+    kw = policy_kwargs_from_spec({"nodes": 3, "gpus_per_node": 8, "supervise": {
+        "spare_nodes": 1, "preflight": False, "hang_timeout_s": 30, "drain_bad_nodes": True}})
+    assert kw == {"nodes": 3, "ranks_per_node": 8, "spare_nodes": 1, "preflight": None, "hang_timeout_s": 30.0,
+                  "drain_bad_nodes": True}
+    with pytest.raises(InputError, match="supervise.hang_timout_s: unknown key .did you mean hang_timeout_s"):
+        policy_kwargs_from_spec({"nodes": 1, "supervise": {"hang_timout_s": 3}})
+    assert command_from_spec({"script": "t.py", "args": ["--x", 1], "python": "py3"}) == ["py3", "t.py", "--x", "1"]
+    assert command_from_spec({"script": "./run.sh"}) == ["./run.sh"]
