@@ -59,7 +59,7 @@ def main(argv=None) -> int:
 
     dc = DevCluster(args.state_dir or DEFAULT_STATE_DIR)
     t0 = time.monotonic()
-    info = dc.up(DevClusterConfig(nodes=args.nodes, gpus_per_node=4))
+    info = dc.up(DevClusterConfig(nodes=args.nodes, gpus_per_node=0, cpus_per_node=2))
     say(f"dev cluster up in {time.monotonic() - t0:.1f}s: {', '.join(sorted(info['nodes']))} "
         f"(SLURM_CONF={dc.conf_path})")
     slurm = Slurm(Runner(env=dc.env()))

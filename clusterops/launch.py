@@ -100,8 +100,11 @@ SUPERVISE_DOCS: Dict[str, str] = {
     "preflight_timeout_s": "time limit of the preflight check (> 0; default 180)",
     "postmortem": "health profile run on blamed nodes after a failure, or false (default off)",
     "node_fail_threshold": "failures blamed on one node before it is dropped (>= 1; default 2)",
-    "verify_deep": "verify checkpoint hashes, not only sizes, before resuming (default false)",
+    "verify_deep": "hash-check the checkpoint to resume from, not only sizes (default true)",
     "step_wait_s": "srun --wait for the supervisor's training steps (> 0)",
+    "liveness_check": "after a failure without a postmortem profile, check every node still answers (default true)",
+    "liveness_timeout_s": "time limit of that liveness check (> 0; default 10)",
+    "hang_blame_margin_s": "blame a hung rank only when it fell silent this long before the others (>= 0; default 5)",
 }
 # Defaults live in the supervisor (clusterops.supervisor.Policy); a resolved spec
 # carries only what the user set, plus ckpt_dir resolved against workdir.
@@ -715,16 +718,21 @@ def _build_supervise(c: _Checker, value: Any, kw: Dict[str, Any], workdir: Path)
     if "job_dir" in given:
         out["job_dir"] = c.path("supervise", given["job_dir"], workdir, p("job_dir"))
     for key in ("hang_timeout_s", "stop_timeout_s", "startup_timeout_s", "kill_timeout_s",
-                "preflight_timeout_s", "step_wait_s"):
+                "preflight_timeout_s", "step_wait_s", "liveness_timeout_s"):
         if key in given:
             out[key] = c.number("supervise", given[key], path=p(key))
+    if "hang_blame_margin_s" in given:
+        margin = c.number("supervise", given["hang_blame_margin_s"], positive=False, path=p("hang_blame_margin_s"))
+        if margin < 0:
+            raise c.err(p("hang_blame_margin_s"), f"must be >= 0, got {margin}")
+        out["hang_blame_margin_s"] = margin
     for key, lo in (("max_restarts", 0), ("max_requeues", 0), ("no_progress_restarts", 1), ("spare_nodes", 0),
                     ("node_fail_threshold", 1)):
         if key in given:
             out[key] = c.integer("supervise", given[key], lo, 100000, path=p(key))
     if "min_nodes" in given:
         out["min_nodes"] = c.integer("supervise", given["min_nodes"], 1, kw["nodes"], path=p("min_nodes"))
-    for key in ("drain_bad_nodes", "verify_deep"):
+    for key in ("drain_bad_nodes", "verify_deep", "liveness_check"):
         if key in given:
             out[key] = c.boolean("supervise", given[key], path=p(key))
     for key in ("preflight", "postmortem"):

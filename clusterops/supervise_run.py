@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
-from clusterops.runner import CommandError, Runner
+from clusterops.runner import Runner
 from clusterops.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -130,23 +130,6 @@ def read_heartbeats(hb_dir: Path) -> Dict[int, Tuple[int, float]]:
             continue
         beats[int(e.name[4:])] = (step, mtime)
     return beats
-
-
-def _node_addr(node: str, runner: Runner) -> str:
-    """An address other nodes can reach node at: its name if it resolves, else NodeAddr."""
-    try:
-        socket.gethostbyname(node)
-        return node
-    except OSError:
-        pass
-    try:
-        out = runner.run(["scontrol", "show", "node", "--oneliner", node], timeout_s=15).stdout
-        m = re.search(r"\bNodeAddr=(\S+)", out)
-        if m:
-            return m.group(1)
-    except CommandError:
-        pass
-    return node
 
 
 def load_memory(job_dir: Path) -> sv.Memory:
@@ -415,7 +398,7 @@ class SupervisorRun:
             "CLUSTEROPS_HEARTBEAT_DIR": str(d / "heartbeat"),
             "CLUSTEROPS_STOP_FILE": str(self.stop_file),
             "CLUSTEROPS_RESTART_COUNT": str(a.restart_count),
-            "MASTER_ADDR": _node_addr(nodes[0], self.runner),
+            "MASTER_ADDR": self.slurm.node_address(nodes[0]),
             "MASTER_PORT": str(free_port()),
         })
         # Values torchrun would set must not leak in from the supervisor's own environment:
@@ -476,28 +459,24 @@ class SupervisorRun:
             return "signal"
         return None
 
-    def _preempt_time(self) -> Optional[str]:
+    def _preempt_time(self) -> Optional[float]:
         if not self.cfg.job_id:
             return None
         try:
-            out = self.runner.run(["scontrol", "show", "job", "--oneliner", self.cfg.job_id], timeout_s=15).stdout
-        except CommandError:
+            return self.slurm.job(self.cfg.job_id).preempt_time
+        except ClusteropsError:
             return None
-        m = re.search(r"\bPreemptTime=(\S+)", out)
-        return m.group(1) if m and m.group(1) not in ("None", "Unknown", "(null)") else None
 
     def _find_step_id(self) -> Optional[str]:
         if self.step_id or not self.cfg.job_id or not self.step_name:
             return self.step_id
         try:
-            out = self.runner.run(["squeue", "--noheader", "--steps", f"--jobs={self.cfg.job_id}",
-                                   "--format=%i %j"], timeout_s=15).stdout
-        except CommandError:
+            steps = self.slurm.steps(self.cfg.job_id)
+        except ClusteropsError:
             return None
-        for line in out.splitlines():
-            parts = line.split()
-            if len(parts) >= 2 and parts[1] == self.step_name:
-                self.step_id = parts[0].split(".", 1)[1]
+        for step_id, name in steps:
+            if name == self.step_name:
+                self.step_id = step_id
         return self.step_id
 
     def _kill_proc(self, p: subprocess.Popen) -> None:
@@ -511,9 +490,9 @@ class SupervisorRun:
         if step is None:
             return False
         try:
-            self.runner.run(["scancel", f"--signal={sig}", f"{self.cfg.job_id}.{step}"], timeout_s=20)
+            self.slurm.cancel(self.cfg.job_id, signal=sig, step=int(step))
             return True
-        except CommandError as e:
+        except ClusteropsError as e:
             self._record("warning", {"what": f"scancel --signal={sig} {self.cfg.job_id}.{step}: {e}"})
             return False
 

@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# README command 1: set everything up, then run the main job on a 4-node dev cluster.
+# README command 1: set everything up, then run the main job on a 4-node dev cluster:
+#   1. a real 4-node torchrun (gloo) all-reduce through clusterops' Slurm layer;
+#   2. the self-healing demo: the example training submitted through `clusterops launch`
+#      under the supervisor, one rank killed mid-run, the job healing itself, its
+#      timeline printed, and the final weights checked against an uninterrupted run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m clusterops.demo "$@"
+state=${CLUSTEROPS_DEVCLUSTER_DIR:-/tmp/clusterops-devcluster}
+.venv/bin/python -m clusterops.demo --state-dir "$state" --keep
+exec .venv/bin/python examples/demo.py --state-dir "$state" --port-base 17000 "$@"

@@ -85,23 +85,10 @@ def rank_info(env: Mapping[str, str]) -> Dict[str, Any]:
 
 
 def node_address(name: str) -> str:
-    """An address for a Slurm node: its name when that resolves, else Slurm's NodeAddr
-    (node names need not be hostnames; the dev cluster's are not)."""
-    try:
-        socket.gethostbyname(name)
-        return name
-    except OSError:
-        pass
-    try:
-        from clusterops.runner import Runner
+    """An address for a Slurm node (its name, or Slurm's NodeAddr when the name does not resolve)."""
+    from clusterops.slurm import Slurm
 
-        info = Runner().run(["scontrol", "show", "node", name, "--oneliner"], timeout_s=10, check=False).stdout
-    except Exception:  # no Slurm here: keep the name, the caller's error will say why
-        return name
-    for token in info.split():
-        if token.startswith("NodeAddr="):
-            return token.split("=", 1)[1] or name
-    return name
+    return Slurm(read_attempts=2, timeout_s=10).node_address(name)
 
 
 def expected_hosts(env: Mapping[str, str], world: int) -> Dict[int, str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
@@ -236,7 +237,27 @@ class Slurm:
         ``--full``: the batch shell and every step)."""
         self.cancel(job_id, signal=sig, batch=batch, full=full, step=step)
 
+    def steps(self, job_id: Union[int, str]) -> List[Tuple[str, str]]:
+        """The running steps of a job as (step id, step name), e.g. [("0", "train")]."""
+        return parse.parse_steps(self._read(["squeue", "--noheader", "--steps", f"--jobs={job_id}",
+                                             "--format=%i %j"]))
+
     # -- nodes ----------------------------------------------------------------------
+    def node_address(self, name: str) -> str:
+        """An address other nodes reach ``name`` at: the name when it resolves, else Slurm's
+        NodeAddr (node names need not be hostnames; the dev cluster's are not)."""
+        try:
+            socket.gethostbyname(name)
+            return name
+        except OSError:
+            pass
+        try:
+            out = self._read(["scontrol", "show", "node", "--oneliner", name])
+        except ClusteropsError:
+            return name
+        m = re.search(r"\bNodeAddr=(\S+)", out)
+        return m.group(1) if m else name
+
     def nodes(self, names: Optional[Nodes] = None) -> List[NodeInfo]:
         argv = ["scontrol", "show", "node", "--oneliner"]
         if names is not None:

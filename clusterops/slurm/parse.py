@@ -137,6 +137,7 @@ class JobInfo:
     array_job_id: Optional[int] = None
     array_task_id: Optional[int] = None
     state_flags: Tuple[str, ...] = ()
+    preempt_time: Optional[float] = None   # set once Slurm chose to preempt the job
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -198,6 +199,7 @@ def job_from_json(j: Dict[str, Any]) -> JobInfo:
         array_job_id=int(array_job) if array_job else None,
         array_task_id=int(array_task) if array_task is not None else None,
         state_flags=flags,
+        preempt_time=epoch(j.get("preempt_time")),
     )
 
 
@@ -234,6 +236,7 @@ def job_from_oneliner(line: str) -> JobInfo:
         requeue=kv.get("Requeue") == "1",
         array_job_id=int(kv["ArrayJobId"]) if kv.get("ArrayJobId", "").isdigit() else None,
         array_task_id=int(array_task) if array_task and array_task.isdigit() else None,
+        preempt_time=parse_iso(kv.get("PreemptTime")),
     )
 
 
@@ -372,6 +375,16 @@ def node_from_oneliner(line: str) -> NodeInfo:
 
 def parse_scontrol_nodes(text: str) -> List[NodeInfo]:
     return [node_from_oneliner(line) for line in text.splitlines() if line.startswith("NodeName=")]
+
+
+def parse_steps(text: str) -> List[Tuple[str, str]]:
+    """``squeue --noheader --steps --format='%i %j'`` -> [(step id, step name)], e.g. ("12.0", "train")."""
+    steps = []
+    for line in text.splitlines():
+        parts = line.split(None, 1)
+        if len(parts) == 2 and "." in parts[0]:
+            steps.append((parts[0].split(".", 1)[1], parts[1].strip()))
+    return steps
 
 
 def parse_version(text: str) -> Tuple[int, ...]:
