@@ -117,3 +117,14 @@ def test_state_table_covers_slurm_base_states():
               "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "REQUEUED"):
         assert s in JOB_STATES
     assert set(JOB_STATES.values()) == {PENDING, RUNNING, DONE, FAILED}
+
+
+def test_steps_and_preempt_time():
+    text = "12.0 train\n12.batch batch\n12.extern extern\n13.1 preflight\n"
+    assert parse.parse_steps(text) == [("0", "train"), ("batch", "batch"), ("extern", "extern"), ("1", "preflight")]
+    line = ("JobId=5 JobName=t JobState=PENDING Reason=None Restarts=1 ExitCode=0:15 "
+            "PreemptTime=2026-11-30T14:35:36 NodeList=(null)")
+    job = parse.job_from_oneliner(line)
+    assert job.preempt_time is not None and job.preempt_time > 1.7e9 and job.exit_signal == 15
+    jobs = by_name(parse.parse_scontrol_jobs((FIX / "scontrol_jobs_2205.txt").read_text()))
+    assert jobs["train"].preempt_time is None        # PreemptTime=None: never preempted
