@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from clusterops.errors import ClusteropsError, InputError
+from clusterops.runner import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -680,16 +681,6 @@ class PrunePlan:
                 "latest_good": str(self.latest_good) if self.latest_good else None}
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def dead_temporaries(root: os.PathLike, *, stale_s: float = STALE_TMP_S, now: Optional[float] = None) -> List[Path]:
     """Temporary/trash directories whose writer is gone.
 
@@ -712,7 +703,7 @@ def dead_temporaries(root: os.PathLike, *, stale_s: float = STALE_TMP_S, now: Op
         except FileNotFoundError:
             continue
         if m and m.group("host") == me and int(m.group("pid")) != os.getpid():
-            if not _pid_alive(int(m.group("pid"))):
+            if not pid_alive(int(m.group("pid"))):
                 out.append(Path(e.path))
                 continue
         if age > stale_s:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from clusterops.errors import ClusteropsError, InputError
-from clusterops.runner import CommandError, Runner
+from clusterops.runner import CommandError, Runner, pid_alive
 
 MARKER_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
 SCRATCH_ENV = "CLUSTEROPS_NODE_SCRATCH"
@@ -154,23 +154,6 @@ echo "export TMPDIR={state}/scratch/$SLURMD_NODENAME/tmp"
 """
 
 
-def _pid_alive(pid: Optional[int]) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie is not alive for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _tail(path: Path, lines: int = 5) -> str:
     try:
         text = path.read_text(errors="replace").strip().splitlines()
@@ -256,7 +239,7 @@ class DevCluster:
 
     def running(self) -> bool:
         pids = self.daemon_pids()
-        return bool(pids) and all(_pid_alive(p) for p in pids.values())
+        return bool(pids) and all(pid_alive(p) for p in pids.values())
 
     # -- up ------------------------------------------------------------------
     @staticmethod
@@ -407,7 +390,7 @@ class DevCluster:
     def down(self, timeout_s: float = 15.0) -> List[int]:
         """Stop every daemon and every job process of this cluster. Returns the pids signalled."""
         mine = _ancestors()
-        pids = [p for p in self.daemon_pids().values() if p and _pid_alive(p)]
+        pids = [p for p in self.daemon_pids().values() if p and pid_alive(p)]
         pids += [p for p in _processes_with_env(MARKER_ENV, str(self.state)) if p not in pids]
         pids = [p for p in pids if p not in mine]
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -417,9 +400,9 @@ class DevCluster:
                 except ProcessLookupError:
                     pass
             deadline = self.clock() + (timeout_s / 2)
-            while self.clock() < deadline and any(_pid_alive(p) for p in pids):
+            while self.clock() < deadline and any(pid_alive(p) for p in pids):
                 self.sleep(0.05)
-            if not any(_pid_alive(p) for p in pids):
+            if not any(pid_alive(p) for p in pids):
                 break
         info = self._read_info()
         if info:
@@ -434,7 +417,7 @@ class DevCluster:
         key = f"slurmd:{name}"
         if key not in pids:
             raise InputError(f"unknown dev-cluster node {name!r}")
-        victims = [pids[key]] if _pid_alive(pids[key]) else []
+        victims = [pids[key]] if pid_alive(pids[key]) else []
         victims += [p for p in _processes_with_env("SLURMD_NODENAME", name)
                     if p in _processes_with_env(MARKER_ENV, str(self.state))]
         victims = [p for p in victims if p not in _ancestors()]
@@ -461,7 +444,7 @@ class DevCluster:
         info = self._read_info()
         if not info:
             return {"state_dir": str(self.state), "running": False, "daemons": {}, "nodes": {}}
-        daemons = {k: {"pid": v, "alive": _pid_alive(v)} for k, v in info.get("pids", {}).items()}
+        daemons = {k: {"pid": v, "alive": pid_alive(v)} for k, v in info.get("pids", {}).items()}
         running = bool(daemons) and all(d["alive"] for d in daemons.values())
         nodes: Dict[str, str] = {}
         if daemons.get("slurmctld", {}).get("alive"):

@@ -60,6 +60,23 @@ class CommandNotFound(CommandError):
         super().__init__(argv, None, "", f"{argv[0]}: command not found")
 
 
+def pid_alive(pid: Optional[int]) -> bool:
+    """True while a process with this pid exists and is not a zombie."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -75,13 +75,13 @@ def devcluster():
 
 def _restore(dc) -> None:
     """Put the shared cluster back to 4 idle nodes with no jobs."""
-    from clusterops.devcluster import _pid_alive
+    from clusterops.runner import pid_alive
 
     env = dict(os.environ, SLURM_CONF=str(dc.conf_path))
     subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30)
     cfg = dc.config()
     for name in cfg.node_names:
-        if not _pid_alive(dc.daemon_pids().get(f"slurmd:{name}")):
+        if not pid_alive(dc.daemon_pids().get(f"slurmd:{name}")):
             dc.start_node(name)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
