@@ -9,4 +9,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 state=${CLUSTEROPS_DEVCLUSTER_DIR:-/tmp/clusterops-devcluster}
 .venv/bin/python -m clusterops.demo --state-dir "$state" --keep
-exec .venv/bin/python examples/demo.py --state-dir "$state" --port-base 17000 "$@"
+rc=0
+.venv/bin/python examples/demo.py --state-dir "$state" --port-base 17000 "$@" || rc=$?
+# CLUSTEROPS_KEEP_CLUSTER=1 leaves the dev cluster up to play with (export SLURM_CONF=$state/slurm.conf).
+if [ "${CLUSTEROPS_KEEP_CLUSTER:-0}" != 1 ]; then
+    .venv/bin/clusterops devcluster down --state-dir "$state"
+fi
+exit "$rc"
