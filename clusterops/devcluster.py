@@ -179,6 +179,14 @@ def _processes_with_env(key: str, value: str) -> List[int]:
     return found
 
 
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _ancestors() -> set:
     pids, pid = set(), os.getpid()
     while pid > 1:
@@ -392,6 +400,9 @@ class DevCluster:
         mine = _ancestors()
         pids = [p for p in self.daemon_pids().values() if p and pid_alive(p)]
         pids += [p for p in _processes_with_env(MARKER_ENV, str(self.state)) if p not in pids]
+        # slurmd hands slurmstepd a trimmed environment (no marker), but SLURM_CONF stays.
+        pids += [p for p in _processes_with_env("SLURM_CONF", str(self.conf_path))
+                 if p not in pids and _comm(p) == "slurmstepd"]
         pids = [p for p in pids if p not in mine]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in pids:
