@@ -9,7 +9,7 @@
    for a trivial command and for the real fast check.
 
 Usage: .venv/bin/python bench/bench_sweep.py [--sizes 4,32,256] [--runs 3] [--profile fast]
-       [--port-base 40100] [--state-dir /tmp/clusterops-bench-sweep] [--no-ssh]
+       [--port-base 26000] [--state-dir /tmp/clusterops-bench-sweep] [--no-ssh]
 Prints a table and one JSON line (figures) at the end.
 """
 
@@ -285,7 +285,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile", default="fast")
     ap.add_argument("--check-cmd", default="")
-    ap.add_argument("--port-base", type=int, default=40100)
+    ap.add_argument("--port-base", type=int, default=26000)  # below the ephemeral range
     ap.add_argument("--state-dir", default="/tmp/clusterops-bench-sweep-dc")
     ap.add_argument("--baseline-max", type=int, default=32, help="largest size to run the local baseline for")
     ap.add_argument("--max-running", type=int, default=None,
