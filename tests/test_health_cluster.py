@@ -37,6 +37,20 @@ def _node(dc, name):
     return state, reason
 
 
+def _await_report(proc, report, timeout_s):
+    """Wait for rank 0's report (bounded), then end the srun; -> (report, seconds waited)."""
+    t0 = time.monotonic()
+    try:
+        while not report.exists() and time.monotonic() - t0 < timeout_s + 40:
+            time.sleep(0.5)
+        elapsed = time.monotonic() - t0
+        assert report.exists(), "rank 0 wrote no report"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return json.loads(report.read_text()), elapsed
+
+
 def _dist_srun(dc, tmp_path, wrapper_body: str, timeout_s: float, sizes="--size 1M --size 4M --iters 5"):
     rdir = tmp_path / "results"
     report = tmp_path / "report.json"
@@ -79,16 +93,7 @@ def test_rank_that_never_answers_is_named(cluster, tmp_path, fault):
     # Rank 2 (node3) stops or is killed -9 for real before it joins the process group.
     proc, rdir, report = _dist_srun(cluster, tmp_path,
                                     f'if [ "$SLURM_PROCID" = 2 ]; then kill -{fault} $$; fi\n', timeout_s)
-    t0 = time.monotonic()
-    try:
-        while not report.exists() and time.monotonic() - t0 < timeout_s + 40:
-            time.sleep(0.5)
-        elapsed = time.monotonic() - t0
-        assert report.exists(), "rank 0 wrote no report"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    rep = json.loads(report.read_text())
+    rep, elapsed = _await_report(proc, report, timeout_s)
     assert rep["status"] == "fail"
     assert rep["missing"] == [2]
     assert "rank 2 (node3) did not answer" in rep["detail"]
@@ -237,16 +242,7 @@ def test_rank_killed_mid_bandwidth_is_named_with_its_stage(cluster, tmp_path):
             '  kill -9 $pid; exit 137\n'
             'fi\n')
     proc, rdir, report = _dist_srun(cluster, tmp_path, body, timeout_s, sizes="--size 64M --iters 200")
-    t0 = time.monotonic()
-    try:
-        while not report.exists() and time.monotonic() - t0 < timeout_s + 40:
-            time.sleep(0.5)
-        elapsed = time.monotonic() - t0
-        assert report.exists(), "rank 0 wrote no report"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    rep = json.loads(report.read_text())
+    rep, elapsed = _await_report(proc, report, timeout_s)
     assert rep["status"] == "fail" and rep["stuck"] == [2] and rep["missing"] == []
     assert "rank 2 (node3, pid " in rep["detail"] and "stopped answering at stage bandwidth 67108864B" in rep["detail"]
     # The survivors saw the peer go (a gloo connection error), not only their deadline.
