@@ -400,37 +400,39 @@ def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, sl
 _STATUS_NUM = {"pass": 0, "warn": 1, "fail": 2, "error": 3, "skip": -1}
 
 
-def _label(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
-
-
 def prometheus_text(report: Dict[str, Any]) -> str:
-    node, prof = _label(report["node"]), _label(report["profile"])
-    lines = [
-        "# HELP clusterops_health_status Node health: 0 pass, 1 warn, 2 fail, 3 error.",
-        "# TYPE clusterops_health_status gauge",
-        f'clusterops_health_status{{node="{node}",profile="{prof}"}} {_STATUS_NUM[report["status"]]}',
-        "# HELP clusterops_health_check_duration_seconds Wall time of the check.",
-        "# TYPE clusterops_health_check_duration_seconds gauge",
-        f'clusterops_health_check_duration_seconds{{node="{node}",profile="{prof}"}} {report["duration_s"]}',
-        "# HELP clusterops_health_last_run_timestamp_seconds When the check ran.",
-        "# TYPE clusterops_health_last_run_timestamp_seconds gauge",
-        f'clusterops_health_last_run_timestamp_seconds{{node="{node}",profile="{prof}"}} {report.get("time", time.time()):.0f}',
-        "# HELP clusterops_health_probe_status Probe status: -1 skip, 0 pass, 1 warn, 2 fail, 3 error.",
-        "# TYPE clusterops_health_probe_status gauge",
-    ]
+    """The check as Prometheus text exposition. Every series appears once: a profile that
+    runs one probe name twice gets ``probe="name"``, ``probe="name#2"``, ... in order."""
+    from clusterops.report import Exposition
+
+    prom = Exposition({
+        "clusterops_health_status": "Node health: 0 pass, 1 warn, 2 fail, 3 error.",
+        "clusterops_health_check_duration_seconds": "Wall time of the check.",
+        "clusterops_health_last_run_timestamp_seconds": "When the check ran.",
+        "clusterops_health_probe_status": "Probe status: -1 skip, 0 pass, 1 warn, 2 fail, 3 error.",
+        "clusterops_health_probe_value": "The probe's measured value (see unit).",
+    })
+    node, prof = report["node"], report["profile"]
+    base = {"node": node, "profile": prof}
+    prom.add("clusterops_health_status", base, _STATUS_NUM.get(report["status"], 3))
+    prom.add("clusterops_health_check_duration_seconds", base, report["duration_s"])
+    t = report.get("time", time.time())
+    prom.add("clusterops_health_last_run_timestamp_seconds", base,
+             round(t) if isinstance(t, (int, float)) and abs(t) < 1e15 else t)
+    seen: Dict[str, int] = {}
     values = []
     for r in report["results"]:
-        lines.append(f'clusterops_health_probe_status{{node="{node}",probe="{_label(r["name"])}"}} '
-                     f'{_STATUS_NUM[r["status"]]}')
+        name = str(r["name"])
+        seen[name] = seen.get(name, 0) + 1
+        probe = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        prom.add("clusterops_health_probe_status", {"node": node, "probe": probe},
+                 _STATUS_NUM.get(r["status"], 3))
         v = r.get("value")
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            values.append(f'clusterops_health_probe_value{{node="{node}",probe="{_label(r["name"])}",'
-                          f'unit="{_label(r.get("unit") or "")}"}} {v}')
-    if values:
-        lines += ["# HELP clusterops_health_probe_value The probe's measured value (see unit).",
-                  "# TYPE clusterops_health_probe_value gauge"] + values
-    return "\n".join(lines) + "\n"
+            values.append(({"node": node, "probe": probe, "unit": r.get("unit") or ""}, v))
+    for labels, v in values:
+        prom.add("clusterops_health_probe_value", labels, v)
+    return prom.text()
 
 
 def format_table(report: Dict[str, Any]) -> str:

@@ -26,16 +26,49 @@ def _label(value: object) -> str:
     return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def _num(v: float) -> str:
-    if v != v:  # NaN
+def _num(v: object) -> str:
+    """A sample value as the exposition format spells it (NaN, +Inf, -Inf included)."""
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    try:
+        f = float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
         return "NaN"
-    return repr(float(v)) if not float(v).is_integer() else str(int(v))
+    if f != f:
+        return "NaN"
+    if f in (float("inf"), float("-inf")):
+        return "+Inf" if f > 0 else "-Inf"
+    if isinstance(v, int) and abs(v) < 2 ** 53:
+        return str(v)
+    return repr(f) if not f.is_integer() or abs(f) >= 1e16 else str(int(f))
+
+
+class Exposition:
+    """Prometheus text exposition (0.0.4) built series by series, never with a duplicate:
+    a series (metric name + label set) given twice keeps its last value, as a scrape of
+    one target can hold each series once only."""
+
+    def __init__(self, helps: Mapping[str, str]):
+        self.helps = dict(helps)
+        self.metrics: Dict[str, Dict[tuple, str]] = {}
+
+    def add(self, name: str, labels: Mapping[str, object], value: object) -> None:
+        key = tuple((k, _label(v)) for k, v in labels.items())
+        self.metrics.setdefault(name, {})[key] = _num(value)
+
+    def text(self) -> str:
+        out: List[str] = []
+        for name, series in self.metrics.items():
+            out.append(f"# HELP {name} {self.helps.get(name, name)}")
+            out.append(f"# TYPE {name} gauge")
+            for key, value in series.items():
+                lab = ",".join(f'{k}="{v}"' for k, v in key)
+                out.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
+        return "\n".join(out) + "\n"
 
 
 def prometheus_text(doc: Mapping) -> str:
     """node_exporter textfile-collector format (Prometheus text exposition 0.0.4)."""
-    out: List[str] = []
-    metrics: Dict[str, List[str]] = {}
     helps = {
         "clusterops_sweep_node_healthy": "1 when the node passed its check in the last sweep (warnings allowed), "
                                          "0 when it failed or did not answer; absent when skipped.",
@@ -55,12 +88,12 @@ def prometheus_text(doc: Mapping) -> str:
         "clusterops_sweep_exit_code": "Exit code of the last sweep.",
     }
 
-    def add(name: str, labels: Mapping[str, object], value: float) -> None:
-        lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-        metrics.setdefault(name, []).append(f"{name}{{{lab}}} {_num(value)}" if lab else f"{name} {_num(value)}")
+    prom = Exposition(helps)
+    add = prom.add
 
-    for n in doc.get("nodes", []):
-        node = n["node"]
+    # One entry per node (the last one given), so a node listed twice is one set of series.
+    by_node = {str(n["node"]): n for n in doc.get("nodes", [])}
+    for node, n in by_node.items():
         if n["status"] != "skipped" and n["status"] != "error":
             add("clusterops_sweep_node_healthy", {"node": node}, 1 if n.get("healthy") else 0)
         for s in STATUSES:
@@ -86,11 +119,7 @@ def prometheus_text(doc: Mapping) -> str:
     add("clusterops_sweep_timestamp_seconds", {}, doc.get("finished", time.time()))
     add("clusterops_sweep_duration_seconds", {}, doc.get("duration_s", 0))
     add("clusterops_sweep_exit_code", {}, doc.get("exit_code", 0))
-    for name, lines in metrics.items():
-        out.append(f"# HELP {name} {helps.get(name, name)}")
-        out.append(f"# TYPE {name} gauge")
-        out.extend(lines)
-    return "\n".join(out) + "\n"
+    return prom.text()
 
 
 def write_prometheus(path: os.PathLike | str, doc: Mapping) -> None:

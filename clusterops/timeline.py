@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable, List, Mapping, Optional
+from typing import Callable, Iterable, List, Mapping, Optional, Tuple
 
 from clusterops.errors import InputError
 
@@ -39,7 +40,9 @@ class Timeline:
         rec = {"t": round(self.clock() if t is None else t, 3), "event": event,
                "job_id": self.job_id, "incarnation": self.incarnation}
         rec.update(data or {})
-        line = json.dumps(rec, default=str, sort_keys=False)
+        from clusterops.jsonout import dumps
+
+        line = dumps(rec, indent=None, sort_keys=False)   # strict: NaN -> null
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # O_APPEND: one write per line, so two writers never interleave inside a line.
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -55,29 +58,78 @@ def timeline_path(job_dir: os.PathLike) -> Path:
     return p if p.is_file() else p / FILE_NAME
 
 
-def read(job_dir: os.PathLike) -> List[dict]:
-    """All records, in file order. A torn last line (a writer killed mid-write) is skipped."""
+# Times outside this range cannot be a supervisor's clock (and break gmtime): year 1970..9999.
+_T_MAX = 253402300799.0
+
+
+def _finite(v: object) -> Optional[float]:
+    """``v`` as a finite float, or None (bools, strings, NaN, infinities, ints too big)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _record(line: bytes) -> Tuple[Optional[dict], str]:
+    """One line -> (record, "") or (None, why it is not one)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    try:
+        rec = json.loads(text)
+    except (ValueError, RecursionError):
+        return None, "not a JSON line"
+    if not isinstance(rec, dict):
+        return None, "not a JSON object"
+    t = _finite(rec.get("t"))
+    if t is None or not 0 <= t <= _T_MAX or not isinstance(rec.get("event"), str):
+        return None, "no valid 't' and 'event'"
+    rec["t"] = t
+    return rec, ""
+
+
+def load(job_dir: os.PathLike) -> Tuple[List[dict], List[Tuple[int, str]]]:
+    """All readable records in file order, and the lines skipped as ``(line number, why)``.
+
+    A writer killed mid-write leaves a torn line, and the next incarnation (after a
+    requeue) appends after it, so a damaged line can sit anywhere: it is skipped and
+    counted, never a reason to refuse the rest of the story.
+    """
     path = timeline_path(job_dir)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise InputError(f"{path}: no timeline here (is this a supervised job's directory?)") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not a timeline") from None
     except OSError as e:
         raise InputError(f"{path}: unreadable: {e.strerror}") from None
-    out = []
-    lines = text.splitlines()
-    for i, line in enumerate(lines, 1):
+    out: List[dict] = []
+    skipped: List[Tuple[int, str]] = []
+    for i, line in enumerate(data.split(b"\n"), 1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            if i == len(lines):
-                continue
-            raise InputError(f"{path}:{i}: not a JSON line") from None
-        if isinstance(rec, dict) and "event" in rec and "t" in rec:
+        rec, why = _record(line)
+        if rec is None:
+            skipped.append((i, why))
+        else:
             out.append(rec)
-    return out
+    return out, skipped
+
+
+def read(job_dir: os.PathLike) -> List[dict]:
+    """All readable records, in file order (damaged lines skipped; see :func:`load`)."""
+    return load(job_dir)[0]
+
+
+def _join(v: object) -> str:
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return "" if v is None else str(v)
 
 
 def describe(rec: Mapping) -> str:
@@ -86,9 +138,9 @@ def describe(rec: Mapping) -> str:
     skip = {"t", "event", "job_id", "incarnation"}
     fields = {k: v for k, v in rec.items() if k not in skip}
     if e == "launch":
-        return (f"launch attempt {fields.get('attempt')} on {','.join(fields.get('nodes', []))}"
+        return (f"launch attempt {fields.get('attempt')} on {_join(fields.get('nodes', []))}"
                 f" (resume from step {fields.get('resume_step')}"
-                + (f", spares {','.join(fields['spares'])}" if fields.get("spares") else "") + ")")
+                + (f", spares {_join(fields['spares'])}" if fields.get("spares") else "") + ")")
     if e == "progress":
         return f"step {fields.get('step')}"
     if e == "checkpoint":
@@ -96,9 +148,10 @@ def describe(rec: Mapping) -> str:
     if e == "step_exit":
         s = f"step exited {fields.get('returncode')}: {fields.get('cause')}"
         if fields.get("blamed"):
-            s += f" (blamed: {','.join(fields['blamed'])})"
-        if fields.get("failures"):
-            f0 = fields["failures"][0]
+            s += f" (blamed: {_join(fields['blamed'])})"
+        failures = fields.get("failures")
+        if isinstance(failures, list) and failures and isinstance(failures[0], dict):
+            f0 = failures[0]
             s += f"; first failure: rank {f0.get('rank')} on {f0.get('node')}: {f0.get('reason')}"
         return s
     if e == "give_up":
@@ -108,9 +161,9 @@ def describe(rec: Mapping) -> str:
     parts = []
     for k, v in fields.items():
         if isinstance(v, (list, tuple)):
-            v = ",".join(str(x) for x in v)
+            v = _join(v)
         elif isinstance(v, dict):
-            v = json.dumps(v, sort_keys=True)
+            v = json.dumps(v, sort_keys=True, default=str)
         parts.append(f"{k}={v}")
     return f"{e}: " + " ".join(parts) if parts else str(e)
 
@@ -173,7 +226,8 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
             step = r.get("step")
         elif r.get("event") in ("checkpoint", "stopped") and (r.get("step") or r.get("ckpt_step")) is not None:
             step = r.get("step", r.get("ckpt_step"))
-        if isinstance(step, (int, float)):
+        step = _finite(step)
+        if step is not None:
             points.append((r["t"], step, r.get("event")))
     smax = max([p[1] for p in points] + [1])
 
@@ -203,10 +257,10 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
     for r in recs:
         if r.get("event") == "launch":
             segs.append([])
-            if r.get("resume_step") is not None:
-                segs[-1].append((r["t"], r["resume_step"]))
-        elif r.get("event") == "progress" and isinstance(r.get("step"), (int, float)):
-            segs[-1].append((r["t"], r["step"]))
+            if _finite(r.get("resume_step")) is not None:
+                segs[-1].append((r["t"], _finite(r["resume_step"])))
+        elif r.get("event") == "progress" and _finite(r.get("step")) is not None:
+            segs[-1].append((r["t"], _finite(r["step"])))
     for seg in segs:
         if len(seg) >= 2:
             d = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in seg)
@@ -214,9 +268,9 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
         for t, s in seg:
             parts.append(f'<circle cx="{x(t):.1f}" cy="{y(s):.1f}" r="1.8" fill="#2a7"/>')
     for r in recs:
-        if r.get("event") == "checkpoint" and isinstance(r.get("step"), (int, float)):
-            parts.append(f'<rect x="{x(r["t"]) - 3:.1f}" y="{y(r["step"]) - 3:.1f}" width="6" height="6" '
-                         f'fill="#fc3" stroke="#960"><title>checkpoint step {r["step"]}</title></rect>')
+        if r.get("event") == "checkpoint" and _finite(r.get("step")) is not None:
+            parts.append(f'<rect x="{x(r["t"]) - 3:.1f}" y="{y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
+                         f'fill="#fc3" stroke="#960"><title>checkpoint step {esc(str(r["step"]))}</title></rect>')
     row = 0
     for r in recs:
         e = r.get("event")
@@ -260,7 +314,11 @@ def write_chart(records: Iterable[Mapping], path: os.PathLike, *, title: str = "
     if path.suffix.lower() not in (".svg", ".html", ".htm"):
         raise InputError(f"--chart {path}: the file name must end in .svg or .html")
     text = render_svg(records, title=title) if path.suffix.lower() == ".svg" else render_html(records, title=title)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    from clusterops.errors import ClusteropsError
+    from clusterops.fsutil import write_atomic
+
+    try:
+        write_atomic(path, text, create_parents=False)
+    except ClusteropsError as e:
+        raise InputError(f"--chart {e.message}") from None
     return path

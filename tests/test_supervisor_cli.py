@@ -80,12 +80,15 @@ def test_timeline_roundtrip_summary_and_torn_last_line(tmp_path):
     assert "step 5" not in text and "step 5" in tl.format_text(recs, progress=True)
 
 
-def test_timeline_bad_middle_line_is_an_input_error(tmp_path):
-    (tmp_path / tl.FILE_NAME).write_text('{"t": 1, "event": "start"}\nnot json\n{"t": 2, "event": "done"}\n')
-    from clusterops.errors import InputError
-
-    with pytest.raises(InputError, match=r"timeline.jsonl:2: not a JSON line"):
-        tl.read(tmp_path)
+def test_timeline_torn_middle_line_is_skipped_and_counted(tmp_path):
+    # A crash mid-write, then a requeued incarnation appending after the torn line.
+    (tmp_path / tl.FILE_NAME).write_bytes(b'{"t": 1, "event": "start"}\n{"t": 1.5, "event": "lau'
+                                          b'{"t": 2, "event": "launch", "nodes": ["node1"]}\n'
+                                          b'\x00\x00\x00\xff\n{"t": 3, "event": "done", "code": 0}\n')
+    recs, skipped = tl.load(tmp_path)
+    assert [r["event"] for r in recs] == ["start", "done"]
+    assert [n for n, _ in skipped] == [2, 3]
+    assert tl.read(tmp_path) == recs
 
 
 def test_chart_svg_marks_faults_and_decisions(tmp_path):

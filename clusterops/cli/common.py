@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -12,7 +11,10 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print machin
 
 
 def echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    """Strict JSON (no NaN/Infinity: they become null), for every command's --json."""
+    from clusterops.jsonout import dumps
+
+    click.echo(dumps(data))
 
 
 def slurm_client():

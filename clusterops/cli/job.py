@@ -23,19 +23,28 @@ def timeline(job_dir, as_json, chart, progress):
 
     Every event and decision of every incarnation: preflight, launch, heartbeat lost,
     failures with their classification, restarts, nodes dropped, checkpoints, stop
-    requests, requeues, give-up. Exit 0; 2 when JOB_DIR holds no timeline.
+    requests, requeues, give-up. Lines that cannot be read (torn by a crash mid-write,
+    garbage) are skipped, counted and named on stderr ("skipped_lines" with --json).
+    Exit 0; 2 when JOB_DIR holds no timeline.
     """
     from clusterops import timeline as tl
 
-    records = tl.read(job_dir)
+    records, skipped = tl.load(job_dir)
     if chart:
         tl.write_chart(records, chart, title=f"supervised job {job_dir}")
+    if skipped:
+        shown = ", ".join(f"{n} ({why})" for n, why in skipped[:10]) + (" ..." if len(skipped) > 10 else "")
+        click.echo(f"warning: {tl.timeline_path(job_dir)}: skipped {len(skipped)} unreadable line(s): {shown}",
+                   err=True)
+    summary = dict(tl.summary(records), skipped_lines=len(skipped))
     if as_json:
-        echo_json({"records": records, "summary": tl.summary(records)})
+        echo_json({"records": records, "summary": summary,
+                   "skipped_lines": [{"line": n, "why": why} for n, why in skipped]})
         return
     click.echo(tl.format_text(records, progress=progress))
-    s = tl.summary(records)
+    s = summary
     click.echo(f"-- {s['launches']} launch(es), {s['restarts']} restart(s), {s['requeues']} requeue(s); "
                f"outcome: {s['outcome'] or 'running'}"
                + (f" (exit {s['exit_code']})" if s["exit_code"] is not None else "")
+               + (f"; {len(skipped)} unreadable line(s) skipped" if skipped else "")
                + (f"; chart: {chart}" if chart else ""))

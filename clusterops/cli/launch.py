@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -44,19 +43,26 @@ def launch() -> None:
 @set_option
 @templates_option
 def render(spec: str, output: str | None, overrides, template_dirs) -> None:
-    """Print (or write) the sbatch script for SPEC. Submits nothing."""
-    from clusterops import launch as lib
-    from clusterops.errors import InputError
+    """Print (or write) the sbatch script for SPEC. Submits nothing.
 
+    With -o, FILE must be a regular file or not exist yet: a symlink, device
+    (/dev/null), FIFO or directory is refused (exit 2) and left untouched. The
+    script is written to a temporary file beside FILE and renamed over it (mode
+    0755), so FILE is never half written.
+    """
+    from clusterops import launch as lib
+    from clusterops.errors import ClusteropsError, InputError
+    from clusterops.fsutil import check_output_target, write_atomic
+
+    if output:
+        check_output_target(output)   # before any work: nothing is rendered for a bad -o
     job = lib.load_spec(spec, overrides, template_dirs)
     text = lib.render(job, template_dirs)
     if output:
         try:
-            with open(output, "w") as f:
-                f.write(text)
-            os.chmod(output, 0o755)
-        except OSError as e:
-            raise InputError(f"-o {output}: cannot write: {e.strerror or e}") from None
+            write_atomic(output, text, 0o755, create_parents=False)
+        except ClusteropsError as e:
+            raise InputError(f"-o {e.message}") from None
     else:
         click.echo(text, nl=False)
 
