@@ -14,6 +14,7 @@ Schema (version 1)::
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sqlite3
@@ -70,6 +71,28 @@ def parse_since(text: str, now: Optional[float] = None) -> float:
     return dt.timestamp()
 
 
+def _finite(v: object) -> Optional[float]:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _text(v: object) -> Optional[str]:
+    if v is None:
+        return None
+    if isinstance(v, bytes):
+        return v.decode("utf-8", errors="replace")
+    return str(v)
+
+
+# Times a sweep can have written: 1970 .. 9999 (anything else is a damaged row).
+_T_MAX = 253402300799.0
+
+
 @dataclass
 class Row:
     time: float
@@ -81,14 +104,33 @@ class Row:
     unit: Optional[str]
     detail: Optional[str]
 
+    @classmethod
+    def from_db(cls, raw: Sequence[object]) -> Optional["Row"]:
+        """A row as stored, typed; None for a row whose time is not a time (a damaged or
+        foreign row is skipped, never a crash). Values that are not finite numbers read
+        as None."""
+        t = _finite(raw[0])
+        if t is None or not 0 <= t <= _T_MAX:
+            return None
+        return cls(t, _text(raw[1]) or "", _text(raw[2]) or "", _text(raw[3]) or "", _text(raw[4]) or "",
+                   _finite(raw[5]), _text(raw[6]), _text(raw[7]))
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["time_iso"] = datetime.fromtimestamp(self.time, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         return d
 
 
+# The columns every reader and writer relies on.
+EXPECTED = {"sweeps": ("id", "started", "finished", "via", "profile", "nodes", "failed", "guard", "exit_code"),
+            "results": ("id", "time", "sweep_id", "node", "probe", "status", "value", "unit", "detail")}
+
+
 class History:
-    """The sweep database. Open with ``History.open(path)``; one connection per process."""
+    """The sweep database. Open with ``History.open(path)``; one connection per process.
+
+    Every SQLite failure (not a database, a truncated file, a missing table, a locked
+    or read-only file) becomes a one-line ClusteropsError naming the file."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path):
         self.conn = conn
@@ -96,17 +138,50 @@ class History:
 
     @classmethod
     def open(cls, path: os.PathLike | str, *, create: bool = True) -> "History":
+        """``create``: the sweep's writer (makes the file and tables). Without it, a
+        reader: the file must exist and is opened read-only (reading never changes it)."""
         p = Path(path)
+        if p.exists() and not p.is_file():
+            raise InputError(f"{p}: not a regular file (a sweep history database is one file)")
         if not create and not p.exists():
             raise ClusteropsError(f"{p}: no sweep history database here (run a sweep first, or give --db)")
+        conn = None
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(str(p), timeout=30)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(SCHEMA)
+            if create:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                conn = sqlite3.connect(str(p), timeout=30)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.executescript(SCHEMA)
+            else:
+                conn = sqlite3.connect(f"{p.absolute().as_uri()}?mode=ro", uri=True, timeout=30)
+            h = cls(conn, p)
+            h._check_schema()
+            return h
+        except sqlite3.DatabaseError as e:
+            _close(conn)
+            raise InputError(f"{p}: not a usable sweep history database: {e}") from None
         except (OSError, sqlite3.Error) as e:
+            _close(conn)
             raise ClusteropsError(f"{p}: cannot open the sweep history database: {e}") from None
-        return cls(conn, p)
+        except ClusteropsError:
+            _close(conn)
+            raise
+
+    def _check_schema(self) -> None:
+        for table, cols in EXPECTED.items():
+            have = {r[1] for r in self.conn.execute(f"PRAGMA table_info({table})")}
+            if not have:
+                raise InputError(f"{self.path}: not a sweep history database (no table {table!r})")
+            missing = [c for c in cols if c not in have]
+            if missing:
+                raise InputError(f"{self.path}: not a sweep history database (table {table!r} lacks "
+                                 f"{', '.join(missing)})")
+
+    def _query(self, sql: str, args: Sequence[object] = ()) -> List[tuple]:
+        try:
+            return self.conn.execute(sql, tuple(args)).fetchall()
+        except sqlite3.Error as e:
+            raise ClusteropsError(f"{self.path}: cannot read the sweep history: {e}") from None
 
     def close(self) -> None:
         self.conn.close()
@@ -137,6 +212,13 @@ class History:
                 rows.append((t, report.sweep_id, name, str(p.get("name", "?")), str(p.get("status", "?")),
                              val, p.get("unit"), str(p.get("detail") or "")[:500]))
         counts = report.counts()
+        try:
+            self._write(report, rows, counts)
+        except sqlite3.Error as e:
+            raise ClusteropsError(f"{self.path}: cannot record the sweep: {e}") from None
+        return len(rows)
+
+    def _write(self, report, rows, counts) -> None:
         with self.conn:
             self.conn.execute(
                 "INSERT OR REPLACE INTO sweeps VALUES (?,?,?,?,?,?,?,?,?)",
@@ -146,16 +228,18 @@ class History:
                  int(bool(report.plan and report.plan.guard_tripped)), report.exit_code))
             self.conn.executemany("INSERT INTO results (time, sweep_id, node, probe, status, value, unit, detail)"
                                   " VALUES (?,?,?,?,?,?,?,?)", rows)
-        return len(rows)
 
     def prune(self, retention_days: float = DEFAULT_RETENTION_DAYS, now: Optional[float] = None) -> int:
         """Delete rows older than the retention; returns how many result rows went."""
         if retention_days <= 0:
             raise InputError(f"--retention-days: must be positive, got {retention_days}")
         cutoff = (time.time() if now is None else now) - retention_days * 86400
-        with self.conn:
-            n = self.conn.execute("DELETE FROM results WHERE time < ?", (cutoff,)).rowcount
-            self.conn.execute("DELETE FROM sweeps WHERE started < ?", (cutoff,))
+        try:
+            with self.conn:
+                n = self.conn.execute("DELETE FROM results WHERE time < ?", (cutoff,)).rowcount
+                self.conn.execute("DELETE FROM sweeps WHERE started < ?", (cutoff,))
+        except sqlite3.Error as e:
+            raise ClusteropsError(f"{self.path}: cannot prune the sweep history: {e}") from None
         return n
 
     # -- reading --------------------------------------------------------------------
@@ -166,7 +250,7 @@ class History:
         """
         out: Dict[str, List[bool]] = {}
         for node in nodes:
-            cur = self.conn.execute(
+            cur = self._query(
                 "SELECT status FROM results WHERE node = ? AND probe = ? "
                 "AND status NOT IN ('skipped', 'error') ORDER BY time DESC, id DESC LIMIT ?",
                 (node, NODE_PROBE, int(n)))
@@ -192,7 +276,7 @@ class History:
         sql += " ORDER BY time DESC, id DESC"
         if limit:
             sql += f" LIMIT {int(limit)}"
-        found = [Row(*r) for r in self.conn.execute(sql, args)]
+        found = [row for row in map(Row.from_db, self._query(sql, args)) if row is not None]
         found.reverse()
         return found
 
@@ -205,27 +289,36 @@ class History:
         if since is not None:
             sql += " AND time >= ?"
             args.append(since)
-        return sorted((Row(*r) for r in self.conn.execute(sql, args)), key=lambda r: r.node)
+        rows = [row for row in map(Row.from_db, self._query(sql, args)) if row is not None]
+        return sorted(rows, key=lambda r: r.node)
 
     def sweeps(self, limit: int = 20) -> List[dict]:
-        cur = self.conn.execute("SELECT id, started, finished, via, profile, nodes, failed, guard, exit_code "
-                                "FROM sweeps ORDER BY started DESC LIMIT ?", (limit,))
+        cur = self._query("SELECT id, started, finished, via, profile, nodes, failed, guard, exit_code "
+                          "FROM sweeps ORDER BY started DESC LIMIT ?", (limit,))
         keys = ("id", "started", "finished", "via", "profile", "nodes", "failed", "guard", "exit_code")
         return [dict(zip(keys, r)) for r in cur]
 
     def probes(self, node: Optional[str] = None) -> List[str]:
         if node:
-            cur = self.conn.execute("SELECT DISTINCT probe FROM results WHERE node = ? ORDER BY probe", (node,))
+            cur = self._query("SELECT DISTINCT probe FROM results WHERE node = ? ORDER BY probe", (node,))
         else:
-            cur = self.conn.execute("SELECT DISTINCT probe FROM results ORDER BY probe")
-        return [p for (p,) in cur]
+            cur = self._query("SELECT DISTINCT probe FROM results ORDER BY probe")
+        return [_text(p) or "" for (p,) in cur]
+
+
+def _close(conn) -> None:
+    if conn is not None:
+        try:
+            conn.close()
+        except sqlite3.Error:
+            pass
 
 
 def trend(values: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
     """min / median / max / last of a series (None values ignored)."""
     import statistics
 
-    vals = [v for v in values if v is not None]
+    vals = [v for v in values if _finite(v) is not None]
     if not vals:
         return {"n": 0, "min": None, "median": None, "max": None, "last": None}
     return {"n": len(vals), "min": min(vals), "median": statistics.median(vals), "max": max(vals),
@@ -236,10 +329,17 @@ SPARK = "▁▂▃▄▅▆▇█"
 
 
 def sparkline(values: Sequence[Optional[float]]) -> str:
+    values = [_finite(v) for v in values]
     vals = [v for v in values if v is not None]
     if not vals:
         return ""
     lo, hi = min(vals), max(vals)
-    span = hi - lo or 1.0
-    return "".join(" " if v is None else SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))]
-                   for v in values)
+
+    def level(v: float) -> int:
+        if hi <= lo:
+            return 0
+        # Halved so that hi - lo cannot overflow to infinity.
+        frac = (v / 2 - lo / 2) / (hi / 2 - lo / 2)
+        return min(len(SPARK) - 1, max(0, int(frac * (len(SPARK) - 1))))
+
+    return "".join(" " if v is None else SPARK[level(v)] for v in values)

@@ -50,12 +50,21 @@ EXIT_OK = 0
 EXIT_UNHEALTHY = 1
 EXIT_GUARD = 3      # the safety guard refused to drain: too many nodes would go
 EXIT_LOCKED = 4     # another sweep holds the lock
+EXIT_CANNOT_RUN = 5  # no Slurm, no history database, nothing to sweep: nothing was judged
+
+
+class SweepCannotRun(ClusteropsError):
+    """The sweep could not run (or could not record what it found): exit 5, never
+    mistaken for "ran and found unhealthy nodes" (1)."""
+
+    exit_code = EXIT_CANNOT_RUN
 
 HEALTHY = frozenset({"pass", "warn"})
 FAILING = frozenset({"fail", "unreachable"})
 # Every status a node can end a sweep with.
 STATUSES = ("pass", "warn", "fail", "error", "unreachable", "skipped")
 MAX_REASON_CHARS = 200
+MAX_TARGETS = 100_000     # a hostlist typo like node[1-99999999] must not eat the memory
 
 # Per-node figures compared across the fleet: metric name -> (probe name patterns, units).
 METRICS = {
@@ -707,8 +716,35 @@ class SweepOptions:
             raise InputError(f"--flap-k/--flap-n: need 1 <= k <= n, got k={self.flap_k} n={self.flap_n}")
         if not 0 <= self.straggler_tolerance < 1:
             raise InputError(f"--straggler-tolerance: must be in [0, 1), got {self.straggler_tolerance}")
+        if self.connect_timeout_s <= 0:
+            raise InputError(f"--connect-timeout: must be positive, got {self.connect_timeout_s}")
+        if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
+            raise InputError(f"--ssh-port: must be 1..65535, got {self.ssh_port}")
+        if self.drain_stragglers and not self.drain:
+            raise InputError("--drain-stragglers: needs --drain")
+        if self.check_cmd is not None and not self.check_cmd:
+            raise InputError("--check-cmd: empty command")
+        if self.pairs and self.via != "slurm":
+            raise InputError("--pairs: needs --via slurm (pairs run as 2-node Slurm jobs)")
+        if self.work_dir is not None and Path(self.work_dir).exists() and not Path(self.work_dir).is_dir():
+            raise InputError(f"--work-dir: {self.work_dir} exists and is not a directory")
+        if self.via == "ssh":
+            for flag, value in (("--ssh-key", self.ssh_key), ("--ssh-config", self.ssh_config)):
+                if value is not None and not Path(os.path.expanduser(value)).is_file():
+                    raise InputError(f"{flag}: {value}: no such file")
+            if self.known_hosts is not None and Path(os.path.expanduser(self.known_hosts)).is_dir():
+                raise InputError(f"--known-hosts: {self.known_hosts} is a directory")
         if self.nodes is not None:
             expand_nodes(self.nodes)
+
+    def validate_profile(self) -> None:
+        """The profile must load here (name or file, with the site config) before any node
+        is asked to run it; a wrapped check (--check-cmd) is the site's own business."""
+        if self.check_cmd:
+            return
+        from clusterops.health import load_profile
+
+        load_profile(self.profile)
 
 
 def expand_nodes(text: str) -> List[str]:
@@ -718,9 +754,18 @@ def expand_nodes(text: str) -> List[str]:
         names = hostlist.expand_hostlist(text)
     except hostlist.BadHostlist as e:
         raise InputError(f"--nodes: bad hostlist {text!r}: {e}") from None
+    except (ValueError, MemoryError, OverflowError) as e:
+        raise InputError(f"--nodes: bad hostlist {text!r}: {e}") from None
     if not names:
         raise InputError("--nodes: empty hostlist")
-    return names
+    if len(names) > MAX_TARGETS:
+        raise InputError(f"--nodes: {len(names)} nodes is more than one sweep takes ({MAX_TARGETS})")
+    return unique(names)
+
+
+def unique(names: Iterable[str]) -> List[str]:
+    """Names in first-seen order, each once (a node listed twice is checked once)."""
+    return list(dict.fromkeys(names))
 
 
 @dataclass
@@ -848,6 +893,35 @@ def apply_sweep_plan(slurm, plan: DrainPlan, rechecked: Sequence[str], infos: Ma
     return applied, errors
 
 
+def _setup(opts: SweepOptions, slurm, errors: List[str]):
+    """Slurm client, target names and their Slurm states, before any check runs."""
+    if slurm is None:
+        from clusterops.slurm import Slurm
+
+        if opts.via == "slurm" or opts.partition or not opts.nodes:
+            slurm = Slurm.from_environment()
+        else:
+            # SSH mode is also for when Slurm itself is broken: ask it once, briefly; without
+            # an answer the sweep still runs, it just cannot skip busy nodes or drain.
+            slurm = Slurm.from_environment(timeout_s=10, read_attempts=1)
+    names = unique(resolve_targets(opts, slurm))
+    if not names:
+        raise ClusteropsError("nothing to sweep (no nodes found)")
+    infos: Dict[str, object] = {}
+    if slurm is not None:
+        try:
+            infos = {n.name: n for n in slurm.nodes(names)}
+        except ClusteropsError as e:
+            if opts.via == "slurm":
+                raise
+            if opts.drain:
+                errors.append(f"Slurm unavailable, node states unknown: nothing drained or resumed ({e})")
+            else:
+                log.info("Slurm unavailable; sweeping without node states: %s", e)
+            slurm = None
+    return slurm, names, infos
+
+
 def resolve_targets(opts: SweepOptions, slurm) -> List[str]:
     if opts.nodes:
         return expand_nodes(opts.nodes)
@@ -867,28 +941,13 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
     sweep_id = time.strftime("%Y%m%dT%H%M%S", time.gmtime(clock())) + "-" + uuid.uuid4().hex[:6]
     started = clock()
     errors: List[str] = []
-    if slurm is None:
-        from clusterops.slurm import Slurm
-
-        if opts.via == "slurm" or opts.partition or not opts.nodes:
-            slurm = Slurm.from_environment()
-        else:
-            # SSH mode is also for when Slurm itself is broken: ask it once, briefly; without
-            # an answer the sweep still runs, it just cannot skip busy nodes or drain.
-            slurm = Slurm.from_environment(timeout_s=10, read_attempts=1)
-    names = resolve_targets(opts, slurm)
-    infos: Dict[str, object] = {}
-    if slurm is not None:
-        try:
-            infos = {n.name: n for n in slurm.nodes(names)}
-        except ClusteropsError as e:
-            if opts.via == "slurm":
-                raise
-            if opts.drain:
-                errors.append(f"Slurm unavailable, node states unknown: nothing drained or resumed ({e})")
-            else:
-                log.info("Slurm unavailable; sweeping without node states: %s", e)
-            slurm = None
+    try:
+        slurm, names, infos = _setup(opts, slurm, errors)
+    except InputError:
+        raise
+    except ClusteropsError as e:
+        # Nothing was checked: no Slurm, an unknown/empty partition, no node list.
+        raise SweepCannotRun(f"sweep could not run: {e.message}") from None
     check, recheck, skipped = _classify_targets(names, infos, opts)
     results: Dict[str, NodeResult] = dict(skipped)
     if on_targets:
@@ -938,8 +997,12 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
             pair_results = run_pairs(slurm, {n: r for n, r in results.items() if n not in recheck},
                                      opts, work, errors)
         snaps = {n: NodeSnapshot.from_info(i) for n, i in infos.items()}
-        history_fail = history.fail_history([n for n, r in results.items() if r.checked], opts.flap_n) \
-            if history is not None else {}
+        try:
+            history_fail = history.fail_history([n for n, r in results.items() if r.checked], opts.flap_n) \
+                if history is not None else {}
+        except ClusteropsError as e:
+            # Without the history the flapping rule cannot be applied: change no node.
+            raise SweepCannotRun(f"sweep could not read its history: {e.message}; no node changed") from None
         plan = plan_drains(snaps, results, history_fail, max_drain_fraction=opts.max_drain_fraction,
                            flap_k=opts.flap_k, flap_n=opts.flap_n, drain_stragglers=opts.drain_stragglers)
         applied: List[dict] = []
@@ -953,7 +1016,11 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
                              plan, applied, errors, pair_results)
         report.exit_code = _exit_code(report, opts)
         if history is not None:
-            history.record(report)
+            try:
+                history.record(report)
+            except ClusteropsError as e:
+                report.errors.append(f"history not recorded: {e.message}")
+                report.exit_code = EXIT_CANNOT_RUN
         return report
     except BaseException:
         if recheck and slurm is not None and not opts.dry_run:

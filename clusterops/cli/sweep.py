@@ -99,6 +99,22 @@ class _Progress:
             self.bar = None
 
 
+def _check_output(flag: str, path: str, check_output_target) -> None:
+    """An output file must be creatable: a regular file or absent, under a directory that
+    exists (or can be made) and is writable. Checked before the sweep, not after it."""
+    from clusterops.errors import InputError
+
+    try:
+        check_output_target(path)
+    except InputError as e:
+        raise InputError(f"{flag} {e.message}") from None
+    parent = Path(path).absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: {parent} is not a writable directory")
+
+
 def _console(stderr: bool = False):
     from rich.console import Console
 
@@ -187,29 +203,50 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
     nodes drained by clusterops are rechecked inside a maintenance reservation. A check
     that does not come back within --timeout makes its node `unreachable`, never healthy.
 
+    Every argument is checked (flags, hostlist, profile, output paths, history
+    database) before any node is touched; a bad one is exit 2.
+
     \b
     Exit codes:
       0  every checked node healthy (skipped nodes allowed)
-      1  at least one node failed, was unreachable, or its check errored
-      2  usage or input error
+      1  the sweep ran and at least one node failed, was unreachable, or its check errored
+      2  usage or input error (nothing run)
       3  safety guard: more than --max-drain-fraction would be drained; none was
       4  another sweep is running (lock held)
+      5  the sweep could not run: no Slurm, no usable history database, nothing to
+         sweep (or its result could not be recorded)
+    Only 0 and 1 mean "the sweep did its job" (the systemd unit's SuccessExitStatus=1).
     """
     from clusterops import sweep as sw
-    from clusterops.errors import InputError
+    from clusterops.errors import ClusteropsError, InputError
+    from clusterops.fsutil import check_output_target
     from clusterops.history import History, default_db_path
 
+    if check_cmd is not None:
+        try:
+            check_argv = shlex.split(check_cmd)
+        except ValueError as e:
+            raise InputError(f"--check-cmd: cannot split {check_cmd!r}: {e}") from None
+    else:
+        check_argv = None
     opts = sw.SweepOptions(
         partition=partition, nodes=nodes, profile=profile, via=via, concurrency=concurrency, max_running=max_running, drain=drain,
         max_drain_fraction=max_drain_fraction, dry_run=dry_run, timeout_s=timeout_s,
         connect_timeout_s=connect_timeout_s, pairs=pairs, flap_k=flap_k, flap_n=flap_n,
         straggler_tolerance=straggler_tolerance, drain_stragglers=drain_stragglers,
-        check_cmd=shlex.split(check_cmd) if check_cmd else None, work_dir=work_dir, keep_work_dir=keep_work_dir,
+        check_cmd=check_argv, work_dir=work_dir, keep_work_dir=keep_work_dir,
         accept_new_hosts=accept_new_hosts, ssh_config=ssh_config, known_hosts=known_hosts, ssh_key=ssh_key,
         ssh_user=ssh_user, ssh_port=ssh_port)
     opts.validate()
-    if drain_stragglers and not drain:
-        raise InputError("--drain-stragglers: needs --drain")
+    if not retention_days > 0:
+        raise InputError(f"--retention-days: must be positive, got {retention_days}")
+    for flag, path in (("--report", report_path), ("--prometheus", prom_path)):
+        if path:
+            _check_output(flag, path, check_output_target)
+    db = Path(db_path) if db_path else default_db_path()
+    if db_path and Path(db_path).exists() and not Path(db_path).is_file():
+        raise InputError(f"--db: {db_path} is not a regular file")
+    opts.validate_profile()
     import signal
 
     def _terminate(signum, frame):
@@ -218,16 +255,22 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _terminate)
-    db = Path(db_path) if db_path else default_db_path()
     lock_path = db.with_name(db.name + ".lock")
     progress = _Progress(live=sys.stderr.isatty() and not as_json, quiet=quiet)
     try:
         with SweepLock(lock_path):
-            history = None if no_history else History.open(db)
+            try:
+                history = None if no_history else History.open(db)
+            except ClusteropsError as e:
+                raise sw.SweepCannotRun(f"sweep could not run: {e.message}") from None
             try:
                 report = sw.run_sweep(opts, history=history, on_result=progress.result, on_targets=progress.targets)
                 if history is not None:
-                    history.prune(retention_days)
+                    try:
+                        history.prune(retention_days)
+                    except ClusteropsError as e:
+                        report.errors.append(f"history not pruned: {e.message}")
+                        report.exit_code = sw.EXIT_CANNOT_RUN
             finally:
                 progress.close()
                 if history is not None:
@@ -236,15 +279,19 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
         click.echo(f"Error: another sweep is running (lock {lock_path} held{': ' + str(e) if str(e) else ''}); "
                    "not starting a second one", err=True)
         return sw.EXIT_LOCKED
+    except OSError as e:
+        raise sw.SweepCannotRun(f"sweep could not run: lock {lock_path}: {e.strerror or e}") from None
     doc = report.to_dict()
-    if prom_path:
-        from clusterops.report import write_prometheus
+    write_errors = []
+    for path, writer in ((prom_path, "write_prometheus"), (report_path, "write_html")):
+        if not path:
+            continue
+        from clusterops import report as rep
 
-        write_prometheus(prom_path, doc)
-    if report_path:
-        from clusterops.report import write_html
-
-        write_html(report_path, doc)
+        try:
+            getattr(rep, writer)(path, doc)
+        except ClusteropsError as e:
+            write_errors.append(e.message)
     if as_json:
         echo_json(doc)
     else:
@@ -261,4 +308,8 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
         # Loud, on stderr, where cron mail and journald will show it.
         bar = "!" * 78
         click.echo(f"{bar}\n{report.plan.message}\n{bar}", err=True)
+    if write_errors:
+        # The sweep ran, but its outputs for monitoring are missing: not a success.
+        click.echo(f"Error: {'; '.join(write_errors)}", err=True)
+        return sw.EXIT_CANNOT_RUN
     return report.exit_code
