@@ -5,6 +5,10 @@
 - host keys checked against known_hosts: an unknown host is refused unless
   ``accept_new_hosts`` (then its key is added to the file, as ssh's
   ``StrictHostKeyChecking=accept-new`` does); a changed key is always refused;
+- a host that known_hosts knows, by any key type, is pinned to the types it is known
+  by: only those are offered in the handshake (a host known only by an RSA key is
+  connected with RSA), and a different key, or a key of another type, is refused even
+  with ``accept_new_hosts``;
 - a per-host deadline covering connect, handshake, authentication and the command:
   a host that accepts the TCP connection and never speaks times out, is reported,
   and the others go on;
@@ -54,6 +58,7 @@ class RemoteResult:
     stderr: str = ""
     error: Optional[str] = None       # why no result: unknown host key, timeout, refused, auth ...
     duration_s: float = 0.0
+    host_key_type: Optional[str] = None  # the server key type checked (e.g. ssh-ed25519, ssh-rsa)
 
     @property
     def ok(self) -> bool:
@@ -77,6 +82,41 @@ class HostConf:
         return name if self.port == 22 else f"[{name}]:{self.port}"
 
 
+# Key type as filed in known_hosts -> the host-key algorithms that prove it in a handshake.
+HOSTKEY_ALGORITHMS = {"ssh-rsa": ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")}
+
+
+def _known_lines(path: str) -> List[tuple]:
+    """(names, key type) of every plain host-key line of a known_hosts file, including key
+    types paramiko cannot load (it skips those silently; a host known only by such a key
+    is still known, and must not be taken for a new one)."""
+    out = []
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if not fields or fields[0].startswith("#") or len(fields) < 3:
+                    continue
+                if fields[0].startswith("@"):
+                    continue   # @cert-authority / @revoked: not a host's own key
+                out.append((fields[0].split(","), fields[1]))
+    except OSError:
+        pass
+    return out
+
+
+def _name_matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("|1|"):
+        import paramiko
+
+        try:
+            salt = pattern.split("|")[2]
+            return paramiko.HostKeys.hash_host(name, salt) == pattern
+        except Exception:   # a damaged hashed entry matches nothing
+            return False
+    return pattern == name
+
+
 class HostKeyStore:
     """known_hosts loaded once, shared by all threads; new keys appended under a lock."""
 
@@ -87,29 +127,72 @@ class HostKeyStore:
         self.accept_new = accept_new
         self.keys = paramiko.HostKeys()
         if os.path.exists(self.path):
+            if os.path.isdir(self.path):
+                raise InputError(f"{self.path}: known_hosts is a directory")
             try:
                 self.keys.load(self.path)
-            except (OSError, paramiko.SSHException) as e:
+            except (OSError, paramiko.SSHException, ValueError, UnicodeDecodeError) as e:
                 raise ClusteropsError(f"{self.path}: cannot read known_hosts: {e}") from None
+        self.lines = _known_lines(self.path)
         self.lock = threading.Lock()
+
+    def known_types(self, name: str) -> List[str]:
+        """Every key type ``name`` is filed under (loadable by paramiko or not)."""
+        with self.lock:
+            known = self.keys.lookup(name)
+            types = list(known.keys()) if known is not None else []
+            for names, kind in self.lines:
+                if kind not in types and any(_name_matches(p, name) for p in names):
+                    types.append(kind)
+            return types
+
+    def pin(self, name: str, security_options) -> Optional[str]:
+        """Offer only the host-key algorithms of the types ``name`` is known by (none
+        changed for an unknown host). Returns why the host cannot be checked, or None."""
+        types = self.known_types(name)
+        if not types:
+            return None
+        wanted = [a for t in types for a in HOSTKEY_ALGORITHMS.get(t, (t,))]
+        offered = [a for a in security_options.key_types if a in wanted]
+        if not offered:
+            return (f"host {name} is known only by key type(s) {', '.join(types)}, which clusterops cannot "
+                    "check: refused")
+        security_options.key_types = offered
+        return None
 
     def verify(self, name: str, key) -> Optional[str]:
         """None when the key is trusted (or newly accepted); else why it is refused."""
         with self.lock:
             known = self.keys.lookup(name)
-            if known is not None and key.get_name() in known:
-                if known[key.get_name()] == key:
+            kind = key.get_name()
+            types = list(known.keys()) if known is not None else []
+            types += [k for names, k in self.lines if k not in types and any(_name_matches(p, name) for p in names)]
+            if kind in types:
+                if known is not None and kind in known and known[kind] == key:
                     return None
-                return (f"host key for {name} has CHANGED ({key.get_name()} {key.get_base64()[:16]}...): "
+                return (f"host key for {name} has CHANGED ({kind} {key.get_base64()[:16]}...): "
+                        "refused (possible man-in-the-middle; fix known_hosts if the host was reinstalled)")
+            if types:
+                return (f"host key for {name} is {kind}, but known_hosts pins it to {', '.join(types)}: "
                         "refused (possible man-in-the-middle; fix known_hosts if the host was reinstalled)")
             if not self.accept_new:
-                return (f"unknown host key for {name} ({key.get_name()}): refused; add it to {self.path} "
+                return (f"unknown host key for {name} ({kind}): refused; add it to {self.path} "
                         "or rerun with --accept-new-hosts")
-            self.keys.add(name, key.get_name(), key)
+            self.keys.add(name, kind, key)
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            # Start on a new line even if the file's last line has no newline.
+            sep = ""
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(0, os.SEEK_END)
+                    if f.tell() > 0:
+                        f.seek(-1, os.SEEK_END)
+                        sep = "" if f.read(1) == b"\n" else "\n"
+            except OSError:
+                pass
             with open(self.path, "a") as f:
-                f.write(f"{name} {key.get_name()} {key.get_base64()}\n")
-            log.warning("accepted new host key for %s (%s)", name, key.get_name())
+                f.write(f"{sep}{name} {kind} {key.get_base64()}\n")
+            log.warning("accepted new host key for %s (%s)", name, kind)
             return None
 
 
@@ -184,6 +267,11 @@ def run_one(hc: HostConf, command: str, store: HostKeyStore, keys, opts: SSHOpti
             res.error = f"connect to {hc.hostname}:{hc.port}: {e.strerror or e}"
             return res
         transport = paramiko.Transport(sock)
+        why = store.pin(hc.key_name, transport.get_security_options())
+        if why:
+            res.error = why
+            return res
+        pinned = store.known_types(hc.key_name)
         transport.banner_timeout = left(opts.connect_timeout_s)
         transport.handshake_timeout = left(opts.connect_timeout_s)
         hs_start = clock()
@@ -195,6 +283,11 @@ def run_one(hc: HostConf, command: str, store: HostKeyStore, keys, opts: SSHOpti
             # banner errors); what counts is that the time ran out.
             if clock() - hs_start >= hs_budget * 0.95 or isinstance(e, socket.timeout):
                 raise _Deadline() from None
+            if pinned and "host key" in str(e).lower():
+                res.error = (f"host key for {hc.key_name}: the server offers no {', '.join(pinned)} key, the "
+                             f"type(s) known_hosts pins: refused (possible man-in-the-middle; fix known_hosts "
+                             f"if the host was reinstalled)")
+                return res
             res.error = f"ssh handshake with {hc.hostname}:{hc.port} failed: {e}"
             return res
         try:
@@ -205,6 +298,7 @@ def run_one(hc: HostConf, command: str, store: HostKeyStore, keys, opts: SSHOpti
                 raise _Deadline() from None
             res.error = f"ssh handshake with {hc.hostname}:{hc.port} failed: {e}"
             return res
+        res.host_key_type = server_key.get_name()
         why = store.verify(hc.key_name, server_key)
         if why:
             res.error = why

@@ -25,8 +25,10 @@ def free_port() -> int:
 class Sshd:
     """``/usr/sbin/sshd -D`` with its own host key, config, authorized keys and pid file."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, host_key_types=("ed25519",)):
         self.root = Path(root)
+        # The first type's key is "hostkey" (as before); others are "hostkey_<type>".
+        self.host_key_types = tuple(host_key_types)
         self.port = 0
         self.proc: Optional[subprocess.Popen] = None
 
@@ -38,13 +40,15 @@ class Sshd:
         r = self.root
         r.mkdir(parents=True, exist_ok=True)
         os.makedirs("/run/sshd", exist_ok=True)     # sshd's privilege-separation directory
-        for name in ("hostkey", "client_key"):
+        for name, kind in [("client_key", "ed25519")] + [(self._key_file(t), t) for t in self.host_key_types]:
             if not (r / name).exists():
-                subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(r / name)], check=True)
+                subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(r / name)]
+                               + (["-b", "2048"] if kind == "rsa" else []), check=True)
+        host_keys = "".join(f"HostKey {r}/{self._key_file(t)}\n" for t in self.host_key_types)
         (r / "authorized_keys").write_text((r / "client_key.pub").read_text())
         self.port = free_port()
         (r / "sshd_config").write_text(
-            f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {r}/hostkey\n"
+            f"Port {self.port}\nListenAddress 127.0.0.1\n{host_keys}"
             f"AuthorizedKeysFile {r}/authorized_keys\nPermitRootLogin prohibit-password\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
             f"PidFile {r}/sshd.pid\nMaxStartups {max_startups}:30:{max_startups * 2}\nMaxSessions 100\n"
@@ -62,9 +66,14 @@ class Sshd:
             time.sleep(0.05)
         raise RuntimeError("sshd did not start listening")
 
-    def host_key_line(self, name: str) -> str:
-        kind, b64 = (self.root / "hostkey.pub").read_text().split()[:2]
-        return f"{name} {kind} {b64}\n"
+    def _key_file(self, kind: str) -> str:
+        return "hostkey" if kind == self.host_key_types[0] else f"hostkey_{kind}"
+
+    def host_key_line(self, name: str, kind: Optional[str] = None) -> str:
+        """The known_hosts line of this server's key of ``kind`` (default: its first)."""
+        pub = self.root / (self._key_file(kind or self.host_key_types[0]) + ".pub")
+        kind_name, b64 = pub.read_text().split()[:2]
+        return f"{name} {kind_name} {b64}\n"
 
     def write_client_files(self, hosts: List[str], known: bool = True, extra_config: str = "",
                            suffix: str = "") -> dict:

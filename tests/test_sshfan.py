@@ -135,3 +135,93 @@ def test_sweep_via_ssh_runs_the_real_health_check(sshd, tmp_path):
     assert by["node5"]["status"] == "unreachable" and "unknown host key" in by["node5"]["detail"]
     assert by["node5"]["probes"] == [] and empty_known.read_text() == ""     # refused: nothing ran
     assert 'clusterops_sweep_node_healthy{node="node4"} 0' in (tmp_path / "p.prom").read_text()
+
+
+# -- host-key pinning: a known host is pinned to the key types it is known by ---------------
+
+@pytest.fixture(scope="module")
+def sshd2(tmp_path_factory):
+    """A server with two host keys, ed25519 and RSA (as most distributions ship)."""
+    s = Sshd(tmp_path_factory.mktemp("sshd2"), host_key_types=("ed25519", "rsa")).start()
+    yield s
+    s.stop()
+
+
+def _other_key(tmp_path, kind):
+    path = tmp_path / f"other_{kind}"
+    subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(path)]
+                   + (["-b", "2048"] if kind == "rsa" else []), check=True)
+    return Path(str(path) + ".pub").read_text().split()[:2]
+
+
+@pytest.mark.timeout(60)
+def test_known_by_ed25519_only_and_server_offers_another_ed25519_is_refused(sshd2, tmp_path):
+    files = sshd2.write_client_files(["h1"], suffix="-pin-ed")
+    kind, b64 = _other_key(tmp_path, "ed25519")
+    kh = Path(files["known_hosts"])
+    kh.write_text(f"[127.0.0.1]:{sshd2.port} {kind} {b64}\n")
+    marker = tmp_path / "ran"
+    res = sshfan.fan_out(["h1"], f"touch {marker}", opts(files, accept_new_hosts=True))
+    # The server also has an RSA key: it must not be accepted as "new" in place of the pinned ed25519.
+    assert res["h1"].exit_code is None and "CHANGED" in res["h1"].error, res["h1"]
+    assert not marker.exists()
+    assert kh.read_text() == f"[127.0.0.1]:{sshd2.port} {kind} {b64}\n"
+
+
+@pytest.mark.timeout(60)
+def test_known_by_rsa_only_connects_with_rsa(sshd2):
+    files = sshd2.write_client_files(["h1"], known=False, suffix="-pin-rsa")
+    kh = Path(files["known_hosts"])
+    kh.write_text(sshd2.host_key_line(f"[127.0.0.1]:{sshd2.port}", "rsa"))
+    before = kh.read_text()
+    for accept in (False, True):
+        res = sshfan.fan_out(["h1"], "echo ok", opts(files, accept_new_hosts=accept))
+        assert res["h1"].ok and res["h1"].stdout.strip() == "ok", res["h1"]
+        assert res["h1"].host_key_type == "ssh-rsa"
+    assert kh.read_text() == before            # the server's ed25519 key was never recorded
+
+
+@pytest.mark.timeout(60)
+def test_known_by_rsa_only_refuses_a_different_rsa_key(sshd2, tmp_path):
+    files = sshd2.write_client_files(["h1"], known=False, suffix="-pin-rsa-changed")
+    kind, b64 = _other_key(tmp_path, "rsa")
+    kh = Path(files["known_hosts"])
+    kh.write_text(f"[127.0.0.1]:{sshd2.port} {kind} {b64}\n")
+    res = sshfan.fan_out(["h1"], "true", opts(files, accept_new_hosts=True))
+    assert res["h1"].exit_code is None and "CHANGED" in res["h1"].error, res["h1"]
+    assert res["h1"].host_key_type == "ssh-rsa"
+    assert kh.read_text() == f"[127.0.0.1]:{sshd2.port} {kind} {b64}\n"
+
+
+@pytest.mark.timeout(60)
+def test_known_by_rsa_but_server_has_only_ed25519_is_refused(sshd, tmp_path):
+    files = sshd.write_client_files(["h1"], known=False, suffix="-pin-rsa-missing")
+    kind, b64 = _other_key(tmp_path, "rsa")
+    kh = Path(files["known_hosts"])
+    kh.write_text(f"# a comment\n[127.0.0.1]:{sshd.port} {kind} {b64}")        # no final newline
+    res = sshfan.fan_out(["h1"], "true", opts(files, accept_new_hosts=True))
+    assert res["h1"].exit_code is None and "pins" in res["h1"].error and "ssh-rsa" in res["h1"].error, res["h1"]
+    assert "ssh-ed25519" not in kh.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_known_only_by_a_key_type_paramiko_cannot_load_is_refused_not_new(sshd, tmp_path):
+    files = sshd.write_client_files(["h1"], known=False, suffix="-pin-sk")
+    kh = Path(files["known_hosts"])
+    line = f"[127.0.0.1]:{sshd.port} sk-ssh-ed25519@openssh.com AAAAGnNrLXNzaC1lZDI1NTE5QG9wZW5zc2guY29tAAAAIA==\n"
+    kh.write_text(line)
+    res = sshfan.fan_out(["h1"], "true", opts(files, accept_new_hosts=True))
+    assert res["h1"].exit_code is None and "cannot check" in res["h1"].error, res["h1"]
+    assert kh.read_text() == line
+
+
+@pytest.mark.timeout(60)
+def test_unknown_host_with_accept_new_is_recorded_after_a_line_without_newline(sshd):
+    files = sshd.write_client_files(["h1"], known=False, suffix="-accept-nonl")
+    kh = Path(files["known_hosts"])
+    kh.write_text("otherhost ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl")
+    res = sshfan.fan_out(["h1"], "true", opts(files, accept_new_hosts=True))
+    assert res["h1"].ok, res["h1"]
+    lines = kh.read_text().splitlines()
+    assert lines[0].startswith("otherhost ") and lines[1].startswith(f"[127.0.0.1]:{sshd.port} ssh-ed25519 ")
+    assert sshfan.fan_out(["h1"], "true", opts(files))["h1"].ok
