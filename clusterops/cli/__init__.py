@@ -91,6 +91,17 @@ def main(argv=None) -> None:
     run_command(cli, argv, "clusterops")
 
 
+# Control characters and everything str.splitlines() breaks on, escaped so that an error
+# message naming a hostile key or value ("a\rb", "x\u2028y") stays one line.
+_ONE_LINE = {c: f"\\x{c:02x}" for c in range(32)}
+_ONE_LINE.update({0x7F: "\\x7f", 0x85: "\\x85", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line (control characters and line separators escaped)."""
+    return str(message).translate(_ONE_LINE)
+
+
 def run_command(command: click.Command, argv=None, prog_name: str = "clusterops") -> None:
     """Run a click command with clusterops' error contract: one-line ``Error:`` messages and
     the exit code each error carries (2 for usage errors)."""
@@ -107,13 +118,13 @@ def run_command(command: click.Command, argv=None, prog_name: str = "clusterops"
     except click.UsageError as e:
         # One line, naming the command to ask for help (exit 2).
         cmd = e.ctx.command_path if e.ctx else prog_name
-        click.echo(f"Error: {e.format_message()} (see '{cmd} --help')", err=True)
+        click.echo(f"Error: {one_line(e.format_message())} (see '{cmd} --help')", err=True)
         sys.exit(e.exit_code)
     except click.ClickException as e:
-        e.show()
+        click.echo(f"Error: {one_line(e.format_message())}", err=True)
         sys.exit(e.exit_code)
     except ClusteropsError as e:
-        click.echo(f"Error: {e.message}", err=True)
+        click.echo(f"Error: {one_line(e.message)}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
