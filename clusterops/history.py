@@ -150,11 +150,16 @@ class History:
             if create:
                 p.parent.mkdir(parents=True, exist_ok=True)
                 conn = sqlite3.connect(str(p), timeout=30)
+                h = cls(conn, p)
+                # Someone else's database (or a damaged one) is refused before anything is
+                # written to it; an empty one gets the schema.
+                if conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]:
+                    h._check_schema()
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.executescript(SCHEMA)
             else:
                 conn = sqlite3.connect(f"{p.absolute().as_uri()}?mode=ro", uri=True, timeout=30)
-            h = cls(conn, p)
+                h = cls(conn, p)
             h._check_schema()
             return h
         except sqlite3.DatabaseError as e:
