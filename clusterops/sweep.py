@@ -65,6 +65,7 @@ FAILING = frozenset({"fail", "unreachable"})
 STATUSES = ("pass", "warn", "fail", "error", "unreachable", "skipped")
 MAX_REASON_CHARS = 200
 MAX_TARGETS = 100_000     # a hostlist typo like node[1-99999999] must not eat the memory
+MAX_TIMEOUT_S = 7 * 86400.0  # also keeps NaN and infinity out (they fail every comparison)
 
 # Per-node figures compared across the fleet: metric name -> (probe name patterns, units).
 METRICS = {
@@ -708,16 +709,19 @@ class SweepOptions:
             raise InputError(f"--concurrency: must be at least 1, got {self.concurrency}")
         if self.max_running < 0:
             raise InputError(f"--max-running: must be 0 (no cap) or more, got {self.max_running}")
-        if self.timeout_s <= 0:
-            raise InputError(f"--timeout: must be positive, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise InputError(f"--timeout: must be positive and at most {MAX_TIMEOUT_S:g} s, got {self.timeout_s}")
         if not 0 <= self.max_drain_fraction <= 1:
             raise InputError(f"--max-drain-fraction: must be between 0 and 1, got {self.max_drain_fraction}")
         if not 1 <= self.flap_k <= self.flap_n:
             raise InputError(f"--flap-k/--flap-n: need 1 <= k <= n, got k={self.flap_k} n={self.flap_n}")
         if not 0 <= self.straggler_tolerance < 1:
             raise InputError(f"--straggler-tolerance: must be in [0, 1), got {self.straggler_tolerance}")
-        if self.connect_timeout_s <= 0:
-            raise InputError(f"--connect-timeout: must be positive, got {self.connect_timeout_s}")
+        if not 0 < self.connect_timeout_s <= MAX_TIMEOUT_S:
+            raise InputError(f"--connect-timeout: must be positive and at most {MAX_TIMEOUT_S:g} s, "
+                             f"got {self.connect_timeout_s}")
+        if self.flap_n > 1000:
+            raise InputError(f"--flap-n: at most 1000 sweeps, got {self.flap_n}")
         if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
             raise InputError(f"--ssh-port: must be 1..65535, got {self.ssh_port}")
         if self.drain_stragglers and not self.drain:

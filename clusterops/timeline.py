@@ -101,6 +101,9 @@ def load(job_dir: os.PathLike) -> Tuple[List[dict], List[Tuple[int, str]]]:
     """
     path = timeline_path(job_dir)
     try:
+        if path.exists() and not path.is_file() and not path.is_dir():
+            # A FIFO or a device would block the reader or never end.
+            raise InputError(f"{path}: not a regular file")
         data = path.read_bytes()
     except FileNotFoundError:
         raise InputError(f"{path}: no timeline here (is this a supervised job's directory?)") from None

@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import resource
 import sys
 import time
 import traceback
@@ -23,6 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 ALLOWED_CODES = frozenset({0, 1, 2})
+MAX_RSS_KIB = 1536 * 1024
 
 # Each property test takes a few seconds at most: few examples, no per-example deadline
 # (the harness checks wall time itself), no database of failures kept between runs.
@@ -97,6 +99,9 @@ def check_contract(o: Outcome, args: Sequence[str], *, max_wall_s: float, allowe
     both = o.stdout + o.stderr
     assert "Traceback (most recent call last)" not in both, f"{where}: traceback\n{both[-3000:]}"
     assert o.wall_s <= max_wall_s, f"{where}: took {o.wall_s:.1f}s (bound {max_wall_s}s)"
+    # The test process's peak memory (Linux: KiB) stays bounded whatever the input.
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert peak_kib < MAX_RSS_KIB, f"{where}: peak memory {peak_kib // 1024} MiB"
     if o.code != 0 and o.code != 1:
         lines = [ln for ln in o.stderr.splitlines() if ln.strip()]
         assert lines, f"{where}: exit {o.code} without a message"

@@ -339,3 +339,31 @@ def test_systemd_unit_counts_only_0_and_1_as_success():
     unit = (REPO / "slurm" / "clusterops-sweep.service").read_text()
     lines = [ln.strip() for ln in unit.splitlines() if ln.strip().startswith("SuccessExitStatus")]
     assert lines == ["SuccessExitStatus=1"]
+
+
+numbers = st.one_of(st.integers(-5, 5).map(str), st.sampled_from(["nan", "inf", "-inf", "1e300", "0", "-0.0",
+                                                                    "1e-300", "99999999999999999999", "x", ""]))
+sweep_options = st.lists(st.one_of(
+    st.tuples(st.sampled_from(["--timeout", "--connect-timeout", "--max-drain-fraction", "--straggler-tolerance",
+                               "--retention-days", "--concurrency", "--max-running", "--flap-k", "--flap-n",
+                               "--ssh-port"]), numbers),
+    st.tuples(st.sampled_from(["--nodes", "--partition", "--profile", "--check-cmd", "--via"]),
+              st.one_of(st.text(max_size=15), st.sampled_from(["node[1-4]", "node[4-1]", "n[1-100000000]", "ssh",
+                                                               "fast", "'", "a,,b", "[", "node1,node1"]))),
+    st.tuples(st.sampled_from(["--drain", "--drain-stragglers", "--pairs", "--dry-run", "--no-history"]))),
+    max_size=5)
+
+
+@PROPS
+@given(opts=sweep_options)
+def test_sweep_arguments_never_traceback_and_bad_ones_stop_before_slurm(fake_slurm, tmp_path, opts):
+    if fake_slurm.exists():
+        fake_slurm.unlink()
+    # Short SSH deadlines: with --via ssh and --nodes the sweep really runs (Slurm is optional
+    # there), and its nodes are unreachable (exit 1).
+    args = ["sweep", "--quiet", "--db", str(tmp_path / "h.db"), "--connect-timeout", "1", "--timeout", "2"]
+    for o in opts:
+        args += list(o)
+    out = run_cli(args, allowed={1, 2, 5}, max_wall_s=30)
+    if out.code == 2:
+        assert not fake_slurm.exists(), (args, fake_slurm.read_text())

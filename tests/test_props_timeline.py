@@ -111,3 +111,11 @@ def test_chart_onto_a_fifo_or_missing_directory_is_refused(tmp_path):
     assert o.code == 2 and "FIFO" in o.stderr
     o = run_cli(["job", "timeline", str(tmp_path), "--chart", str(tmp_path / "nope" / "c.svg")])
     assert o.code == 2 and "does not exist" in o.stderr
+
+
+def test_timeline_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / tl.FILE_NAME)
+    o = run_cli(["job", "timeline", str(tmp_path)], max_wall_s=5)
+    assert o.code == 2 and "not a regular file" in o.stderr

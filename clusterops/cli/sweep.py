@@ -238,8 +238,8 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
         accept_new_hosts=accept_new_hosts, ssh_config=ssh_config, known_hosts=known_hosts, ssh_key=ssh_key,
         ssh_user=ssh_user, ssh_port=ssh_port)
     opts.validate()
-    if not retention_days > 0:
-        raise InputError(f"--retention-days: must be positive, got {retention_days}")
+    if not 0 < retention_days < 1e6:
+        raise InputError(f"--retention-days: must be positive (and under a million), got {retention_days}")
     for flag, path in (("--report", report_path), ("--prometheus", prom_path)):
         if path:
             _check_output(flag, path, check_output_target)
