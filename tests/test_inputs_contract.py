@@ -72,6 +72,10 @@ def test_health_report_with_nan_probe_value_is_strict_json():
     ["health", "profiles", "--json"],
     ["health", "profiles", "fast", "--json"],
     ["ckpt", "list", "{tmp}", "--json"],
+    ["slurm", "version", "--json"],
+    ["devcluster", "status", "--json"],
+    ["job", "timeline", "{tmp}", "--json"],
+    ["health", "history", "--db", "{tmp}/none.db", "--json"],
 ])
 def test_every_reachable_json_output_is_strict(args, tmp_path):
     o = run_cli([a.replace("{tmp}", str(tmp_path)) for a in args])

@@ -203,8 +203,8 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
     nodes drained by clusterops are rechecked inside a maintenance reservation. A check
     that does not come back within --timeout makes its node `unreachable`, never healthy.
 
-    Every argument is checked (flags, hostlist, profile, output paths, history
-    database) before any node is touched; a bad one is exit 2.
+    Every argument is checked (flags, hostlist, profile, output paths) before
+    Slurm is asked anything or any node is touched; a bad one is exit 2.
 
     \b
     Exit codes:
