@@ -28,7 +28,7 @@ MAX_RSS_KIB = 1536 * 1024
 
 # Each property test takes a few seconds at most: few examples, no per-example deadline
 # (the harness checks wall time itself), no database of failures kept between runs.
-PROPS = settings(max_examples=int(os.environ.get("CLUSTEROPS_PROPS_EXAMPLES", "40")), deadline=None,
+PROPS = settings(max_examples=int(os.environ.get("CLUSTEROPS_PROPS_EXAMPLES", "100")), deadline=None,
                  database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                        HealthCheck.too_slow])
 
