@@ -332,7 +332,7 @@ class Supervisor:
 
     def _mark_bad(self, node: str, why: str, now: float, out: List[Action], *, drain: bool = True) -> None:
         """Keep ``node`` out of later steps; drain it too when the policy says so and ``drain``
-        (a check that could not decide -- error, no answer -- excludes but never drains)."""
+        (a check that could not decide -- status error -- excludes but never drains)."""
         if node in self.bad:
             return
         self.bad[node] = why
@@ -464,9 +464,10 @@ class Supervisor:
         else:
             for node, status in sorted(statuses.items()):
                 if status in ("fail", "missing", "error"):
-                    # Only a real fail drains; error/missing only keep the node out of the steps.
+                    # A fail, or no answer at all (a lost node), may drain; an error -- the
+                    # check itself crashed or could not decide -- only keeps the node out.
                     self._mark_bad(node, f"{kind} {status}: {ev.details.get(node, '')}".strip().rstrip(":"),
-                                   ev.now, out, drain=status == "fail")
+                                   ev.now, out, drain=status != "error")
         self.preflight_done = True
         if self.pending_stop:
             self.stop_reason = self.pending_stop
