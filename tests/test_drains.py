@@ -244,3 +244,15 @@ def test_bad_guard_settings_are_input_errors(site, env, needle):
     with pytest.raises(InputError) as ei:
         guard_settings(site, "site.yaml", env)
     assert needle in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_the_drain_rule_lives_in_one_module():
+    """Reasons are built and recognised only through clusterops.drains (reads the tree)."""
+    import re
+    from pathlib import Path
+
+    root = Path(drains.__file__).resolve().parent
+    pattern = re.compile(r"""startswith\(\s*["']clusterops:|f["']clusterops:|=\s*["']clusterops:""")
+    offenders = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p.name != "drains.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []
