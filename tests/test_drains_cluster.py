@@ -199,3 +199,34 @@ def test_self_drain_guard_leaves_failing_node_in_service(cluster, tmp_path):
         rc, rep, err = check(cluster, tmp_path, "node3", "--site-config", str(s2))
         assert rc == 1 and rep["slurm"]["action"] == "drain", (rep, err)
         assert state(cluster, "node3")[0]
+
+
+@pytest.mark.timeout(240)
+def test_sweep_lifts_what_waits_for_it_and_keeps_deeper_or_admin_drains(cluster, tmp_path):
+    prof = tmp_path / "sweeptest.yaml"
+    prof.write_text("extends: fast\nprobes:\n  host.paths:\n    paths:\n"
+                    "      - {path: \"${CLUSTEROPS_NODE_SCRATCH}\", min_free_gb: 0.001}\n"
+                    "  host.stray_processes: false\n")
+    reasons = {
+        "node1": drains.make_reason(drains.SUPERVISOR, "hang", "rank 0 stopped beating"),
+        "node2": drains.make_reason(drains.HEALTH, "dcgm", "dcgm.diag: memory test failed", profile="deep"),
+        "node3": drains.make_reason(drains.ADMIN, "swap DIMM B3"),
+        "node4": drains.make_reason(drains.HEALTH, "host.paths", f"{SCRATCH_PROBE}: missing", profile="sweeptest"),
+    }
+    for node, reason in reasons.items():
+        admin_drain(cluster, node, reason)
+    r = subprocess.run([CLUSTEROPS, "sweep", "--profile", str(prof), "--db", str(tmp_path / "sweep.db"),
+                        "--timeout", "90", "--drain", "--json"], env=_env(cluster, tmp_path),
+                       capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stderr + r.stdout
+    doc = json.loads(r.stdout)
+    by = {a["node"]: a for a in doc["plan"]["actions"]}
+    # The supervisor's drain waited for a sweep; the health drain was re-checked by its own profile.
+    assert by["node1"]["action"] == "resume" and by["node4"]["action"] == "resume", by
+    assert state(cluster, "node1") == (False, None) and state(cluster, "node4") == (False, None)
+    # The deep DCGM drain was not re-checked by this profile: kept, with its reason.
+    assert by["node2"]["action"] == "keep" and "deep" in by["node2"]["why"], by
+    assert state(cluster, "node2") == (True, reasons["node2"])
+    # An administrator's drain is not even rechecked.
+    assert [n["status"] for n in doc["nodes"] if n["node"] == "node3"] == ["skipped"]
+    assert state(cluster, "node3") == (True, reasons["node3"])
