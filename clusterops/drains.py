@@ -141,6 +141,12 @@ def rechecked_probes(results: Iterable[Mapping[str, Any]]) -> FrozenSet[str]:
                      if all(s in _HEALTHY + ("skip",) for s in sts) and any(s in _HEALTHY for s in sts))
 
 
+def probes_ran(results: Iterable[Mapping[str, Any]]) -> FrozenSet[str]:
+    """Probe and result names a check ran, whatever they found (a skip is not a run)."""
+    return frozenset(str(k) for r in results if r.get("status") != "skip"
+                     for k in (r.get("name"), r.get("probe")) if k)
+
+
 def deep_enough(checker_profile: Optional[str], drain_profile: Optional[str]) -> bool:
     """Is a check of ``checker_profile`` at least as deep as the one that drained?"""
     if not checker_profile or not drain_profile:

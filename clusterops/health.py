@@ -378,12 +378,6 @@ def drain_reason(report: Dict[str, Any], max_len: int = drains.MAX_REASON_CHARS)
     return drains.make_reason(drains.HEALTH, probe, detail, profile=str(report["profile"]), max_chars=max_len)
 
 
-def probes_run(report: Dict[str, Any]) -> frozenset:
-    """Probe and result names this check ran (whatever they found; skips are not runs)."""
-    return frozenset(k for r in report["results"] if r.get("status") != "skip"
-                     for k in (r.get("name"), r.get("probe")) if k)
-
-
 # -- self-drain: a pure decision, then the Slurm calls -----------------------------------------
 
 def drain_decision(report: Dict[str, Any], drained: bool, down: bool,
@@ -417,7 +411,7 @@ def drain_decision(report: Dict[str, Any], drained: bool, down: bool,
     if drained and ours:
         if current_reason == new_reason:
             return "none", "unhealthy, already drained by clusterops for this"
-        mine, _ = drains.may_resume(current_reason, drains.Resumer(drains.BY_HEALTH, profile, probes_run(report)))
+        mine, _ = drains.may_resume(current_reason, drains.Resumer(drains.BY_HEALTH, profile, drains.probes_ran(report["results"])))
         if not mine:
             return "none", f"unhealthy, already drained by clusterops ({ours.origin}): reason kept"
         return "drain", "unhealthy (reason updated)"

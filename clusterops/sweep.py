@@ -293,6 +293,11 @@ def plan_drains(nodes: Mapping[str, NodeSnapshot], results: Mapping[str, NodeRes
             actions.append(Action(name, "untouched", f"{r.status}: {r.detail}".rstrip(": ")))
             continue
         ours_drained = snap.drained and snap.ours
+        if ours_drained:
+            # Still failing: the reason changes hands only when this sweep could lift the old
+            # drain itself; a deeper check's, or an administrator's, keeps its owner.
+            relabel, _ = drains.may_resume(snap.reason, drains.Resumer(
+                drains.BY_SWEEP, r.profile or None, drains.probes_ran(r.probes)))
         failed_before = list(fail_history.get(name, ()))[: flap_n - 1]
         fails = sum(1 for f in [r.failing] + failed_before if f)
         straggling = drain_stragglers and bool(r.stragglers)
@@ -302,14 +307,15 @@ def plan_drains(nodes: Mapping[str, NodeSnapshot], results: Mapping[str, NodeRes
             else:
                 reason = drain_reason(", ".join(r.stragglers), "below the fleet median", drains.STRAGGLER)
             if ours_drained:
-                actions.append(Action(name, "keep", "still failing", reason))
+                actions.append(Action(name, "keep", "still failing", reason if relabel else snap.reason or ""))
             else:
                 actions.append(Action(name, "drain", f"{r.status}: {r.detail}".rstrip(": "), reason))
         elif fails >= flap_k:
             reason = drain_reason(f"{fails}/{flap_n}", f"failed {fails} of the last {flap_n} sweeps",
                                   drains.FLAPPING)
             if ours_drained:
-                actions.append(Action(name, "keep", f"passes today but flapping ({fails}/{flap_n})", reason))
+                actions.append(Action(name, "keep", f"passes today but flapping ({fails}/{flap_n})",
+                                      reason if relabel else snap.reason or ""))
             else:
                 actions.append(Action(name, "drain", f"flapping: failed {fails} of the last {flap_n} sweeps",
                                       reason))

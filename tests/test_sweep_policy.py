@@ -200,6 +200,18 @@ def test_sweep_resumes_by_origin_and_what_it_rechecked():
     assert acts(plan_drains({"n6": nodes["n6"]}, deep, {}))["n6"] == "resume"
 
 
+def test_still_failing_keeps_a_reason_the_sweep_could_not_lift():
+    deep = "clusterops:health:deep: dcgm: dcgm.diag: memory failed"
+    nodes = snaps(n1={"drained": True, "reason": deep}, n2={"drained": True, "reason": "clusterops:sweep: x: y"})
+    failing = [dict(probe("host.path:/x", "fail", detail="gone"), probe="host.paths"),
+               dict(probe("nvml"), probe="nvml")]
+    results = {n: NodeResult(n, "fail", detail="gone", probe="host.path:/x", probes=failing, profile="fast")
+               for n in nodes}
+    a = {x.node: x for x in plan_drains(nodes, results, {}).actions}
+    assert (a["n1"].action, a["n1"].reason) == ("keep", deep)          # the deep drain keeps its owner
+    assert (a["n2"].action, a["n2"].reason) == ("keep", "clusterops:sweep: host.path:/x: gone")
+
+
 def test_sweep_reasons_carry_their_origin():
     nodes = snaps(n1={}, n2={}, n3={})
     results = {"n1": res("n1", "fail", "gone", probe="host.path:/x"), "n2": res("n2", "pass"),
