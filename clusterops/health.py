@@ -15,8 +15,11 @@ A profile may ``extends:`` another; a site config (``--site-config FILE`` or
           host.paths: {paths: [{path: /scratch, min_free_gb: 500}]}
 
 Report (the ``--json`` contract): ``{"node", "profile", "status": pass|warn|fail|error,
-"exit_code", "duration_s", "results": [ProbeResult...]}``; exit 0 healthy (warnings
-allowed), 1 unhealthy (fail or error), 2 bad usage/profile.
+"exit_code", "duration_s", "results": [ProbeResult... + "probe"]}`` (each result names the
+probe that produced it). Exit codes (``EXIT_*`` below): 0 healthy (warnings allowed), 1
+unhealthy (a probe failed), 2 bad usage/profile/site config (nothing run, nothing
+drained), 3 unhealthy but the fleet guard refused the self-drain (node left in service),
+4 ``error``: a probe crashed, timed out or could not check (reported loudly, never drained).
 """
 
 from __future__ import annotations
@@ -34,13 +37,27 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
+from clusterops import drains
 from clusterops.errors import InputError, where
 from clusterops.probes.base import ProbeContext, ProbeSpec, RunOutcome, overall_status, run_probes
 
 log = logging.getLogger(__name__)
 
 SITE_ENV = "CLUSTEROPS_HEALTH_SITE"
-DRAIN_PREFIX = "clusterops:"
+DRAIN_PREFIX = drains.PREFIX
+
+EXIT_HEALTHY = 0
+EXIT_UNHEALTHY = 1
+EXIT_USAGE = 2
+EXIT_GUARD = 3      # failing, but the fleet guard refused the self-drain
+EXIT_ERROR = 4      # the check could not decide (a probe raised or timed out): never drained
+EXIT_CODES = {
+    EXIT_HEALTHY: "healthy (pass or warn)",
+    EXIT_UNHEALTHY: "unhealthy: a probe failed (drained with --drain-on-fail)",
+    EXIT_USAGE: "bad usage, profile or site config: nothing run, nothing drained",
+    EXIT_GUARD: "unhealthy, but the fleet guard refused the drain: node left in service",
+    EXIT_ERROR: "error: a probe crashed, timed out or could not check: node left in service",
+}
 
 # probe name -> (module, function, exclusive)
 REGISTRY: Dict[str, Tuple[str, str, bool]] = {
@@ -77,7 +94,7 @@ PROBE_SETTINGS: Dict[str, set] = {
 }
 PROFILE_KEYS = {"description", "extends", "gpus", "probes"}
 GPUS_KEYS = {"required", "count"}
-SITE_KEYS = {"gpu_models", "defaults", "profiles"}
+SITE_KEYS = {"gpu_models", "defaults", "profiles", "drain"}
 DEFAULT_TIMEOUT_S = 10.0
 
 
@@ -289,14 +306,17 @@ def probe_specs(profile: Profile) -> List[ProbeSpec]:
                 cfg.setdefault("gpu_count", profile.gpu_count)
         if name == "matmul":
             cfg.setdefault("required", profile.gpus_required)
-        fn = _lazy(module, fn_name)
+        fn = _lazy(module, fn_name, name)
         specs.append(ProbeSpec(name, fn, cfg, float(cfg.get("timeout_s", DEFAULT_TIMEOUT_S)), exclusive))
     return specs
 
 
-def _lazy(module: str, fn_name: str):
+def _lazy(module: str, fn_name: str, name: str = ""):
     def call(cfg, ctx):
-        return getattr(importlib.import_module(module), fn_name)(cfg, ctx)
+        results = getattr(importlib.import_module(module), fn_name)(cfg, ctx)
+        for r in results or ():
+            r.probe = name   # which probe made it: a drain names the probe, results may differ
+        return results
 
     call.__name__ = fn_name
     return call
@@ -319,11 +339,25 @@ def run_check(profile: Profile, ctx: Optional[ProbeContext] = None) -> CheckRun:
     t0 = time.monotonic()
     outcome = run_probes(probe_specs(profile), ctx)
     status = overall_status(outcome.results)
+    results = []
+    for r in outcome.results:
+        d = r.to_dict()
+        d["probe"] = getattr(r, "probe", "") or r.name   # a raise/timeout result is named after its probe
+        results.append(d)
     report = {"node": ctx.node, "profile": profile.name, "status": status,
-              "exit_code": 0 if status in ("pass", "warn") else 1,
+              "exit_code": exit_code(status),
               "duration_s": round(time.monotonic() - t0, 3), "time": time.time(),
-              "results": [r.to_dict() for r in outcome.results]}
+              "results": results}
     return CheckRun(report, outcome)
+
+
+def exit_code(status: str, drain: Optional[Dict[str, Any]] = None) -> int:
+    """The check's exit code from its status and, with --drain-on-fail, what Slurm was asked."""
+    if status in ("pass", "warn"):
+        return EXIT_HEALTHY
+    if status == "fail":
+        return EXIT_GUARD if drain and drain.get("action") == "refused" else EXIT_UNHEALTHY
+    return EXIT_ERROR
 
 
 def first_problem(report: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -334,47 +368,88 @@ def first_problem(report: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return None
 
 
-def drain_reason(report: Dict[str, Any], max_len: int = 200) -> str:
+def drain_reason(report: Dict[str, Any], max_len: int = drains.MAX_REASON_CHARS) -> str:
+    """``clusterops:health:<profile>: <probe>: [<result>: ]<detail>`` for the first failure."""
     r = first_problem(report) or {"name": "health", "detail": report["status"]}
-    reason = f"{DRAIN_PREFIX} {r['name']}: {r['detail']}"
-    reason = " ".join(reason.split())
-    return reason if len(reason) <= max_len else reason[: max_len - 3] + "..."
+    probe = r.get("probe") or r["name"]
+    detail = r.get("detail") or r.get("status", "")
+    if r["name"] != probe:
+        detail = f"{r['name']}: {detail}"
+    return drains.make_reason(drains.HEALTH, probe, detail, profile=str(report["profile"]), max_chars=max_len)
 
 
 # -- self-drain: a pure decision, then the Slurm calls -----------------------------------------
 
-def drain_decision(healthy: bool, drained: bool, down: bool, current_reason: Optional[str],
-                   new_reason: str) -> Tuple[str, str]:
-    """-> (action, why); action in drain | resume | none. Never touches another's reason."""
-    ours = bool(current_reason) and current_reason.startswith(DRAIN_PREFIX)
-    foreign = bool(current_reason) and not ours
-    if healthy:
-        if (drained or down) and ours:
-            return "resume", "healthy again; clusterops had drained it"
-        if (drained or down) and foreign:
+def drain_decision(report: Dict[str, Any], drained: bool, down: bool,
+                   current_reason: Optional[str]) -> Tuple[str, str]:
+    """-> (action, why); action in drain | resume | none. Pure.
+
+    Only a ``fail`` drains; an ``error`` touches nothing. A passing check lifts only a drain
+    whose cause it has just re-checked (``drains.may_resume``). A failing check does not
+    relabel a clusterops drain it could not lift itself (a supervisor's, a deeper profile's),
+    and never touches someone else's. The fleet guard is applied after this, by the caller.
+    """
+    status = report["status"]
+    profile = str(report["profile"])
+    ours = drains.parse_reason(current_reason)
+    foreign = drains.is_foreign(current_reason)
+    held = drained or down
+    if status in ("pass", "warn"):
+        if held and foreign:
             return "none", f"healthy, but drained by someone else ({current_reason!r}): left alone"
+        if held and ours:
+            ok, why = drains.may_resume(current_reason, drains.Resumer(
+                drains.BY_HEALTH, profile, drains.rechecked_probes(report["results"])))
+            return ("resume", f"healthy again: {why}") if ok else ("none", f"healthy, but {why}")
         return "none", "healthy"
-    if foreign and (drained or down):
+    if status != "fail":
+        return "none", (f"check status {status}: it could not decide, so the node is left as it is "
+                        "(an error never drains)")
+    if held and foreign:
         return "none", f"unhealthy, already drained by someone else ({current_reason!r}): left alone"
-    if drained and ours and current_reason == new_reason:
-        return "none", "unhealthy, already drained by clusterops for this"
+    new_reason = drain_reason(report)
+    if drained and ours:
+        if current_reason == new_reason:
+            return "none", "unhealthy, already drained by clusterops for this"
+        mine, _ = drains.may_resume(current_reason, drains.Resumer(drains.BY_HEALTH, profile, drains.probes_ran(report["results"])))
+        if not mine:
+            return "none", f"unhealthy, already drained by clusterops ({ours.origin}): reason kept"
+        return "drain", "unhealthy (reason updated)"
     return "drain", "unhealthy"
 
 
-def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, slurm=None) -> Dict[str, Any]:
-    """Drain or resume ``node`` after a check; bounded by ``timeout_s`` whatever the controller does."""
+def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, slurm=None,
+               guard: Optional[drains.GuardSettings] = None) -> Dict[str, Any]:
+    """Drain or resume ``node`` after a check; bounded by ``timeout_s`` whatever the controller does.
+
+    A new drain first asks the fleet guard (``drains.guard_drain``) with Slurm's view of the
+    node's partition(s): past ``guard.max_drained_fraction`` the node stays in service and
+    the action is ``refused``."""
     box: Dict[str, Any] = {"node": node, "action": "none", "why": "", "ok": False}
+    guard = guard or drains.GuardSettings()
+
+    if report["status"] not in ("pass", "warn", "fail"):
+        # An error decides nothing: Slurm is not even asked.
+        action, why = drain_decision(report, False, False, None)
+        box.update(action=action, why=why, ok=True)
+        return box
 
     def work():
         from clusterops.slurm import Slurm
 
         s = slurm or Slurm.from_environment(timeout_s=max(2.0, timeout_s / 3), read_attempts=2, backoff_s=0.5)
         info = s.node(node)
-        healthy = report["status"] in ("pass", "warn")
-        reason = drain_reason(report)
-        action, why = drain_decision(healthy, info.drained, info.is_down, info.reason or None, reason)
+        action, why = drain_decision(report, info.drained, info.is_down, info.reason or None)
         box.update(action=action, why=why, previous_reason=info.reason)
         if action == "drain":
+            reason = drain_reason(report)
+            already = info.drained and drains.is_ours(info.reason)
+            if not already:
+                verdict = drains.guard_drain(node, s.nodes(), guard)
+                box["guard"] = verdict.to_dict()
+                if not verdict.allowed:
+                    box.update(action="refused", why=verdict.message, ok=True)
+                    return
             s.drain([node], reason)
             box["reason"] = reason
         elif action == "resume":
@@ -393,6 +468,12 @@ def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, sl
     if th.is_alive():
         box.update(action="none", why=f"Slurm did not answer within {timeout_s:g}s; node left as it was", ok=False)
     return box
+
+
+def drain_settings(site_config: Optional[str] = None) -> drains.GuardSettings:
+    """The fleet guard's settings from the site config's ``drain:`` block and the environment."""
+    site, path = load_site_config(site_config)
+    return drains.guard_settings(site, path)
 
 
 # -- outputs --------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from clusterops import drains
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Runner
@@ -182,6 +183,7 @@ class SupervisorRun:
         self.node_poll_failures = 0
         self.launched_at: Optional[float] = None
         self.preempt_seen = False
+        self.guard: Optional[drains.GuardSettings] = None
 
     # -- signals ---------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -195,6 +197,8 @@ class SupervisorRun:
     # -- main loop -------------------------------------------------------------------
     def run(self) -> int:
         cfg = self.cfg
+        if cfg.policy.drain_bad_nodes:
+            self._guard_settings()   # a bad drain: setting is a usage error now, not mid-run
         cfg.job_dir.mkdir(parents=True, exist_ok=True)
         cfg.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.install_signals()
@@ -547,7 +551,30 @@ class SupervisorRun:
         self._signal_step("USR2")
 
     def _act_DrainNodes(self, a: sv.DrainNodes) -> None:
-        self.slurm.drain(list(a.nodes), a.reason)
+        """Drain, under the fleet guard: past the site's max_drained_fraction of a partition the
+        drain is refused (a ``drain_refused`` event); the node stays out of this job's steps
+        either way (the supervisor marked it bad before asking)."""
+        for node in a.nodes:
+            fleet = self.slurm.nodes()
+            info = next((n for n in fleet if n.name == node), None)
+            if info is not None and info.drained:
+                # Someone's drain is there already (an administrator's, or one a check or sweep
+                # owns): keep its reason, which decides who may lift it.
+                self._record("drain_skipped", {"node": node, "why": f"already drained: {info.reason}"})
+                continue
+            verdict = drains.guard_drain(node, fleet, self._guard_settings())
+            if not verdict.allowed:
+                self._record("drain_refused", {"node": node, "reason": a.reason, "why": verdict.message})
+                continue
+            self.slurm.drain([node], a.reason)
+            self._record("drain", {"node": node, "reason": a.reason})
+
+    def _guard_settings(self) -> drains.GuardSettings:
+        if self.guard is None:
+            from clusterops.health import drain_settings
+
+            self.guard = drain_settings(None)   # $CLUSTEROPS_HEALTH_SITE, $CLUSTEROPS_MAX_DRAINED_FRACTION
+        return self.guard
 
     def _act_Requeue(self, a: sv.Requeue) -> None:
         save_memory(self.cfg.job_dir, self.sup.memory)

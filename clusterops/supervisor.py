@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+from clusterops import drains
+
 EXIT_DONE = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -74,7 +76,7 @@ class Policy:
     postmortem: Optional[str] = None   # health profile run on the step's nodes after a failure
     liveness_check: bool = True        # without a postmortem profile: check every node still answers
     liveness_timeout_s: float = 10.0
-    drain_bad_nodes: bool = False      # drain nodes judged bad (reason "clusterops: ...")
+    drain_bad_nodes: bool = False      # drain nodes judged bad (reason "clusterops:supervisor: ...")
     node_fail_threshold: int = 2       # failures blamed on one node before it is dropped
     progress_interval_s: float = 2.0   # how often progress samples go to the timeline
     ranks_per_node: int = 1            # training processes per node (GPUs per node, or 1)
@@ -240,7 +242,7 @@ class RequestStop(Action):
 @dataclass(frozen=True)
 class DrainNodes(Action):
     nodes: Tuple[str, ...]
-    reason: str              # always starts with "clusterops:"
+    reason: str              # "clusterops:supervisor: <why>" (clusterops.drains.make_reason)
 
 
 @dataclass(frozen=True)
@@ -328,14 +330,16 @@ class Supervisor:
     def _usable(self) -> List[str]:
         return [n for n in self.allocation if n not in self.bad]
 
-    def _mark_bad(self, node: str, why: str, now: float, out: List[Action]) -> None:
+    def _mark_bad(self, node: str, why: str, now: float, out: List[Action], *, drain: bool = True) -> None:
+        """Keep ``node`` out of later steps; drain it too when the policy says so and ``drain``
+        (a check that could not decide -- status error -- excludes but never drains)."""
         if node in self.bad:
             return
         self.bad[node] = why
         self.memory.bad_nodes[node] = why
         out.append(Record("node_bad", {"node": node, "why": why}))
-        if self.policy.drain_bad_nodes:
-            out.append(DrainNodes((node,), f"clusterops: supervisor: {why}"))
+        if self.policy.drain_bad_nodes and drain:
+            out.append(DrainNodes((node,), drains.make_reason(drains.SUPERVISOR, why)))
 
     def _exit(self, code: int, reason: str, out: List[Action]) -> List[Action]:
         self.state = DONE
@@ -450,11 +454,20 @@ class Supervisor:
             # Nobody could run the check: the check is broken, not every node. Do not
             # empty the allocation on its word (the sweep's safety idea).
             out.append(Record("warning", {"what": f"{kind} gave no usable result on any node; ignored"}))
+        elif len(statuses) >= 2 and not any(s in ("pass", "warn") for s in statuses.values()):
+            # Failing on every node of the allocation: a broken check (a bad profile or site
+            # setting pushed everywhere), not a broken allocation. Nobody excluded or drained.
+            out.append(Record("check_broken", {
+                "check": kind, "nodes": sorted(statuses),
+                "what": f"{kind} failed on all {len(statuses)} nodes: treated as a broken check; "
+                        "no node excluded or drained"}))
         else:
             for node, status in sorted(statuses.items()):
-                if status == "fail" or status in ("missing", "error"):
+                if status in ("fail", "missing", "error"):
+                    # A fail, or no answer at all (a lost node), may drain; an error -- the
+                    # check itself crashed or could not decide -- only keeps the node out.
                     self._mark_bad(node, f"{kind} {status}: {ev.details.get(node, '')}".strip().rstrip(":"),
-                                   ev.now, out)
+                                   ev.now, out, drain=status != "error")
         self.preflight_done = True
         if self.pending_stop:
             self.stop_reason = self.pending_stop

@@ -18,7 +18,9 @@ The pieces, from pure to side-effecting:
 
 Rules that never bend: a node whose check does not come back is ``unreachable``,
 never healthy; a node that runs jobs is skipped and listed; a node drained or downed
-by someone else is never touched; drain reasons start with ``clusterops:``.
+by someone else is never touched; drain reasons carry their origin
+(``clusterops:sweep:``, ``clusterops:straggler:``, ``clusterops:flapping:``) and who may
+lift which drain is ``clusterops.drains.may_resume``.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from clusterops import drains
 from clusterops.errors import ClusteropsError, InputError
 
 log = logging.getLogger(__name__)
 
-REASON_PREFIX = "clusterops:"
+REASON_PREFIX = drains.PREFIX
 EXIT_OK = 0
 EXIT_UNHEALTHY = 1
 EXIT_GUARD = 3      # the safety guard refused to drain: too many nodes would go
@@ -63,7 +66,7 @@ HEALTHY = frozenset({"pass", "warn"})
 FAILING = frozenset({"fail", "unreachable"})
 # Every status a node can end a sweep with.
 STATUSES = ("pass", "warn", "fail", "error", "unreachable", "skipped")
-MAX_REASON_CHARS = 200
+MAX_REASON_CHARS = drains.MAX_REASON_CHARS
 MAX_TARGETS = 100_000     # a hostlist typo like node[1-99999999] must not eat the memory
 MAX_TIMEOUT_S = 7 * 86400.0  # also keeps NaN and infinity out (they fail every comparison)
 
@@ -90,6 +93,7 @@ class NodeResult:
     probes: List[dict] = field(default_factory=list)
     stragglers: List[str] = field(default_factory=list)
     job_id: Optional[int] = None
+    profile: str = ""                 # the health profile the check ran (from its report)
 
     @property
     def checked(self) -> bool:
@@ -136,20 +140,22 @@ def result_from_check(node: str, doc: Optional[Mapping], exit_code: Optional[int
                       stderr: str = "") -> NodeResult:
     """Judge one node from its check's JSON and exit code (pure).
 
-    Exit 0 is healthy, 1 unhealthy, 2 means the check itself was used wrongly (bad
-    profile): that is an ``error`` of the sweep, not the node's fault, so it is
-    never drained for it. Output that is not the contract's JSON is ``error`` too.
+    Exit 0 is healthy, 1 unhealthy, 3 unhealthy (its own fleet guard kept it from
+    draining itself), 2 means the check itself was used wrongly (bad profile) and 4 that
+    it could not decide (a probe raised or timed out): both are an ``error`` of the
+    sweep, not the node's fault, so it is never drained for them. Output that is not the
+    contract's JSON is ``error`` too.
     """
     if not isinstance(doc, Mapping) or "status" not in doc:
         why = _one_line(stderr.strip().splitlines()[-1] if stderr.strip() else "no JSON on stdout")
-        status = "error" if exit_code in (2, None) else "fail"
+        status = "error" if exit_code in (2, 4, None) else "fail"
         return NodeResult(node, status, detail=f"check exit {exit_code}: {why}", probe="check",
                           exit_code=exit_code)
     probes = list(doc.get("results") or [])
     status = str(doc.get("status", "error"))
-    if exit_code == 2:
+    if exit_code in (2, 4):
         status = "error"
-    elif exit_code == 1 and status in HEALTHY | {"error"}:
+    elif exit_code in (1, 3) and status in HEALTHY | {"error"}:
         # The exit code is the contract: 1 is unhealthy, whatever the label says (an
         # ``error`` probe, e.g. a stat that hung on a dead mount, is the node's fault).
         status = "fail"
@@ -172,7 +178,7 @@ def result_from_check(node: str, doc: Optional[Mapping], exit_code: Optional[int
     dur = doc.get("duration_s")
     return NodeResult(node, status, detail=detail, probe=probe, exit_code=exit_code,
                       duration_s=float(dur) if isinstance(dur, (int, float)) else None,
-                      metrics=extract_metrics(probes), probes=probes)
+                      metrics=extract_metrics(probes), probes=probes, profile=str(doc.get("profile") or ""))
 
 
 def fleet_medians(results: Iterable[NodeResult]) -> Dict[str, float]:
@@ -215,7 +221,7 @@ class NodeSnapshot:
 
     @property
     def ours(self) -> bool:
-        return bool(self.reason) and self.reason.startswith(REASON_PREFIX)
+        return drains.is_ours(self.reason)
 
     @classmethod
     def from_info(cls, info) -> "NodeSnapshot":
@@ -257,9 +263,9 @@ class DrainPlan:
                 "message": self.message, "actions": [a.to_dict() for a in self.actions]}
 
 
-def drain_reason(probe: str, detail: str) -> str:
-    text = _one_line(f"{REASON_PREFIX} {probe or 'check'}: {detail or 'failed'}", MAX_REASON_CHARS)
-    return text
+def drain_reason(probe: str, detail: str, origin: str = drains.SWEEP) -> str:
+    """``clusterops:<origin>: <probe>: <detail>``; origin sweep, straggler or flapping."""
+    return drains.make_reason(origin, probe or "check", detail or "failed")
 
 
 def allowed_drains(swept: int, max_drain_fraction: float) -> int:
@@ -297,6 +303,11 @@ def plan_drains(nodes: Mapping[str, NodeSnapshot], results: Mapping[str, NodeRes
             actions.append(Action(name, "untouched", f"{r.status}: {r.detail}".rstrip(": ")))
             continue
         ours_drained = snap.drained and snap.ours
+        if ours_drained:
+            # Still failing: the reason changes hands only when this sweep could lift the old
+            # drain itself; a deeper check's, or an administrator's, keeps its owner.
+            relabel, _ = drains.may_resume(snap.reason, drains.Resumer(
+                drains.BY_SWEEP, r.profile or None, drains.probes_ran(r.probes)))
         failed_before = list(fail_history.get(name, ()))[: flap_n - 1]
         fails = sum(1 for f in [r.failing] + failed_before if f)
         straggling = drain_stragglers and bool(r.stragglers)
@@ -304,20 +315,27 @@ def plan_drains(nodes: Mapping[str, NodeSnapshot], results: Mapping[str, NodeRes
             if r.failing:
                 reason = drain_reason(r.probe or r.status, r.detail)
             else:
-                reason = drain_reason("straggler", ", ".join(r.stragglers) + " below the fleet median")
+                reason = drain_reason(", ".join(r.stragglers), "below the fleet median", drains.STRAGGLER)
             if ours_drained:
-                actions.append(Action(name, "keep", "still failing", reason))
+                actions.append(Action(name, "keep", "still failing", reason if relabel else snap.reason or ""))
             else:
                 actions.append(Action(name, "drain", f"{r.status}: {r.detail}".rstrip(": "), reason))
         elif fails >= flap_k:
-            reason = drain_reason("flapping", f"failed {fails} of the last {flap_n} sweeps")
+            reason = drain_reason(f"{fails}/{flap_n}", f"failed {fails} of the last {flap_n} sweeps",
+                                  drains.FLAPPING)
             if ours_drained:
-                actions.append(Action(name, "keep", f"passes today but flapping ({fails}/{flap_n})", reason))
+                actions.append(Action(name, "keep", f"passes today but flapping ({fails}/{flap_n})",
+                                      reason if relabel else snap.reason or ""))
             else:
                 actions.append(Action(name, "drain", f"flapping: failed {fails} of the last {flap_n} sweeps",
                                       reason))
         elif ours_drained:
-            actions.append(Action(name, "resume", f"passes now (was: {snap.reason})"))
+            ok, why = drains.may_resume(snap.reason, drains.Resumer(
+                drains.BY_SWEEP, r.profile or None, drains.rechecked_probes(r.probes), flap_clean=True))
+            if ok:
+                actions.append(Action(name, "resume", f"passes now (was: {snap.reason})"))
+            else:
+                actions.append(Action(name, "keep", f"passes, but {why}", snap.reason or ""))
         else:
             actions.append(Action(name, "untouched", r.status))
     allowed = allowed_drains(swept, max_drain_fraction)
@@ -839,6 +857,9 @@ def _classify_targets(names: Sequence[str], infos: Mapping[str, object], opts: S
             skipped[name] = NodeResult(name, "skipped", detail=why)
         elif snap.drained and not snap.ours:
             skipped[name] = NodeResult(name, "skipped", detail=f"drained by someone else: {info.reason}")
+        elif snap.drained and drains.parse_reason(info.reason).origin == drains.ADMIN:
+            # May not be lifted by a sweep (drains.may_resume): do not even resume it for a recheck.
+            skipped[name] = NodeResult(name, "skipped", detail=f"drained by an administrator: {info.reason}")
         elif snap.drained:
             if opts.via == "ssh":
                 check.append(name)       # ssh reaches a drained node without touching Slurm
@@ -875,7 +896,7 @@ def apply_sweep_plan(slurm, plan: DrainPlan, rechecked: Sequence[str], infos: Ma
             if drain and a is not None and a.action == "keep" and a.reason:
                 reason = a.reason
             else:
-                reason = getattr(infos.get(n), "reason", None) or f"{REASON_PREFIX} sweep: drained"
+                reason = getattr(infos.get(n), "reason", None) or drain_reason("recheck", "drained")
             slurm.drain([n], reason)
             applied.append({"node": n, "action": "keep", "reason": reason})
         except ClusteropsError as e:
@@ -1040,7 +1061,7 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
 def _restore_drains(slurm, nodes: Sequence[str], infos: Mapping[str, object], errors: List[str]) -> None:
     for n in nodes:
         try:
-            slurm.drain([n], infos[n].reason or f"{REASON_PREFIX} sweep: recheck interrupted")
+            slurm.drain([n], infos[n].reason or drain_reason("recheck", "interrupted"))
         except ClusteropsError as e:
             errors.append(f"re-drain {n}: {e}")
 

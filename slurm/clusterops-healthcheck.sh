@@ -4,10 +4,13 @@
 # slurmd runs this as root every HealthCheckInterval seconds (and before it registers,
 # when the controller may not answer yet) and kills it after 60 s. It runs the `fast`
 # profile (NVML, XID, host: about 1 s, no torch), drains this node with a
-# "clusterops: <probe>: <detail>" reason when it is unhealthy and resumes it when it is
-# healthy again -- only if clusterops drained it; a node drained by an administrator
-# keeps its reason. The Slurm calls are bounded, so an unreachable controller cannot
-# make the check overrun.
+# "clusterops:health:<profile>: <probe>: <detail>" reason when a probe fails and lifts
+# that drain when a later check re-checks the probe and it passes; drains it did not
+# write (an administrator's, a supervisor's, a deeper check's) keep their reason. An
+# `error` (a probe crashed or hung) never drains (exit 4), and past the site's
+# drain.max_drained_fraction the node is left in service (exit 3); both are logged to
+# syslog below. The Slurm calls are bounded, so an unreachable controller cannot make
+# the check overrun.
 #
 # Settings (environment, or edit the defaults here):
 #   CLUSTEROPS            path of the clusterops command

@@ -8,4 +8,8 @@
 CLUSTEROPS=${CLUSTEROPS:-/opt/clusterops/bin/clusterops}
 timeout -k 5 30 "$CLUSTEROPS" health check --profile fast --drain-on-fail --drain-timeout-s 10 \
     >/var/log/clusterops-prolog.log 2>&1
-exit $?
+rc=$?
+# 3: failing, but the fleet guard kept the node in service; 4: the check could not decide.
+# Neither may become a Slurm "Prolog error" drain behind clusterops' back: let the job run.
+case $rc in 3|4) exit 0 ;; esac
+exit $rc

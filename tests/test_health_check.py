@@ -118,7 +118,11 @@ def test_check_json_contract_and_exit_codes(tmp_path):
     assert set(rep) >= {"node", "profile", "status", "exit_code", "duration_s", "results"}
     assert rep["node"] == "node9" and rep["profile"] == "p" and rep["status"] in ("pass", "warn")
     for res in rep["results"]:
-        assert set(res) == {"name", "status", "value", "unit", "threshold", "detail", "duration_s", "data"}
+        assert set(res) == {"name", "status", "value", "unit", "threshold", "detail", "duration_s", "data",
+                            "probe"}
+    # Each result names the probe that made it (a drain reason names the probe).
+    probe_of = {x["name"]: x["probe"] for x in rep["results"]}
+    assert probe_of["host.path:${MY_SCRATCH}"] == "host.paths" and probe_of["host.memory"] == "host.memory"
     assert {x["name"] for x in rep["results"]} >= {"nvml", "xid", "host.memory", "host.path:${MY_SCRATCH}"}
     prom = (tmp_path / "h.prom").read_text()
     assert 'clusterops_health_status{node="node9",profile="p"} ' in prom
@@ -155,7 +159,8 @@ def test_gpu_node_through_nvml_standin_fails_on_bad_gpu(tmp_path):
     assert r.returncode == 1 and rep["status"] == "fail"
     bad = [x for x in rep["results"] if x["status"] == "fail"]
     assert [x["name"] for x in bad] == ["nvml.row_remap"]
-    assert drain_reason(rep).startswith("clusterops: nvml.row_remap: GPU5 (00000000:AB:00.0): row remap pending")
+    assert drain_reason(rep).startswith("clusterops:health:p: nvml: nvml.row_remap: GPU5 (00000000:AB:00.0): "
+                                        "row remap pending")
 
 
 def test_gpus_required_on_cpu_node_fails(tmp_path):
@@ -177,25 +182,82 @@ def test_hung_probe_does_not_hang_the_cli(tmp_path):
     r = subprocess.run(CLI + ["health", "check", "--profile", str(prof), "--json"], capture_output=True,
                        text=True, env=env, timeout=30)
     rep = json.loads(r.stdout)
-    assert r.returncode == 1 and rep["status"] == "error"
+    assert r.returncode == 4 and rep["status"] == "error" and rep["exit_code"] == 4
+    assert "left in service (exit 4)" in r.stderr
     nv = [x for x in rep["results"] if x["name"] == "nvml"][0]
     assert nv["status"] == "error" and "did not finish within 1s" in nv["detail"]
 
 
 # -- drain decision (pure) ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("healthy,drained,down,reason,action", [
-    (False, False, False, None, "drain"),
-    (False, True, False, "clusterops: host.path:/x: gone", "drain"),       # new reason
-    (False, True, False, "clusterops: nvml.ecc: new", "none"),             # same reason
-    (False, True, False, "admin: bad fan", "none"),                        # someone else's
-    (True, True, False, "clusterops: host.path:/x: gone", "resume"),
-    (True, True, False, "admin: bad fan", "none"),
-    (True, False, True, "Not responding", "none"),
-    (True, False, False, None, "none"),
+def _rep(status, results, profile="fast"):
+    return {"node": "n1", "profile": profile, "status": status, "results": results}
+
+
+def _res(name, status, probe=None, detail=""):
+    return {"name": name, "status": status, "probe": probe or name, "detail": detail}
+
+
+FAST_PASS = _rep("pass", [_res("nvml", "pass"), _res("xid", "pass"), _res("host.path:/x", "pass", "host.paths")])
+FAST_FAIL = _rep("fail", [_res("nvml", "pass"), _res("xid", "pass"),
+                          _res("host.path:/x", "fail", "host.paths", "/x is missing")])
+FAST_ERROR = _rep("error", [_res("nvml", "error", detail="probe raised KeyError: 'x'"), _res("xid", "pass")])
+
+
+@pytest.mark.parametrize("report,drained,down,reason,action", [
+    (FAST_FAIL, False, False, None, "drain"),
+    # a new cause, and the current drain is one this check could lift: reason updated
+    (FAST_FAIL, True, False, "clusterops:health:fast: xid: Xid 79", "drain"),
+    (FAST_FAIL, True, False, "clusterops: host.path:/x: gone", "drain"),           # legacy, re-checked
+    (FAST_FAIL, True, False, "clusterops:health:fast: host.paths: host.path:/x: /x is missing", "none"),
+    # a drain this check cannot lift is never relabelled (that would hand it to the fast check)
+    (FAST_FAIL, True, False, "clusterops:supervisor: hang: rank 3", "none"),
+    (FAST_FAIL, True, False, "clusterops:health:deep: dcgm: dcgm.diag: memory test failed", "none"),
+    (FAST_FAIL, True, False, "admin: bad fan", "none"),                           # someone else's
+    (FAST_PASS, True, False, "clusterops:health:fast: host.paths: host.path:/x: /x is missing", "resume"),
+    (FAST_PASS, True, False, "clusterops: host.path:/x: gone", "resume"),           # legacy, re-checked
+    (FAST_PASS, True, False, "clusterops:health:deep: dcgm: dcgm.diag: failed", "none"),
+    (FAST_PASS, True, False, "clusterops:supervisor: preflight fail: x", "none"),
+    (FAST_PASS, True, False, "clusterops:flapping: 3/5: failed 3 of the last 5 sweeps", "none"),
+    (FAST_PASS, True, False, "admin: bad fan", "none"),
+    (FAST_PASS, False, True, "Not responding", "none"),
+    (FAST_PASS, False, False, None, "none"),
+    # an error decides nothing: never drains, never resumes
+    (FAST_ERROR, False, False, None, "none"),
+    (FAST_ERROR, True, False, "clusterops:health:fast: xid: Xid 79", "none"),
 ])
-def test_drain_decision(healthy, drained, down, reason, action):
-    assert drain_decision(healthy, drained, down, reason, "clusterops: nvml.ecc: new")[0] == action
+def test_drain_decision(report, drained, down, reason, action):
+    assert drain_decision(report, drained, down, reason)[0] == action
+
+
+def test_drain_reason_names_origin_profile_and_probe():
+    assert drain_reason(FAST_FAIL) == "clusterops:health:fast: host.paths: host.path:/x: /x is missing"
+    one = _rep("fail", [_res("xid", "fail", detail="Xid 79\nGPU fell off")], profile="my site:fast")
+    assert drain_reason(one) == "clusterops:health:my_site_fast: xid: Xid 79 GPU fell off"
+
+
+def test_error_never_drains_for_real(tmp_path):
+    """A profile value that makes a probe raise: status error, exit 4, and no Slurm call at all
+    (the controller named here does not exist: a drain attempt would show up as 'not reachable')."""
+    prof = _profile(tmp_path, f"extends: fast\nprobes:\n  host.memory: {{meminfo_file: {tmp_path}/no-meminfo}}\n")
+    env = dict(os.environ, CLUSTEROPS_STATE_DIR=str(tmp_path), SLURM_CONF=str(tmp_path / "no-slurm.conf"),
+               SLURMD_NODENAME="node1")
+    r = subprocess.run(CLI + ["health", "check", "--profile", str(prof), "--drain-on-fail", "--json"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    rep = json.loads(r.stdout)
+    assert r.returncode == 4 and rep["status"] == "error" and rep["exit_code"] == 4, r.stderr
+    assert rep["slurm"]["action"] == "none" and "never drains" in rep["slurm"]["why"], rep["slurm"]
+    assert len(r.stderr.strip().splitlines()) == 1 and "exit 4" in r.stderr
+
+
+def test_bad_drain_setting_is_exit_2_and_runs_nothing(tmp_path):
+    site = write(tmp_path / "site.yaml", "drain:\n  max_drained_fraction: 1.5\n")
+    r = subprocess.run(CLI + ["health", "check", "--site-config", str(site), "--drain-on-fail"],
+                       capture_output=True, text=True, env=dict(os.environ, CLUSTEROPS_STATE_DIR=str(tmp_path)))
+    assert r.returncode == 2 and "drain.max_drained_fraction" in r.stderr and r.stdout == ""
+    r = subprocess.run(CLI + ["health", "check", "--drain-on-fail"], capture_output=True, text=True,
+                       env=dict(os.environ, CLUSTEROPS_STATE_DIR=str(tmp_path), CLUSTEROPS_MAX_DRAINED_FRACTION="x"))
+    assert r.returncode == 2 and "CLUSTEROPS_MAX_DRAINED_FRACTION" in r.stderr
 
 
 def test_prometheus_escapes_labels():

@@ -138,7 +138,7 @@ def test_drain_on_fail_drains_bad_node3_resumes_it_and_spares_admin_drain(cluste
         assert rep["slurm"]["action"] == "drain", rep["slurm"]
         state, reason = _node(cluster, "node3")
         assert "DRAIN" in state
-        assert reason.startswith("clusterops: host.path:${CLUSTEROPS_NODE_SCRATCH}: ")
+        assert reason.startswith("clusterops:health:node-scratch: host.paths: host.path:${CLUSTEROPS_NODE_SCRATCH}: ")
         assert f"{scratch3} is missing" in reason
     finally:
         (scratch3 / "tmp").mkdir(parents=True, exist_ok=True)  # repair

@@ -2,9 +2,9 @@
 
 import pytest
 
-from clusterops.errors import NotFoundError
+from clusterops.errors import InputError, NotFoundError
 from clusterops.runner import CommandError, CommandTimeout, Completed
-from clusterops.slurm import Slurm, SlurmError, SlurmUnavailable
+from clusterops.slurm import ForeignDrainError, Slurm, SlurmError, SlurmUnavailable
 
 SQUEUE_EMPTY = '{"jobs": []}'
 
@@ -64,16 +64,45 @@ def test_writes_are_never_retried_blindly(tmp_path):
     with pytest.raises(SlurmError):
         s.submit(script)
     assert len(runner.calls) == 1           # one sbatch, no second submission
-    s2, runner2, _ = client([CommandTimeout(["scontrol"], 5)])
+    # resume reads the node first (retried), then writes once.
+    s2, runner2, _ = client([down(["scontrol"]), node_line("node1", "DRAIN", "clusterops:sweep: x: y"),
+                             CommandTimeout(["scontrol"], 5)])
     with pytest.raises(SlurmUnavailable):
         s2.resume("node1")
-    assert len(runner2.calls) == 1
+    assert len(runner2.calls) == 3 and runner2.calls[2][-1] == "State=RESUME"
+
+
+def node_line(name, state="IDLE", reason=None):
+    line = f"NodeName={name} Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUTot=2 State={state} Partitions=debug"
+    if reason:
+        line += f" Reason={reason} [root@2026-12-01T05:00:00]"
+    return line + "\n"
 
 
 def test_argv_shapes():
-    s, runner, _ = client(["", ""])
-    s.drain("node[1-2],node4", "clusterops: xid: Xid 79, GPU fell off the bus")
+    listing = node_line("node1", "IDLE+DRAIN", "clusterops:sweep: xid: Xid 79") + node_line("node3", "DOWN")
+    s, runner, _ = client(["", listing, ""])
+    s.drain("node[1-2],node4", "clusterops:sweep: xid: Xid 79, GPU fell off the bus")
     s.resume(["node3", "node1"])
     assert runner.calls[0] == ["scontrol", "update", "NodeName=node[1-2,4]", "State=DRAIN",
-                               "Reason=clusterops: xid: Xid 79, GPU fell off the bus"]
-    assert runner.calls[1] == ["scontrol", "update", "NodeName=node[1,3]", "State=RESUME"]
+                               "Reason=clusterops:sweep: xid: Xid 79, GPU fell off the bus"]
+    assert runner.calls[1] == ["scontrol", "show", "node", "--oneliner", "node[1,3]"]
+    assert runner.calls[2] == ["scontrol", "update", "NodeName=node[1,3]", "State=RESUME"]
+
+
+def test_resume_refuses_a_foreign_reason_and_resumes_nothing():
+    listing = node_line("node1", "IDLE+DRAIN", "clusterops: host.paths: legacy") + \
+        node_line("node2", "IDLE+DRAIN", "admin: swap DIMM B3")
+    s, runner, _ = client([listing])
+    with pytest.raises(ForeignDrainError) as ei:
+        s.resume("node[1-2]")
+    assert "node2 ('admin: swap DIMM B3')" in str(ei.value) and "node1" not in str(ei.value)
+    assert all("State=RESUME" not in c for c in runner.calls)
+
+
+def test_drain_writes_only_clusterops_reasons():
+    s, runner, _ = client([])
+    for bad in ("admin: swap DIMM", "", "clusterops:sweep: two\nlines"):
+        with pytest.raises(InputError):
+            s.drain("node1", bad)
+    assert runner.calls == []

@@ -65,8 +65,38 @@ def test_preflight_failure_excludes_node_and_uses_spare():
                                   {"node3": "host: /scratch missing"}))
     assert launched(acts).nodes == ("node1", "node2", "node4")
     drains = only(acts, DrainNodes)
-    assert drains and drains[0].nodes == ("node3",) and drains[0].reason.startswith("clusterops:")
+    assert drains and drains[0].nodes == ("node3",)
+    assert drains[0].reason == "clusterops:supervisor: preflight fail: host: /scratch missing"
     assert "node3" in s.memory.bad_nodes
+
+
+def test_preflight_error_excludes_but_never_drains():
+    s, acts = start(P(nodes=2, spare_nodes=2, preflight="preflight", drain_bad_nodes=True))
+    acts = s.handle(PreflightDone(1010.0, {"node1": "pass", "node2": "error", "node3": "missing", "node4": "pass"},
+                                  {"node2": "host.memory: probe raised FileNotFoundError"}))
+    assert launched(acts).nodes == ("node1", "node4")
+    assert {r.data["node"] for r in records(acts, "node_bad")} == {"node2", "node3"}
+    # The check crashed on node2: excluded, not drained. node3 never answered (a lost node): drained.
+    assert [d.nodes for d in only(acts, DrainNodes)] == [("node3",)]
+
+
+@pytest.mark.parametrize("statuses", [
+    {n: "fail" for n in NODES},
+    {"node1": "fail", "node2": "fail", "node3": "error", "node4": "missing"},
+])
+def test_preflight_failing_on_every_node_is_a_broken_check(statuses):
+    s, acts = start(P(nodes=4, preflight="preflight", drain_bad_nodes=True))
+    acts = s.handle(PreflightDone(1010.0, statuses, {n: "host.paths: ${SCRATCH} unset" for n in NODES}))
+    assert not only(acts, DrainNodes) and not records(acts, "node_bad") and not s.bad
+    broken = records(acts, "check_broken")
+    assert broken and broken[0].data["check"] == "preflight" and "broken check" in broken[0].data["what"]
+    assert launched(acts).nodes == tuple(NODES)
+
+
+def test_one_node_failing_preflight_alone_is_that_node():
+    s, acts = start(P(nodes=1, preflight="preflight", drain_bad_nodes=True, max_requeues=0), nodes=["node1"])
+    acts = s.handle(PreflightDone(1010.0, {"node1": "fail"}, {"node1": "xid: Xid 79"}))
+    assert only(acts, DrainNodes) and not records(acts, "check_broken")
 
 
 def test_preflight_that_nobody_could_run_is_ignored_not_fatal():

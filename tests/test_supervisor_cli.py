@@ -164,3 +164,15 @@ def test_policy_from_spec_keys():
         policy_kwargs_from_spec({"nodes": 1, "supervise": {"hang_timout_s": 3}})
     assert command_from_spec({"script": "t.py", "args": ["--x", 1], "python": "py3"}) == ["py3", "t.py", "--x", "1"]
     assert command_from_spec({"script": "./run.sh"}) == ["./run.sh"]
+
+
+def test_bad_drain_guard_setting_is_exit_2_before_anything_runs(tmp_path, monkeypatch, capsys):
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    spec = json.dumps({"name": "x", "launcher": "srun", "script": str(script), "nodes": 2,
+                       "supervise": {"drain_bad_nodes": True, "preflight": False}})
+    env = {"SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "1", "CLUSTEROPS_MAX_DRAINED_FRACTION": "2"}
+    job_dir = tmp_path / "job"
+    assert run_main(["supervise", "--spec-json", spec, "--job-dir", str(job_dir), "--", "true"], monkeypatch, env) == 2
+    assert "$CLUSTEROPS_MAX_DRAINED_FRACTION: must be between 0 and 1" in capsys.readouterr().err
+    assert not job_dir.exists()

@@ -47,6 +47,15 @@ def test_error_probe_counts_as_failure():
     assert r.status == "fail" and r.failing and r.probe == "host.mounts"
 
 
+def test_check_exit_4_is_an_error_never_a_failure_and_3_is_a_failure():
+    # 4: the check could not decide (a probe raised): the sweep does not judge the node on it.
+    r = result_from_check("n1", check_doc("error", [probe("host.memory", "error", detail="probe raised")]), 4)
+    assert r.status == "error" and not r.failing and not r.checked
+    # 3: the node failed; its own guard kept it from draining itself.
+    r = result_from_check("n1", check_doc("fail", [probe("host.paths", "fail", detail="gone")]), 3)
+    assert r.status == "fail" and r.failing
+
+
 def test_metrics_and_stragglers():
     docs = {f"n{i}": check_doc("pass", [probe("matmul", value=v, unit="TFLOPS"),
                                         probe("allreduce", value=b, unit="GB/s")])
@@ -94,7 +103,7 @@ def test_drains_failing_resumes_recovered_and_leaves_admin_drains_alone():
     plan = plan_drains(nodes, results, {}, max_drain_fraction=0.1)
     a = acts(plan)
     assert a["n3"] == "drain" and a["n4"] == "resume" and a["n2"] == "untouched"
-    assert plan.drains[0].reason == "clusterops: host.paths: /scratch missing"
+    assert plan.drains[0].reason == "clusterops:sweep: host.paths: /scratch missing"
     assert not plan.guard_tripped
 
 
@@ -137,7 +146,7 @@ def test_flapping_drains_a_node_that_passes_today():
     plan = plan_drains(nodes, results, hist, flap_k=3, flap_n=5, max_drain_fraction=0.5)
     a = {x.node: x for x in plan.actions}
     assert a["n1"].action == "untouched"
-    assert a["n2"].action == "drain" and a["n2"].reason.startswith("clusterops: flapping:")
+    assert a["n2"].action == "drain" and a["n2"].reason.startswith("clusterops:flapping: 3/5: ")
     # Already drained as flapping and still flapping: kept, not resumed.
     nodes["n2"] = NodeSnapshot("n2", drained=True, reason=a["n2"].reason)
     plan = plan_drains(nodes, results, hist, flap_k=3, flap_n=5)
@@ -158,8 +167,60 @@ def test_stragglers_drained_only_when_asked():
 
 def test_reason_is_one_bounded_line():
     r = drain_reason("host.paths", "line one\nline two " + "x" * 500)
-    assert r.startswith("clusterops: host.paths: line one line two")
+    assert r.startswith("clusterops:sweep: host.paths: line one line two")
     assert "\n" not in r and len(r) <= 200
+
+
+def _passed(node, names, profile="fast"):
+    probes = [dict(probe(n), probe=p) for n, p in names]
+    return NodeResult(node, "pass", probes=probes, profile=profile)
+
+
+def test_sweep_resumes_by_origin_and_what_it_rechecked():
+    reasons = {
+        "n1": "clusterops:sweep: host.path:/x: gone",                          # sweep's own
+        "n2": "clusterops:supervisor: hang: rank 3 stopped",                   # waits for a sweep
+        "n3": "clusterops:straggler: matmul_tflops: below the fleet median",
+        "n4": "clusterops: host.paths: gone",                                  # legacy
+        "n5": "clusterops:health:fast: host.paths: host.path:/x: gone",        # re-checked by the sweep
+        "n6": "clusterops:health:deep: dcgm: dcgm.diag: memory failed",        # a fast sweep ran no dcgm
+        "n7": "clusterops:admin: swap DIMM B3",                                # an administrator's
+        "n8": "RMA 42",                                                        # someone else's
+    }
+    nodes = snaps(**{n: {"drained": True, "reason": r} for n, r in reasons.items()})
+    results = {n: _passed(n, [("nvml", "nvml"), ("host.path:/x", "host.paths")]) for n in nodes}
+    plan = plan_drains(nodes, results, {}, max_drain_fraction=0.1)
+    a = {x.node: x for x in plan.actions}
+    assert {n for n, x in a.items() if x.action == "resume"} == {"n1", "n2", "n3", "n4", "n5"}
+    assert a["n6"].action == "keep" and a["n6"].reason == reasons["n6"] and "deep" in a["n6"].why
+    assert a["n7"].action == "keep" and a["n7"].reason == reasons["n7"]
+    assert a["n8"].action == "untouched"
+    # A deep sweep that re-ran dcgm lifts the deep drain.
+    deep = {"n6": _passed("n6", [("dcgm.diag", "dcgm"), ("nvml", "nvml")], profile="deep")}
+    assert acts(plan_drains({"n6": nodes["n6"]}, deep, {}))["n6"] == "resume"
+
+
+def test_still_failing_keeps_a_reason_the_sweep_could_not_lift():
+    deep = "clusterops:health:deep: dcgm: dcgm.diag: memory failed"
+    nodes = snaps(n1={"drained": True, "reason": deep}, n2={"drained": True, "reason": "clusterops:sweep: x: y"})
+    failing = [dict(probe("host.path:/x", "fail", detail="gone"), probe="host.paths"),
+               dict(probe("nvml"), probe="nvml")]
+    results = {n: NodeResult(n, "fail", detail="gone", probe="host.path:/x", probes=failing, profile="fast")
+               for n in nodes}
+    a = {x.node: x for x in plan_drains(nodes, results, {}).actions}
+    assert (a["n1"].action, a["n1"].reason) == ("keep", deep)          # the deep drain keeps its owner
+    assert (a["n2"].action, a["n2"].reason) == ("keep", "clusterops:sweep: host.path:/x: gone")
+
+
+def test_sweep_reasons_carry_their_origin():
+    nodes = snaps(n1={}, n2={}, n3={})
+    results = {"n1": res("n1", "fail", "gone", probe="host.path:/x"), "n2": res("n2", "pass"),
+               "n3": res("n3", "pass")}
+    results["n2"].stragglers = ["matmul_tflops"]
+    plan = plan_drains(nodes, results, {}, max_drain_fraction=1, drain_stragglers=True)
+    r = {a.node: a.reason for a in plan.drains}
+    assert r == {"n1": "clusterops:sweep: host.path:/x: gone",
+                 "n2": "clusterops:straggler: matmul_tflops: below the fleet median"}
 
 
 @pytest.mark.parametrize("kw", [{"max_drain_fraction": 1.5}, {"flap_k": 6, "flap_n": 5}, {"flap_k": 0}])

@@ -34,8 +34,10 @@ def health() -> None:
 @click.option("--prometheus", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Also write a Prometheus textfile (node_exporter textfile collector), atomically.")
 @click.option("--drain-on-fail", is_flag=True,
-              help="Drain this node in Slurm with reason 'clusterops: <probe>: <detail>' when unhealthy; "
-                   "resume it when healthy again, only if clusterops drained it.")
+              help="Drain this node in Slurm with reason 'clusterops:health:<profile>: <probe>: <detail>' "
+                   "when a probe fails (never for an error); resume it when a later check re-checks that "
+                   "probe and it passes. Guarded: past the site's drain.max_drained_fraction of the "
+                   "partition the node is left in service (exit 3).")
 @click.option("--node", default=None, help="This node's Slurm name (default: $SLURMD_NODENAME, else short hostname).")
 @click.option("--drain-timeout-s", type=float, default=20.0, show_default=True,
               help="Upper bound on the Slurm calls of --drain-on-fail.")
@@ -43,19 +45,26 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
     """Run a health profile on this node.
 
     \b
-    Exit codes: 0 healthy (warnings allowed); 1 unhealthy (a probe failed or
-    hung); 2 bad usage or profile.
+    Exit codes:
+      0  healthy (warnings allowed)
+      1  unhealthy: a probe failed (drained with --drain-on-fail)
+      2  bad usage, profile or site config: nothing run, nothing drained
+      3  unhealthy, but the fleet guard refused the drain: node left in service
+      4  error: a probe crashed, timed out or could not check: node left in service
     """
     from clusterops.fsutil import write_atomic
-    from clusterops.health import load_profile, prometheus_text, run_check, self_drain, format_table
+    from clusterops.health import (drain_settings, exit_code, format_table, load_profile, prometheus_text,
+                                   run_check, self_drain)
     from clusterops.probes.base import ProbeContext, node_name
 
     profile = load_profile(profile_name, site_config)  # InputError -> exit 2
+    guard = drain_settings(site_config) if drain_on_fail else None  # bad drain: settings -> exit 2
     ctx = ProbeContext(node=node or node_name())
     run = run_check(profile, ctx)
     report = run.report
     if drain_on_fail:
-        report["slurm"] = self_drain(report, ctx.node, timeout_s=drain_timeout_s)
+        report["slurm"] = self_drain(report, ctx.node, timeout_s=drain_timeout_s, guard=guard)
+    report["exit_code"] = exit_code(report["status"], report.get("slurm"))
     if prometheus:
         try:
             write_atomic(prometheus, prometheus_text(report))
@@ -70,6 +79,12 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
         if drain_on_fail:
             s = report["slurm"]
             click.echo(f"slurm: {s['action']} ({s['why']})")
+    # The two outcomes that leave a sick-looking node in service say so on stderr, one line.
+    if report["status"] not in ("pass", "warn", "fail"):
+        click.echo(f"clusterops health: {ctx.node}: check status {report['status']}: it could not decide; "
+                   "node left in service (exit 4); see the ERROR results", err=True)
+    elif drain_on_fail and report["slurm"]["action"] == "refused":
+        click.echo(f"clusterops health: {report['slurm']['why']}", err=True)
     code = report["exit_code"]
     if run.outcome.hung:
         # A probe thread is stuck (maybe in the kernel): do not wait for it at exit.

@@ -123,26 +123,33 @@ def update(job_id: str, fields) -> None:
 
 @slurm.command()
 @click.argument("nodes")
-@click.option("--reason", required=True, help="Why (clusterops prefixes 'clusterops: ').")
+@click.option("--reason", required=True, help="Why; written as 'clusterops:admin: <reason>'.")
 def drain(nodes: str, reason: str) -> None:
-    """Drain NODES with a clusterops reason."""
-    if not reason.startswith("clusterops:"):
-        reason = f"clusterops: {reason}"
+    """Drain NODES with an administrator's clusterops reason.
+
+    Checks and sweeps never lift such a drain; `clusterops slurm resume` does.
+    """
+    from clusterops import drains
+
+    text = reason.strip()
+    if text.startswith(drains.PREFIX):
+        text = text[len(drains.PREFIX):].strip()
+    if not text:
+        from clusterops.errors import InputError
+
+        raise InputError("--reason: say why the nodes are drained")
+    reason = drains.make_reason(drains.ADMIN, text)
     slurm_client().drain(nodes, reason)
     click.echo(f"drained {nodes}: {reason}")
 
 
 @slurm.command()
 @click.argument("nodes")
-@click.option("--force", is_flag=True, help="Resume even if clusterops did not drain the node.")
-def resume(nodes: str, force: bool) -> None:
-    """Resume NODES that clusterops drained (others are refused unless --force)."""
-    from clusterops.errors import ClusteropsError
+def resume(nodes: str) -> None:
+    """Resume NODES that clusterops drained (any origin: this is the administrator's lift).
 
-    client = slurm_client()
-    found = client.nodes(nodes)
-    foreign = [n.name for n in found if n.reason and not n.reason.startswith("clusterops:")]
-    if foreign and not force:
-        raise ClusteropsError(f"not resuming {', '.join(foreign)}: drained by someone else (use --force)")
-    client.resume(nodes)
+    A node drained by someone else (a reason not starting 'clusterops:') is refused and
+    nothing is resumed; resume such nodes with scontrol.
+    """
+    slurm_client().resume(nodes)
     click.echo(f"resumed {nodes}")

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import hostlist
 
+from clusterops.drains import is_foreign, is_ours
 from clusterops.errors import ClusteropsError, InputError, NotFoundError
 from clusterops.runner import CommandError, CommandNotFound, CommandTimeout, Runner
 from clusterops.slurm import parse
@@ -42,6 +43,10 @@ class SlurmUnavailable(SlurmError):
 
 class SlurmConfigError(SlurmError):
     """No usable slurm.conf: retrying cannot help."""
+
+
+class ForeignDrainError(ClusteropsError):
+    """Asked to resume a node whose drain reason clusterops did not write."""
 
 
 Nodes = Union[str, Iterable[str]]
@@ -271,12 +276,25 @@ class Slurm:
         return found[0]
 
     def drain(self, nodes: Nodes, reason: str) -> None:
+        """Drain with a clusterops reason (``clusterops.drains.make_reason``); one line."""
         if not reason or "\n" in reason:
             raise InputError("a drain reason is required, on one line")
+        if not is_ours(reason):
+            raise InputError(f"drain reason {reason!r}: clusterops writes only reasons starting 'clusterops:'")
         self._write(["scontrol", "update", f"NodeName={_hostlist(nodes)}", "State=DRAIN", f"Reason={reason}"])
 
     def resume(self, nodes: Nodes) -> None:
-        self._write(["scontrol", "update", f"NodeName={_hostlist(nodes)}", "State=RESUME"])
+        """Resume nodes; refuses (ForeignDrainError, nothing resumed) when any of them carries a
+        reason clusterops did not write. Who may lift which clusterops drain is decided by the
+        caller (``clusterops.drains.may_resume``); this is the last line that never bends."""
+        names = _hostlist(nodes)
+        # Read, then write: an administrator who drains one of these nodes in between is not
+        # seen (scontrol has no compare-and-set); the window is one scontrol round trip.
+        foreign = [f"{n.name} ({n.reason!r})" for n in self.nodes(names) if is_foreign(n.reason)]
+        if foreign:
+            raise ForeignDrainError(f"not resuming {', '.join(foreign)}: drained by someone else; "
+                                    "an administrator resumes it with scontrol")
+        self._write(["scontrol", "update", f"NodeName={names}", "State=RESUME"])
 
     def partition_nodes(self, partition: str) -> List[str]:
         out = self._read(["sinfo", "--noheader", f"--partition={partition}", "--format=%N"])

@@ -149,7 +149,7 @@ def test_d_lost_node_without_spare_requeues_excluding_it(cluster, slurm, referen
     second = [r for r in events(job, "launch") if r["incarnation"] == 1]
     assert second and "node3" not in second[0]["nodes"], story
     node3 = slurm.node("node3")
-    assert node3.drained and (node3.reason or "").startswith("clusterops:")
+    assert node3.drained and (node3.reason or "").startswith("clusterops:supervisor: ")
 
 
 # ----------------------------------------------------------------------------- (e) time limit
@@ -283,8 +283,59 @@ def test_j_node_failing_preflight_is_excluded_and_spare_used(cluster, slurm, ref
         assert pf["statuses"]["node3"] == "fail" and pf["statuses"]["node1"] in ("pass", "warn"), story
         assert events(job, "launch")[0]["nodes"] == ["node1", "node2", "node4"], story
         node3 = slurm.node("node3")
-        assert node3.drained and node3.reason.startswith("clusterops:"), node3
+        assert node3.drained and node3.reason.startswith("clusterops:supervisor: preflight fail: "), node3
     finally:
         if hidden.exists():
             shutil.rmtree(scratch, ignore_errors=True)
             shutil.move(str(hidden), str(scratch))
+
+
+# ----------------------------------------------------------------------------- (k) drain guard
+@pytest.mark.timeout(240)
+def test_k_drain_refused_by_fleet_guard_node_still_excluded(cluster, slurm, reference, tmp_path):
+    from clusterops import drains
+
+    profile = tmp_path / "needs-scratch.yaml"
+    profile.write_text("extends: fast\nprobes:\n  host.paths:\n    paths:\n"
+                       "      - {path: \"${CLUSTEROPS_NODE_SCRATCH}\", min_free_gb: 0.001}\n")
+    # node4 already carries a clusterops drain: with 4 nodes and the default
+    # max_drained_fraction 0.1, no second node of the partition may be drained.
+    slurm.drain("node4", drains.make_reason(drains.SWEEP, "host.paths", "drained by an earlier sweep"))
+    scratch = cluster.scratch_dir("node3")
+    hidden = scratch.with_name("node3.hidden")
+    shutil.move(str(scratch), str(hidden))
+    try:
+        job = make_job(tmp_path, "fm-k", nodes=2,
+                       supervise={"spare_nodes": 1, "preflight": str(profile), "drain_bad_nodes": True})
+        job.submit()
+        info, story = assert_healed(job, slurm, reference, 2)
+        assert events(job, "preflight")[0]["statuses"]["node3"] == "fail", story
+        assert [r["node"] for r in events(job, "node_bad")] == ["node3"], story
+        refused = events(job, "drain_refused")
+        assert refused and refused[0]["node"] == "node3" and "fleet guard" in refused[0]["why"], story
+        assert not events(job, "drain"), story
+        assert all(r["nodes"] == ["node1", "node2"] for r in events(job, "launch")), story
+        node3 = slurm.node("node3")
+        assert not node3.drained, node3
+    finally:
+        if hidden.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.move(str(hidden), str(scratch))
+
+
+# ----------------------------------------------------------------------------- (l) broken preflight
+@pytest.mark.timeout(240)
+def test_l_preflight_failing_on_every_node_is_a_broken_check(cluster, slurm, reference, tmp_path):
+    profile = tmp_path / "broken.yaml"
+    profile.write_text("extends: fast\nprobes:\n  host.paths:\n    paths:\n"
+                       "      - {path: \"${CLUSTEROPS_NODE_SCRATCH}/typo-nowhere\", min_free_gb: 0.001}\n")
+    job = make_job(tmp_path, "fm-l", nodes=3, supervise={"preflight": str(profile), "drain_bad_nodes": True})
+    job.submit()
+    info, story = assert_healed(job, slurm, reference, 3)
+    pf = events(job, "preflight")[0]
+    assert set(pf["statuses"].values()) == {"fail"}, story
+    broken = events(job, "check_broken")
+    assert broken and broken[0]["check"] == "preflight" and "broken check" in broken[0]["what"], story
+    assert not events(job, "node_bad") and not events(job, "drain") and not events(job, "drain_refused"), story
+    assert events(job, "launch")[0]["nodes"] == ["node1", "node2", "node3"], story
+    assert not any(n.drained for n in slurm.nodes()), [(n.name, n.reason) for n in slurm.nodes()]
