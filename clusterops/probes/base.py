@@ -100,6 +100,11 @@ class ProbeContext:
     gpus_required: bool = False
     node: str = field(default_factory=node_name)
     cache: Dict[str, Any] = field(default_factory=dict)
+    # Where /proc, /sys and /dev are read from (tests stand in a tree under a tmp dir).
+    host_root: str = "/"
+    # Slurm's count of GPUs for ``node``: a callable (node, timeout_s) -> int | None;
+    # None -> ask Slurm (only when the node shows GPUs; see probes.nvml).
+    slurm_gpus: Optional[Callable[[str, float], Optional[int]]] = None
 
 
 ProbeFn = Callable[[Dict[str, Any], ProbeContext], List[ProbeResult]]
