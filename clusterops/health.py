@@ -163,14 +163,17 @@ def load_site_config(path: Optional[str]) -> Tuple[Dict[str, Any], Optional[str]
 DRAIN_FRACTION_ENV = "CLUSTEROPS_MAX_DRAINED_FRACTION"
 
 
-def site_drain_settings(site: Optional[Dict[str, Any]] = None,
-                        env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+def site_drain_settings(site: Any = None, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """The fleet guard's settings: ``{"max_drained_fraction": float, "partition": str|None}``.
 
-    From the site config's ``drain:`` section (already validated by load_site_config),
-    defaults from ``schema.DRAIN``; ``$CLUSTEROPS_MAX_DRAINED_FRACTION`` overrides the fraction.
+    ``site`` is the mapping load_site_config returned, or a site-config path (loaded and
+    validated here; None/"" -> ``$CLUSTEROPS_HEALTH_SITE`` if set). Values come from its
+    ``drain:`` section, defaults from ``schema.DRAIN``; ``$CLUSTEROPS_MAX_DRAINED_FRACTION``
+    overrides the fraction. Bad values raise InputError (exit 2).
     """
     env = os.environ if env is None else env
+    if site is None or isinstance(site, (str, os.PathLike)):
+        site, _ = load_site_config(os.fspath(site) if site else None)
     out = schema.defaults_of(schema.DRAIN)
     out.setdefault("partition", None)
     out.update({k: v for k, v in ((site or {}).get("drain") or {}).items() if v is not None})
@@ -202,13 +205,27 @@ def check_file(path: str) -> str:
         return "site config"
     if data and set(data) & site_keys:
         schema.validate(data, schema.SITE, str(p), lines)  # names the first key that is neither
-    _load_raw(str(p), [builtin_dir()])
+    data, _ = _load_raw(str(p), [builtin_dir()])
+    _check_resolved(data, str(p))
     return "profile"
 
 
 def load_gpu_models(site: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     data, _ = _read_yaml(builtin_dir() / "gpu_models.yaml", "GPU model table")
     return merge(data, site.get("gpu_models") or {})
+
+
+def _check_resolved(data: Dict[str, Any], source: str) -> None:
+    """Rules between settings, checked once the profile, its parents and the site are merged."""
+    probes = data.get("probes") or {}
+    nv = probes.get("nvml") if isinstance(probes.get("nvml"), dict) else {}
+    warn_c, fail_c = nv.get("temperature_warn_c", 85), nv.get("temperature_fail_c", 95)
+    if warn_c > fail_c:
+        raise InputError(f"{source}: probes.nvml.temperature_warn_c: {warn_c} is above "
+                         f"temperature_fail_c {fail_c}")
+    xid = probes.get("xid") if isinstance(probes.get("xid"), dict) else {}
+    if xid.get("source") == "file" and not xid.get("log_file"):
+        raise InputError(f"{source}: probes.xid.source: 'file' needs probes.xid.log_file")
 
 
 def load_profile(name: str = "fast", site_config: Optional[str] = None) -> Profile:
@@ -221,6 +238,7 @@ def load_profile(name: str = "fast", site_config: Optional[str] = None) -> Profi
     over = (site.get("profiles") or {}).get(pname)
     if over:
         data = merge(data, {k: v for k, v in over.items() if k != "extends"})
+    _check_resolved(data, str(path) if not site_path else f"{path} (with site config {site_path})")
     gpus = data.get("gpus") or {}
     probes: Dict[str, Dict[str, Any]] = {}
     for pn, cfg in (data.get("probes") or {}).items():

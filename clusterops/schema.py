@@ -358,7 +358,7 @@ def _check(v: Any, f: Field, path: Path_, w: _Where) -> None:
                 errors.append(e)
         # The option of the value's own shape explains best.
         for opt, e in zip(f.options, errors):
-            if (opt.kind == "map") == isinstance(v, dict):
+            if (opt.kind == "map" and isinstance(v, dict)) or (opt.kind == "str" and isinstance(v, str)):
                 raise e
         raise w.error(path, f"must be {f.type_text()}, got {_name(v)}")
     elif k == "probe":

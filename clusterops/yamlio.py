@@ -28,6 +28,7 @@ MAX_DEPTH = 64
 MAX_NODES = 200_000
 
 Lines = Dict[Tuple[Any, ...], int]
+_PLAIN_TAGS = (None, "!", "tag:yaml.org,2002:seq", "tag:yaml.org,2002:map")
 
 
 def _yaml():
@@ -91,6 +92,8 @@ class _Composer:
             if tag is None or tag == "!":
                 tag = self.loader.resolve(yaml.ScalarNode, ev.value, ev.implicit)
             return yaml.ScalarNode(tag, ev.value, ev.start_mark, ev.end_mark, style=ev.style)
+        if isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)) and ev.tag not in _PLAIN_TAGS:
+            raise InputError(f"{_at(self.source, ev.start_mark)}: YAML tag {ev.tag} is not supported")
         if isinstance(ev, yaml.SequenceStartEvent):
             tag = ev.tag
             if tag is None or tag == "!":
