@@ -117,17 +117,20 @@ def _validate(data: Dict[str, Any], path: Path, lines: Dict[Tuple, int], prefix=
     schema.validate(data, schema.PROFILE, str(path), lines, prefix)
 
 
-def _find_profile(name: str, search: List[Path]) -> Path:
+def _find_profile(name: str, search: List[Path], base_dir: Optional[Path] = None) -> Path:
     if name.endswith((".yaml", ".yml")) or os.sep in name:
         p = Path(name).expanduser()
-        if not p.exists():
-            raise InputError(f"health profile file {name}: not found")
+        if base_dir is not None and not p.is_absolute() and (base_dir / p).is_file():
+            p = base_dir / p
+        if not p.is_file():
+            raise InputError(f"health profile file {schema.key_text(name)}: "
+                             f"{'not found' if not p.exists() else 'not a file'}")
         return p
     for d in search:
         p = d / f"{name}.yaml"
         if p.exists():
             return p
-    raise InputError(f"unknown health profile {name!r}{_suggest(name, builtin_profiles())}; "
+    raise InputError(f"unknown health profile {name[:60]!r}{_suggest(name, builtin_profiles())}; "
                      f"built-in: {', '.join(builtin_profiles())}")
 
 
@@ -142,7 +145,12 @@ def _load_raw(name: str, search: List[Path], seen: Tuple[str, ...] = ()) -> Tupl
     if parent:
         if not isinstance(parent, str):
             raise InputError(f"{where(path, lines.get(('extends',)), 'extends')}: must be a profile name")
-        base, _ = _load_raw(parent, [path.parent] + search, seen + (key,))
+        try:
+            # A relative file name is relative to the profile that names it.
+            ppath = _find_profile(parent, [path.parent] + search, base_dir=path.parent)
+        except InputError as e:
+            raise InputError(f"{where(path, lines.get(('extends',)), 'extends')}: {e.message}") from None
+        base, _ = _load_raw(str(ppath), [path.parent] + search, seen + (key,))
         base.pop("description", None)
         data = merge(base, {k: v for k, v in data.items() if k != "extends"})
     return data, path

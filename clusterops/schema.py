@@ -86,7 +86,8 @@ def _f(name, kind, doc="", **kw) -> Field:
 
 
 def seconds(name: str, doc: str, default: Any = None, **kw) -> Field:
-    return Field(name, "number", doc, default=default, min=0, gt=True, max=DAY_S, **kw)
+    # 0.1 s at least: a shorter deadline only turns a healthy probe into a "hung" one.
+    return Field(name, "number", doc, default=default, min=0.1, max=DAY_S, **kw)
 
 
 def count(name: str, doc: str, default: Any = None, hi: float = 1e9, **kw) -> Field:
@@ -259,10 +260,18 @@ def suggest(word: str, options: Sequence[str]) -> str:
     return f" (did you mean {m[0]!r}?)" if m else ""
 
 
+_PLAIN_KEY = re.compile(r"[\w.\-/$@+:<>]+")
+
+
+def key_text(k: Any) -> str:
+    """A key as it may appear in a one-line message: plain names as they are, others quoted."""
+    return k if isinstance(k, str) and _PLAIN_KEY.fullmatch(k) else repr(k)
+
+
 def _dotted(path: Path_) -> str:
     out = ""
     for p in path:
-        out += f"[{p}]" if isinstance(p, int) else (("." if out else "") + str(p))
+        out += f"[{p}]" if isinstance(p, int) and not isinstance(p, bool) else (("." if out else "") + key_text(p))
     return out
 
 

@@ -23,9 +23,9 @@ from typing import Any, Dict, Optional, Tuple
 
 from clusterops.errors import InputError
 
-MAX_BYTES = 1 << 20
+MAX_BYTES = 256 << 10
 MAX_DEPTH = 64
-MAX_NODES = 200_000
+MAX_NODES = 20_000
 
 Lines = Dict[Tuple[Any, ...], int]
 _PLAIN_TAGS = (None, "!", "tag:yaml.org,2002:seq", "tag:yaml.org,2002:map")
@@ -57,6 +57,16 @@ def _loader_class():
                 yaml.constructor.SafeConstructor.__init__(self)
                 yaml.resolver.Resolver.__init__(self)
     return Loader
+
+
+def _dotted(path: Tuple[Any, ...]) -> str:
+    from clusterops.schema import _dotted as dotted
+
+    return dotted(path)
+
+
+def _one_line(x: Any) -> str:
+    return " ".join(str(x).split())
 
 
 def _at(source: str, mark) -> str:
@@ -136,18 +146,20 @@ def compose(text: str, source: str, *, max_depth: int = MAX_DEPTH, max_nodes: in
     yaml = _yaml()
     if len(text) > max_bytes:
         raise InputError(f"{source}: larger than {max_bytes // 1024} KiB; not a hand-written input file")
-    loader = _loader_class()(text)
+    loader = None
     try:
+        loader = _loader_class()(text)
         return _Composer(loader, source, max_depth, max_nodes).single()
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
-        raise InputError(f"{_at(source, mark)}: YAML error: {e.problem or e.context}") from None
+        raise InputError(f"{_at(source, mark)}: YAML error: {_one_line(e.problem or e.context)}") from None
     except yaml.YAMLError as e:
-        raise InputError(f"{source}: YAML error: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise InputError(f"{source}: YAML error: {_one_line(e) or type(e).__name__}") from None
     except RecursionError:  # the parser's own recursion, before our depth bound
         raise InputError(f"{source}: nested too deeply") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def scalar_loader():
@@ -167,12 +179,12 @@ def to_python(node, source: str, lines: Optional[Lines] = None, path: Tuple[Any,
             for k, v in n.value:
                 where = _at(source, k.start_mark)
                 if not isinstance(k, yaml.ScalarNode):
-                    raise InputError(f"{where}: {'.'.join(map(str, p)) or 'top level'}: keys must be plain names")
+                    raise InputError(f"{where}: {_dotted(p) or 'top level'}: keys must be plain names")
                 key = k.value
                 if key == "<<" and k.tag == "tag:yaml.org,2002:merge":
                     raise InputError(f"{where}: YAML merge keys (<<) are not supported: write the keys out")
                 if key in out:
-                    raise InputError(f"{where}: {'.'.join(map(str, p + (key,)))}: duplicate key "
+                    raise InputError(f"{where}: {_dotted(p + (key,))}: duplicate key "
                                      f"(first at line {lines.get(p + (key,))})")
                 lines[p + (key,)] = k.start_mark.line + 1
                 out[key] = walk(v, p + (key,))
@@ -186,10 +198,12 @@ def to_python(node, source: str, lines: Optional[Lines] = None, path: Tuple[Any,
         try:
             return loader.construct_object(n, deep=True)
         except yaml.YAMLError as e:
-            raise InputError(f"{_at(source, n.start_mark)}: {'.'.join(map(str, p))}: "
-                             f"{getattr(e, 'problem', None) or e}") from None
-        except (ValueError, OverflowError) as e:  # e.g. a timestamp like 2024-13-45
-            raise InputError(f"{_at(source, n.start_mark)}: {'.'.join(map(str, p))}: bad value {n.value!r}: {e}") from None
+            raise InputError(f"{_at(source, n.start_mark)}: {_dotted(p)}: "
+                             f"{_one_line(getattr(e, 'problem', None) or e)}") from None
+        except (ValueError, OverflowError, TypeError, AttributeError) as e:
+            # PyYAML's constructors trip on e.g. a timestamp 2024-13-45 or `!!timestamp x`
+            raise InputError(f"{_at(source, n.start_mark)}: {_dotted(p)}: bad value {n.value[:40]!r}: "
+                             f"{_one_line(e)}") from None
 
     return walk(node, path)
 

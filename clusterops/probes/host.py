@@ -151,7 +151,11 @@ def probe_mounts(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     """``mounts: [{path, fstype, writable}]``: mounted (exactly there), right type, writable in time."""
     results: List[ProbeResult] = []
     mounts_file = cfg.get("mounts_file", "/proc/self/mounts")
-    table = read_mounts(Path(mounts_file).read_text())
+    try:
+        table = read_mounts(Path(mounts_file).read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        return [ProbeResult("host.mounts", "error", detail=f"cannot read {mounts_file}: "
+                                                           f"{getattr(e, 'strerror', None) or e}")]
     timeout_s = float(cfg.get("path_timeout_s", 5))
     for item in cfg.get("mounts") or []:
         raw = item["path"] if isinstance(item, dict) else str(item)
@@ -187,7 +191,12 @@ def probe_mounts(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
 
 def probe_memory(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     min_gb = float(cfg.get("min_available_gb", 0))
-    meminfo = Path(cfg.get("meminfo_file", "/proc/meminfo")).read_text()
+    meminfo_file = cfg.get("meminfo_file", "/proc/meminfo")
+    try:
+        meminfo = Path(meminfo_file).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        return [ProbeResult("host.memory", "error", detail=f"cannot read {meminfo_file}: "
+                                                           f"{getattr(e, 'strerror', None) or e}")]
     m = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M)
     t = re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.M)
     if not m:
