@@ -3,7 +3,8 @@
 Profiles are YAML data (``health/*.yaml``, installed as ``clusterops.health_profiles``):
 ``fast`` (HealthCheckProgram), ``preflight`` (before training), ``deep`` (burn-in).
 A profile may ``extends:`` another; a site config (``--site-config FILE`` or
-``$CLUSTEROPS_HEALTH_SITE``) overrides profiles and GPU-model figures without forking:
+``$CLUSTEROPS_HEALTH_SITE``) overrides profiles and GPU-model figures without forking, and
+holds the fleet guard's ``drain:`` settings (``site_drain_settings``):
 
     gpu_models:               # merged over health/gpu_models.yaml
       H100: {matmul_bf16_tflops: 760}
@@ -13,6 +14,10 @@ A profile may ``extends:`` another; a site config (``--site-config FILE`` or
       fast:
         probes:
           host.paths: {paths: [{path: /scratch, min_free_gb: 500}]}
+    drain: {max_drained_fraction: 0.1, partition: gpu}
+
+Every input is read by ``clusterops.yamlio`` and validated completely against the field
+tables in ``clusterops.schema`` before anything runs (exit 2, one line: file, line, key).
 
 Report (the ``--json`` contract): ``{"node", "profile", "status": pass|warn|fail|error,
 "exit_code", "duration_s", "results": [ProbeResult...]}``; exit 0 healthy (warnings
@@ -106,6 +111,8 @@ def merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
     """Deep merge: mappings merge, anything else (lists included) replaces."""
     out = copy.deepcopy(base)
     for k, v in (over or {}).items():
+        if v is None and isinstance(out.get(k), dict):
+            continue  # an empty section (`nvml:` with nothing under it) changes nothing
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = merge(out[k], v)
         else:
@@ -220,7 +227,7 @@ def check_file(path: str) -> str:
 
 def load_gpu_models(site: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     data, _ = _read_yaml(builtin_dir() / "gpu_models.yaml", "GPU model table")
-    return merge(data, site.get("gpu_models") or {})
+    return {k: v for k, v in merge(data, site.get("gpu_models") or {}).items() if isinstance(v, dict)}
 
 
 def _check_resolved(data: Dict[str, Any], source: str) -> None:

@@ -347,3 +347,46 @@ def test_billion_laughs_in_a_job_spec_is_refused_quickly(tmp_path):
     with pytest.raises(InputError, match=r"job.yaml:3: YAML anchors \(&a0\)"):
         load_spec(spec)
     assert time.monotonic() - t0 < 1
+
+
+# -- what the schema accepts, the probes handle: generated settings never crash a probe ----------
+
+FIX = Path(__file__).parent / "fixtures" / "nvml"
+_RUNNABLE = ("nvml", "host.memory", "host.cpus", "host.infiniband", "host.mounts", "dcgm", "xid")
+
+
+@st.composite
+def probe_settings(draw):
+    name = draw(st.sampled_from(_RUNNABLE))
+    fields = tuple(f for f in schema.PROBE_SETTINGS[name] if f.name not in ("meminfo_file",))
+    cfg = draw(valid(schema.Field(name, "map", fields=fields)))
+    return name, _settle({"probes": {name: cfg}})["probes"][name]
+
+
+@settings(SETTINGS, max_examples=max(20, SETTINGS.max_examples))
+@given(probe_settings())
+def test_valid_settings_never_crash_a_probe(case):
+    """Any value the schema accepts is one the probe's code handles: a result, never
+    `probe raised ...` (a probe bug reported as an error)."""
+    import json as _json
+
+    from clusterops.health import REGISTRY, _lazy, load_gpu_models
+    from clusterops.probes.base import ProbeContext
+    from clusterops.probes.nvml_standin import StandinNVML
+
+    name, cfg = case
+    work = Path(tempfile.mkdtemp(dir=WORK))
+    if name == "xid":
+        cfg = dict(cfg, state_file=str(work / "xid.json"))
+        if cfg.get("log_file"):
+            cfg["log_file"] = str(work / "kern.log")
+    if name == "host.mounts":  # keep the write tests off real filesystems
+        cfg["mounts"] = [m for m in cfg.get("mounts") or [] if (m if isinstance(m, str) else m["path"]) != "/"]
+    ctx = ProbeContext(env={"PATH": "/nonexistent"}, node="prop1", state_dir=str(work), host_root=str(work),
+                       nvml=StandinNVML(_json.loads((FIX / "h100_sxm_8gpu_idle.json").read_text())),
+                       gpu_models=load_gpu_models({}), slurm_gpus=lambda node, t: 8)
+    module, fn_name, _ = REGISTRY[name]
+    results = _lazy(module, fn_name)(dict(cfg), ctx)
+    assert results or (name == "host.mounts" and not cfg.get("mounts")), (name, cfg)
+    for r in results:
+        assert "probe raised" not in r.detail, (name, cfg, r.detail)
