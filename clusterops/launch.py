@@ -362,7 +362,7 @@ def _compose(text: str, where: str):
     from clusterops import yamlio
 
     node = yamlio.compose(text, where)
-    return node, yamlio.scalar_loader()
+    return node, yamlio.scalar_loader(where)
 
 
 def parse_spec_text(text: str, source: str = "spec") -> Tuple[Dict[str, Any], _Locations]:

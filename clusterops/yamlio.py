@@ -40,7 +40,10 @@ def _yaml():
 @functools.lru_cache(maxsize=1)
 def _loader_class():
     yaml = _yaml()
-    parser = getattr(yaml, "CParser", None)
+    try:
+        from yaml.cyaml import CParser as parser  # libyaml: fast, and bounds flow nesting itself
+    except ImportError:  # pragma: no cover - PyYAML built without libyaml
+        parser = None
     if parser is not None:
         class Loader(parser, yaml.constructor.SafeConstructor, yaml.resolver.Resolver):
             def __init__(self, stream):
@@ -101,6 +104,8 @@ class _Composer:
             tag = ev.tag
             if tag is None or tag == "!":
                 tag = self.loader.resolve(yaml.ScalarNode, ev.value, ev.implicit)
+                if tag == "tag:yaml.org,2002:value":  # a bare "=": PyYAML resolves it but cannot build it
+                    tag = "tag:yaml.org,2002:str"
             return yaml.ScalarNode(tag, ev.value, ev.start_mark, ev.end_mark, style=ev.style)
         if isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)) and ev.tag not in _PLAIN_TAGS:
             raise InputError(f"{_at(self.source, ev.start_mark)}: YAML tag {ev.tag} is not supported")
@@ -162,15 +167,36 @@ def compose(text: str, source: str, *, max_depth: int = MAX_DEPTH, max_nodes: in
             loader.dispose()
 
 
-def scalar_loader():
+class _ScalarLoader:
+    """``construct_object(node)`` for scalar nodes with SafeLoader's rules; a value PyYAML
+    cannot build (``!!int x``, a timestamp 2024-13-45) is an InputError naming the line."""
+
+    def __init__(self, source: str = "input"):
+        self.loader = _loader_class()("")
+        self.source = source
+
+    def construct_object(self, node, deep: bool = True) -> Any:
+        yaml = _yaml()
+        try:
+            return self.loader.construct_object(node, deep=deep)
+        except yaml.YAMLError as e:
+            raise InputError(f"{_at(self.source, node.start_mark)}: "
+                             f"{_one_line(getattr(e, 'problem', None) or e)}") from None
+        except (ValueError, OverflowError, TypeError, AttributeError) as e:
+            # PyYAML's constructors trip on e.g. a timestamp 2024-13-45 or `!!timestamp x`
+            raise InputError(f"{_at(self.source, node.start_mark)}: bad value {str(node.value)[:40]!r}: "
+                             f"{_one_line(e)}") from None
+
+
+def scalar_loader(source: str = "input") -> _ScalarLoader:
     """A loader whose ``construct_object`` turns scalar nodes into values (SafeLoader's rules)."""
-    return _loader_class()("")
+    return _ScalarLoader(source)
 
 
 def to_python(node, source: str, lines: Optional[Lines] = None, path: Tuple[Any, ...] = ()) -> Any:
     """Node tree -> plain dict/list/scalars, recording each key's and item's line in ``lines``."""
     yaml = _yaml()
-    loader = scalar_loader()
+    loader = _loader_class()("")
     lines = {} if lines is None else lines
 
     def walk(n, p):

@@ -315,6 +315,12 @@ def test_hostile_yaml_is_refused_or_loaded_never_crashes(text):
     except InputError as e:
         assert "\n" not in str(e) and str(e).startswith("h.yaml")
     assert time.monotonic() - t0 < 2
+    from clusterops.launch import parse_spec_text
+
+    try:  # the job-spec loader goes through the same loader
+        parse_spec_text(text, "job.yaml")
+    except InputError as e:
+        assert "\n" not in str(e) and str(e).startswith("job.yaml")
     p = _write(text)
     for args in (["health", "profiles", "--check", str(p)],
                  ["health", "check", "--profile", str(LIGHT), "--site-config", str(p)]):

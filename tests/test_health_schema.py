@@ -193,7 +193,7 @@ def test_profiles_check_cli(tmp_path):
     r = subprocess.run(CLI + ["health", "profiles", "--check", str(site)], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == f"{site}: ok (site config)"
     # A bad parent is found too: the whole chain is checked.
-    parent = write(tmp_path / "parent.yaml", "probes:\n  nvml: {gpu_cout: 8}\n")
+    write(tmp_path / "parent.yaml", "probes:\n  nvml: {gpu_cout: 8}\n")
     child = write(tmp_path / "child.yaml", "extends: ./parent.yaml\n")
     r = subprocess.run(CLI + ["health", "profiles", "--check", str(child)], capture_output=True, text=True,
                        cwd=str(tmp_path))
