@@ -88,7 +88,10 @@ def test_busy_node_passes_and_a_stray_gpu_process_fails(cluster, tmp_path):
         assert res["nvml.processes"]["data"]["job_processes"] == {str(job_pid): job_id}
         assert res["nvml.gpu_count"]["threshold"] == 4  # from Slurm: Gres=gpu:4
         assert res["nvml.gpu_count"]["data"]["expected_from"] == "Slurm gres"
-        assert res["host.stray_processes"]["status"] == "pass"  # the job is active
+        # The job is active, so its processes are not strays here either. (Other dev clusters on
+        # this shared host also name their nodes node2; their jobs' leftovers may show up.)
+        assert job_id not in (res["host.stray_processes"].get("data") or {}).get("jobs", [])
+        assert res["host.stray_processes"]["status"] in ("pass", "warn")
         assert rc == 0 and rep["status"] in ("pass", "warn"), rep
 
         # A process started outside Slurm holds GPU1: a stray, the node fails.
