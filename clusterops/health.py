@@ -3,7 +3,8 @@
 Profiles are YAML data (``health/*.yaml``, installed as ``clusterops.health_profiles``):
 ``fast`` (HealthCheckProgram), ``preflight`` (before training), ``deep`` (burn-in).
 A profile may ``extends:`` another; a site config (``--site-config FILE`` or
-``$CLUSTEROPS_HEALTH_SITE``) overrides profiles and GPU-model figures without forking:
+``$CLUSTEROPS_HEALTH_SITE``) overrides profiles and GPU-model figures without forking, and
+holds the fleet guard's ``drain:`` settings (``site_drain_settings``):
 
     gpu_models:               # merged over health/gpu_models.yaml
       H100: {matmul_bf16_tflops: 760}
@@ -13,6 +14,10 @@ A profile may ``extends:`` another; a site config (``--site-config FILE`` or
       fast:
         probes:
           host.paths: {paths: [{path: /scratch, min_free_gb: 500}]}
+    drain: {max_drained_fraction: 0.1, partition: gpu}
+
+Every input is read by ``clusterops.yamlio`` and validated completely against the field
+tables in ``clusterops.schema`` before anything runs (exit 2, one line: file, line, key).
 
 Report (the ``--json`` contract): ``{"node", "profile", "status": pass|warn|fail|error,
 "exit_code", "duration_s", "results": [ProbeResult... + "probe"]}`` (each result names the
@@ -25,7 +30,6 @@ drained), 3 unhealthy but the fleet guard refused the self-drain (node left in s
 from __future__ import annotations
 
 import copy
-import difflib
 import importlib
 import logging
 import os
@@ -35,9 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-import yaml
-
-from clusterops import drains
+from clusterops import drains, schema, yamlio
 from clusterops.errors import InputError, where
 from clusterops.probes.base import ProbeContext, ProbeSpec, RunOutcome, overall_status, run_probes
 
@@ -73,28 +75,7 @@ REGISTRY: Dict[str, Tuple[str, str, bool]] = {
     "matmul": ("clusterops.probes.matmul", "probe_matmul", True),
     "dist": ("clusterops.probes.dist", "probe_dist", True),
 }
-_COMMON = {"timeout_s", "enabled"}
-# Settings each probe understands: anything else in a profile is a typo, reported as one.
-PROBE_SETTINGS: Dict[str, set] = {
-    "nvml": {"required", "gpu_count", "temperature_warn_c", "temperature_fail_c", "ecc_volatile_max",
-             "ecc_aggregate_max", "sram_uncorrected_max", "nvlink_recovery_max", "nvlink_crc_replay_max",
-             "nvlink_links", "pcie_gen_busy_pct", "persistence_required", "leftover_process_status", "driver"},
-    "xid": {"source", "state_file", "log_file", "boot_id_file", "read_timeout_s"},
-    "host.paths": {"path_timeout_s", "paths"},
-    "host.mounts": {"path_timeout_s", "mounts", "mounts_file"},
-    "host.memory": {"min_available_gb", "meminfo_file"},
-    "host.cpus": {"min_cpus"},
-    "host.infiniband": {"sys_root", "required", "expected_rate_gbps", "min_ports", "infiniband_only"},
-    "host.stray_processes": {"status", "slurm_timeout_s"},
-    "dcgm": {"level", "required", "dcgmi", "diag_timeout_s", "output_file", "exit_code"},
-    "matmul": {"required", "warmup", "iters", "gpu_shapes", "cpu_shapes", "min_fraction", "straggler_pct",
-               "cpu_expected_tflops", "flush_l2"},
-    "dist": {"test_timeout_s", "cpu_ranks", "local_ranks", "backend", "sizes_bytes", "cpu_sizes_bytes",
-             "warmup", "iters", "min_busbw_gbps"},
-}
-PROFILE_KEYS = {"description", "extends", "gpus", "probes"}
-GPUS_KEYS = {"required", "count"}
-SITE_KEYS = {"gpu_models", "defaults", "profiles", "drain"}
+# Settings each probe understands, with types and ranges: clusterops/schema.py (PROBE_SETTINGS).
 DEFAULT_TIMEOUT_S = 10.0
 
 
@@ -129,51 +110,25 @@ def builtin_profiles() -> List[str]:
 
 
 def _suggest(word: str, options) -> str:
-    m = difflib.get_close_matches(word, list(options), n=1)
-    return f" (did you mean {m[0]!r}?)" if m else ""
+    return schema.suggest(word, list(options))
 
 
-def _key_lines(text: str) -> Dict[Tuple[str, ...], int]:
-    """(key path) -> 1-based line, for error messages."""
-    out: Dict[Tuple[str, ...], int] = {}
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return out
-
-    def walk(node, path):
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = path + (str(k.value),)
-                out[key] = k.start_mark.line + 1
-                walk(v, key)
-
-    walk(root, ())
-    return out
-
-
-def _read_yaml(path: Path) -> Tuple[Dict[str, Any], Dict[Tuple[str, ...], int]]:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark else None
-        raise InputError(f"{where(path, line)}: invalid YAML: {getattr(e, 'problem', e)}") from None
+def _read_yaml(path: Path, what: str = "health profile") -> Tuple[Dict[str, Any], Dict[Tuple, int]]:
+    """Read a profile or site file through the one input loader (clusterops.yamlio)."""
+    data, lines = yamlio.load_file(path, what)
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise InputError(f"{path}: a health profile is a YAML mapping")
-    return data, _key_lines(text)
+        raise InputError(f"{path}: a {what} is a YAML mapping of keys")
+    return data, lines
 
 
 def merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
     """Deep merge: mappings merge, anything else (lists included) replaces."""
     out = copy.deepcopy(base)
     for k, v in (over or {}).items():
+        if v is None and isinstance(out.get(k), dict):
+            continue  # an empty section (`nvml:` with nothing under it) changes nothing
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = merge(out[k], v)
         else:
@@ -181,53 +136,24 @@ def merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _validate(data: Dict[str, Any], path: Path, lines: Dict[Tuple[str, ...], int], prefix=()) -> None:
-    def err(keys, msg):
-        raise InputError(f"{where(path, lines.get(prefix + keys), '.'.join(keys))}: {msg}")
-
-    for k in data:
-        if k not in PROFILE_KEYS:
-            err((k,), f"unknown key{_suggest(k, PROFILE_KEYS)}; valid: {', '.join(sorted(PROFILE_KEYS))}")
-    gpus = data.get("gpus") or {}
-    if not isinstance(gpus, dict):
-        err(("gpus",), "must be a mapping with required/count")
-    for k, v in gpus.items():
-        if k not in GPUS_KEYS:
-            err(("gpus", k), f"unknown key{_suggest(k, GPUS_KEYS)}")
-    if gpus.get("count") is not None and (not isinstance(gpus["count"], int) or gpus["count"] < 0):
-        err(("gpus", "count"), "must be a whole number >= 0 or null")
-    if "required" in gpus and not isinstance(gpus["required"], bool):
-        err(("gpus", "required"), "must be true or false")
-    probes = data.get("probes") or {}
-    if not isinstance(probes, dict):
-        err(("probes",), "must be a mapping of probe name -> settings")
-    for name, cfg in probes.items():
-        if name not in REGISTRY:
-            err(("probes", name), f"unknown probe{_suggest(name, REGISTRY)}; known: {', '.join(REGISTRY)}")
-        if cfg is not None and cfg is not False and not isinstance(cfg, dict):
-            err(("probes", name), "must be a mapping of settings, or false to disable it")
-        if isinstance(cfg, dict):
-            valid = PROBE_SETTINGS[name] | _COMMON
-            for k in cfg:
-                if k not in valid:
-                    err(("probes", name, k), f"unknown setting{_suggest(k, valid)}")
-        if isinstance(cfg, dict) and "timeout_s" in cfg:
-            t = cfg["timeout_s"]
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
-                err(("probes", name, "timeout_s"), "must be a number of seconds > 0")
+def _validate(data: Dict[str, Any], path: Path, lines: Dict[Tuple, int], prefix=()) -> None:
+    schema.validate(data, schema.PROFILE, str(path), lines, prefix)
 
 
-def _find_profile(name: str, search: List[Path]) -> Path:
+def _find_profile(name: str, search: List[Path], base_dir: Optional[Path] = None) -> Path:
     if name.endswith((".yaml", ".yml")) or os.sep in name:
         p = Path(name).expanduser()
-        if not p.exists():
-            raise InputError(f"health profile file {name}: not found")
+        if base_dir is not None and not p.is_absolute() and (base_dir / p).is_file():
+            p = base_dir / p
+        if not p.is_file():
+            raise InputError(f"health profile file {schema.key_text(name)}: "
+                             f"{'not found' if not p.exists() else 'not a file'}")
         return p
     for d in search:
         p = d / f"{name}.yaml"
         if p.exists():
             return p
-    raise InputError(f"unknown health profile {name!r}{_suggest(name, builtin_profiles())}; "
+    raise InputError(f"unknown health profile {name[:60]!r}{_suggest(name, builtin_profiles())}; "
                      f"built-in: {', '.join(builtin_profiles())}")
 
 
@@ -242,34 +168,83 @@ def _load_raw(name: str, search: List[Path], seen: Tuple[str, ...] = ()) -> Tupl
     if parent:
         if not isinstance(parent, str):
             raise InputError(f"{where(path, lines.get(('extends',)), 'extends')}: must be a profile name")
-        base, _ = _load_raw(parent, [path.parent] + search, seen + (key,))
+        try:
+            # A relative file name is relative to the profile that names it.
+            ppath = _find_profile(parent, [path.parent] + search, base_dir=path.parent)
+        except InputError as e:
+            raise InputError(f"{where(path, lines.get(('extends',)), 'extends')}: {e.message}") from None
+        base, _ = _load_raw(str(ppath), [path.parent] + search, seen + (key,))
         base.pop("description", None)
         data = merge(base, {k: v for k, v in data.items() if k != "extends"})
     return data, path
 
 
 def load_site_config(path: Optional[str]) -> Tuple[Dict[str, Any], Optional[str]]:
+    """The health site config (``--site-config`` or ``$CLUSTEROPS_HEALTH_SITE``), validated
+    completely against ``schema.SITE``; ({}, None) when there is none."""
     path = path or os.environ.get(SITE_ENV) or None
     if not path:
         return {}, None
     p = Path(path).expanduser()
-    data, lines = _read_yaml(p)
-    for k in data:
-        if k not in SITE_KEYS:
-            raise InputError(f"{where(p, lines.get((k,)), k)}: unknown key{_suggest(k, SITE_KEYS)}; "
-                             f"valid: {', '.join(sorted(SITE_KEYS))}")
-    if data.get("defaults"):
-        _validate(data["defaults"], p, lines, ("defaults",))
-    for name, prof in (data.get("profiles") or {}).items():
-        if not isinstance(prof, dict):
-            raise InputError(f"{where(p, lines.get(('profiles', name)), 'profiles.' + name)}: must be a mapping")
-        _validate(prof, p, lines, ("profiles", name))
+    data, lines = _read_yaml(p, "health site config")
+    schema.validate(data, schema.SITE, str(p), lines)
     return data, str(p)
 
 
+DRAIN_FRACTION_ENV = drains.FRACTION_ENV
+
+
+def site_drain_settings(site: Any = None, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """The fleet guard's settings: ``{"max_drained_fraction": float, "partition": str|None}``.
+
+    ``site`` is the mapping load_site_config returned, or a site-config path (loaded and
+    validated here; None/"" -> ``$CLUSTEROPS_HEALTH_SITE`` if set). Values come from its
+    ``drain:`` section, defaults from ``schema.DRAIN``; ``$CLUSTEROPS_MAX_DRAINED_FRACTION``
+    overrides the fraction. Bad values raise InputError (exit 2).
+    """
+    path = None
+    if site is None or isinstance(site, (str, os.PathLike)):
+        site, path = load_site_config(os.fspath(site) if site else None)
+    g = drains.guard_settings(site, path, env)   # the one reader of the block and the env override
+    return {"max_drained_fraction": g.max_drained_fraction, "partition": g.partition}
+
+
+def check_file(path: str) -> str:
+    """Validate a profile or a site config file without running anything -> what it is.
+
+    A file with ``probes``/``gpus``/``extends``/``description`` at the top is a profile
+    (its parents are loaded and checked too); one with ``gpu_models``/``defaults``/
+    ``profiles``/``drain`` is a site config. Raises InputError naming file, line and key.
+    """
+    p = Path(path).expanduser()
+    data, lines = _read_yaml(p, "health profile or site config")
+    site_keys = {f.name for f in schema.SITE.fields}
+    if data and set(data) <= site_keys:
+        load_site_config(str(p))
+        return "site config"
+    if data and set(data) & site_keys:
+        schema.validate(data, schema.SITE, str(p), lines)  # names the first key that is neither
+    data, _ = _load_raw(str(p), [builtin_dir()])
+    _check_resolved(data, str(p))
+    return "profile"
+
+
 def load_gpu_models(site: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
-    data, _ = _read_yaml(builtin_dir() / "gpu_models.yaml")
-    return merge(data, site.get("gpu_models") or {})
+    data, _ = _read_yaml(builtin_dir() / "gpu_models.yaml", "GPU model table")
+    return {k: v for k, v in merge(data, site.get("gpu_models") or {}).items() if isinstance(v, dict)}
+
+
+def _check_resolved(data: Dict[str, Any], source: str) -> None:
+    """Rules between settings, checked once the profile, its parents and the site are merged."""
+    probes = data.get("probes") or {}
+    nv = probes.get("nvml") if isinstance(probes.get("nvml"), dict) else {}
+    warn_c, fail_c = nv.get("temperature_warn_c", 85), nv.get("temperature_fail_c", 95)
+    if warn_c > fail_c:
+        raise InputError(f"{source}: probes.nvml.temperature_warn_c: {warn_c} is above "
+                         f"temperature_fail_c {fail_c}")
+    xid = probes.get("xid") if isinstance(probes.get("xid"), dict) else {}
+    if xid.get("source") == "file" and not xid.get("log_file"):
+        raise InputError(f"{source}: probes.xid.source: 'file' needs probes.xid.log_file")
 
 
 def load_profile(name: str = "fast", site_config: Optional[str] = None) -> Profile:
@@ -282,6 +257,7 @@ def load_profile(name: str = "fast", site_config: Optional[str] = None) -> Profi
     over = (site.get("profiles") or {}).get(pname)
     if over:
         data = merge(data, {k: v for k, v in over.items() if k != "extends"})
+    _check_resolved(data, str(path) if not site_path else f"{path} (with site config {site_path})")
     gpus = data.get("gpus") or {}
     probes: Dict[str, Dict[str, Any]] = {}
     for pn, cfg in (data.get("probes") or {}).items():
@@ -472,8 +448,8 @@ def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, sl
 
 def drain_settings(site_config: Optional[str] = None) -> drains.GuardSettings:
     """The fleet guard's settings from the site config's ``drain:`` block and the environment."""
-    site, path = load_site_config(site_config)
-    return drains.guard_settings(site, path)
+    s = site_drain_settings(site_config)
+    return drains.GuardSettings(s["max_drained_fraction"], s["partition"])
 
 
 # -- outputs --------------------------------------------------------------------------------

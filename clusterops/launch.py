@@ -309,15 +309,6 @@ def _yaml():
     return yaml
 
 
-def _make_loader():
-    yaml = _yaml()
-
-    class SpecLoader(yaml.SafeLoader):
-        """SafeLoader; we walk its node tree ourselves to keep each key's line."""
-
-    return SpecLoader
-
-
 _NULL_TAG = "tag:yaml.org,2002:null"
 
 
@@ -366,21 +357,12 @@ def _walk(node, path: Tuple, loader, locs: _Locations, line_of: Callable[[Any], 
 
 
 def _compose(text: str, where: str):
-    yaml = _yaml()
-    loader_cls = _make_loader()
-    try:
-        loader = loader_cls(text)
-        try:
-            node = loader.get_single_node()
-        finally:
-            loader.dispose()
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise InputError(f"{where}{line}: YAML error: {e.problem or e.context}") from None
-    except yaml.YAMLError as e:
-        raise InputError(f"{where}: YAML error: {str(e).splitlines()[0]}") from None
-    return node, loader_cls("")
+    """YAML text -> (node tree, a loader to construct scalars) through the one input loader
+    (clusterops.yamlio): no anchors/aliases/merge keys, bounded size and depth."""
+    from clusterops import yamlio
+
+    node = yamlio.compose(text, where)
+    return node, yamlio.scalar_loader(where)
 
 
 def parse_spec_text(text: str, source: str = "spec") -> Tuple[Dict[str, Any], _Locations]:

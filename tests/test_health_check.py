@@ -73,7 +73,7 @@ def test_site_overrides_and_env(tmp_path, monkeypatch):
     ("descripton: x\n", "bad.yaml:1: descripton: unknown key (did you mean 'description'?)"),
     ("gpus:\n  count: eight\n", "bad.yaml:2: gpus.count: must be a whole number"),
     ("probes:\n  xid:\n    timeout_s: -1\n", "bad.yaml:3: probes.xid.timeout_s: must be a number"),
-    ("probes: [\n", "bad.yaml:2: invalid YAML"),
+    ("probes: [\n", "bad.yaml:2: YAML error"),
     ("probes:\n  nvml:\n    temprature_fail_c: 90\n",
      "bad.yaml:3: probes.nvml.temprature_fail_c: unknown setting (did you mean 'temperature_fail_c'?)"),
     ("extends: nosuch\n", "unknown health profile 'nosuch'"),

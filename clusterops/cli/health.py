@@ -98,10 +98,28 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
 @click.argument("name", required=False)
 @site_option
 @json_option
-def profiles(name, site_config, as_json):
-    """List the profiles, or show one profile's resolved values (with site overrides)."""
-    from clusterops.health import builtin_profiles, load_profile
+@click.option("--check", "check_path", default=None, metavar="FILE",
+              help="Validate a profile or site-config FILE completely (its parents too) and run nothing.")
+def profiles(name, site_config, as_json, check_path):
+    """List the profiles, or show one profile's resolved values (with site overrides).
 
+    \b
+    With --check FILE: exit 0 and one line when FILE is a valid profile or site
+    config; exit 2 and one line naming file, line and key when it is not.
+    """
+    from clusterops.health import builtin_profiles, check_file, load_profile, load_site_config
+
+    if check_path:
+        if name:
+            raise click.UsageError("give a profile NAME or --check FILE, not both")
+        what = check_file(check_path)
+        if site_config:
+            load_site_config(site_config)
+        if as_json:
+            echo_json({"file": check_path, "kind": what, "ok": True})
+        else:
+            click.echo(f"{check_path}: ok ({what})")
+        return 0
     names = [name] if name else builtin_profiles()
     resolved = [load_profile(n, site_config) for n in names]
     if as_json:

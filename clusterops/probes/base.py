@@ -100,6 +100,12 @@ class ProbeContext:
     gpus_required: bool = False
     node: str = field(default_factory=node_name)
     cache: Dict[str, Any] = field(default_factory=dict)
+    # Where the host's /proc and /dev are read from: "/" or $CLUSTEROPS_HOST_ROOT (a checker
+    # in a container with the host's root mounted at, say, /host; tests use a tmp tree).
+    host_root: str = field(default_factory=lambda: os.environ.get("CLUSTEROPS_HOST_ROOT") or "/")
+    # Slurm's count of GPUs for ``node``: a callable (node, timeout_s) -> int | None;
+    # None -> ask Slurm (only when the node shows GPUs; see probes.nvml).
+    slurm_gpus: Optional[Callable[[str, float], Optional[int]]] = None
 
 
 ProbeFn = Callable[[Dict[str, Any], ProbeContext], List[ProbeResult]]

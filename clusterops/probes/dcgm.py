@@ -101,8 +101,12 @@ def probe_dcgm(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
                             detail=("dcgmi not found but the profile requires DCGM: install datacenter-gpu-manager"
                                     if required else "dcgmi not installed; DCGM diag skipped"))]
     if cfg.get("output_file"):  # recorded output (tests, or a diag run by another tool)
-        with open(cfg["output_file"]) as f:
-            text, rc = f.read(), int(cfg.get("exit_code", 0))
+        try:
+            with open(cfg["output_file"]) as f:
+                text, rc = f.read(), int(cfg.get("exit_code", 0))
+        except (OSError, UnicodeDecodeError) as e:
+            return [ProbeResult("dcgm.diag", "error", detail=f"cannot read output_file {cfg['output_file']}: "
+                                                             f"{getattr(e, 'strerror', None) or e}")]
     else:
         argv = [dcgmi, "diag", "-r", str(level), "-j"]
         try:

@@ -151,7 +151,11 @@ def probe_mounts(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     """``mounts: [{path, fstype, writable}]``: mounted (exactly there), right type, writable in time."""
     results: List[ProbeResult] = []
     mounts_file = cfg.get("mounts_file", "/proc/self/mounts")
-    table = read_mounts(Path(mounts_file).read_text())
+    try:
+        table = read_mounts(Path(mounts_file).read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        return [ProbeResult("host.mounts", "error", detail=f"cannot read {mounts_file}: "
+                                                           f"{getattr(e, 'strerror', None) or e}")]
     timeout_s = float(cfg.get("path_timeout_s", 5))
     for item in cfg.get("mounts") or []:
         raw = item["path"] if isinstance(item, dict) else str(item)
@@ -187,7 +191,12 @@ def probe_mounts(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
 
 def probe_memory(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     min_gb = float(cfg.get("min_available_gb", 0))
-    meminfo = Path(cfg.get("meminfo_file", "/proc/meminfo")).read_text()
+    meminfo_file = cfg.get("meminfo_file", "/proc/meminfo")
+    try:
+        meminfo = Path(meminfo_file).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        return [ProbeResult("host.memory", "error", detail=f"cannot read {meminfo_file}: "
+                                                           f"{getattr(e, 'strerror', None) or e}")]
     m = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M)
     t = re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.M)
     if not m:
@@ -261,34 +270,64 @@ def probe_infiniband(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult
                         detail=f"{active} ports ACTIVE")]
 
 
-def _proc_env(pid: int) -> Dict[str, str]:
+_JOB_KEYS = (b"SLURM_JOB_ID", b"SLURMD_NODENAME", b"SLURM_JOBID")
+_STEPD = re.compile(r"slurmstepd: \[(\d+)")
+
+
+def _proc_env(pid: int, proc_root: str = "/proc") -> Dict[str, str]:
     try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        raw = Path(proc_root, str(pid), "environ").read_bytes()
     except OSError:
         return {}
     env = {}
     for item in raw.split(b"\0"):
         k, sep, v = item.partition(b"=")
-        if sep and k in (b"SLURM_JOB_ID", b"SLURMD_NODENAME", b"SLURM_JOBID"):
+        if sep and k in _JOB_KEYS:
             env[k.decode()] = v.decode(errors="replace")
     return env
 
 
-def _ancestors(pid: int) -> set:
+def _parent(pid: int, proc_root: str = "/proc") -> int:
+    stat = Path(proc_root, str(pid), "stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _ancestors(pid: int, proc_root: str = "/proc") -> set:
     out = set()
     while pid > 1:
         out.add(pid)
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            pid = int(stat.rsplit(")", 1)[1].split()[1])
+            pid = _parent(pid, proc_root)
         except (OSError, ValueError, IndexError):
             break
     return out
 
 
+def job_of_process(pid: int, proc_root: str = "/proc") -> Optional[str]:
+    """The Slurm job a process belongs to, or None: SLURM_JOB_ID in its environment, else
+    the job of the ``slurmstepd: [JOB.STEP]`` it descends from (a task that cleared its
+    environment is still the step's). This is the one /proc scan for job ownership."""
+    env = _proc_env(pid, proc_root)
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if job:
+        return job
+    p, hops = pid, 0
+    while p > 1 and hops < 64:
+        try:
+            cmd = Path(proc_root, str(p), "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            m = _STEPD.match(cmd)
+            if m:
+                return m.group(1)
+            p = _parent(p, proc_root)
+        except (OSError, ValueError, IndexError):
+            return None
+        hops += 1
+    return None
+
+
 def find_job_processes(node: str, *, proc_root: str = "/proc") -> Dict[int, str]:
     """pid -> SLURM_JOB_ID for processes of Slurm jobs on this node (own ancestry excluded)."""
-    mine = _ancestors(os.getpid())
+    mine = _ancestors(os.getpid(), proc_root)
     out: Dict[int, str] = {}
     for entry in os.scandir(proc_root):
         if not entry.name.isdigit():
@@ -296,7 +335,7 @@ def find_job_processes(node: str, *, proc_root: str = "/proc") -> Dict[int, str]
         pid = int(entry.name)
         if pid in mine:
             continue
-        env = _proc_env(pid)
+        env = _proc_env(pid, proc_root)
         job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
         # On a shared dev host several slurmd run side by side; keep this node's only.
         if job and env.get("SLURMD_NODENAME", node) == node:
@@ -307,7 +346,7 @@ def find_job_processes(node: str, *, proc_root: str = "/proc") -> Dict[int, str]
 def probe_stray_processes(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     """Processes that belong to Slurm jobs no longer running on this node."""
     status_if_found = cfg.get("status", "warn")
-    procs = find_job_processes(ctx.node)
+    procs = find_job_processes(ctx.node, proc_root=os.path.join(ctx.host_root, "proc"))
     if not procs:
         return [ProbeResult("host.stray_processes", "pass", value=0, unit="processes",
                             detail="no processes of Slurm jobs on this node")]
@@ -344,4 +383,4 @@ def probe_host(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
 
 
 __all__ = ["probe_paths", "probe_mounts", "probe_memory", "probe_cpus", "probe_infiniband",
-           "probe_stray_processes", "probe_host", "expand", "read_mounts"]
+           "probe_stray_processes", "probe_host", "expand", "read_mounts", "job_of_process"]

@@ -275,12 +275,16 @@ def rule_persistence(g, cfg):
 
 
 def rule_processes(g, cfg):
+    """A compute process that belongs to no Slurm job is a stray; a job's own processes
+    (the node is busy: HealthCheckNodeState=ANY runs the check under running jobs) are not."""
     ignore = set(cfg.get("_ignore_pids", ()))
-    left = [p for p in g["processes"] if p["pid"] not in ignore]
+    jobs = cfg.get("_jobs") or {}
+    left = [p for p in g["processes"] if p["pid"] not in ignore and not jobs.get(p["pid"])]
     if left:
         pids = " ".join(str(p["pid"]) for p in left)
         level = cfg.get("leftover_process_status", "fail")
-        return level, f"compute processes still on the GPU (pids {pids}), left from an earlier job?: kill them", len(left)
+        return level, (f"compute processes of no Slurm job on the GPU (pids {pids}): "
+                       "kill them (left from an earlier job, or started outside Slurm)"), len(left)
     return "pass", "", 0
 
 
@@ -332,18 +336,73 @@ def _fold(rule_name: str, unit: str, per_gpu: List[Tuple[Dict[str, Any], str, st
                        detail=detail, data=data)
 
 
+def local_gpu_evidence(host_root: str = "/") -> List[str]:
+    """What on this host says it has NVIDIA GPUs (cheap: two directory listings)."""
+    out = []
+    try:
+        n = len(os.listdir(os.path.join(host_root, "proc/driver/nvidia/gpus")))
+        if n:
+            out.append(f"{n} GPUs in /proc/driver/nvidia/gpus")
+    except OSError:
+        pass
+    try:
+        devs = [d for d in os.listdir(os.path.join(host_root, "dev")) if re.fullmatch(r"nvidia\d+", d)]
+        if devs:
+            out.append(f"{len(devs)} /dev/nvidiaN devices")
+    except OSError:
+        pass
+    return out
+
+
+def slurm_gpu_count(node: str, timeout_s: float) -> Optional[int]:
+    """GPUs Slurm's gres gives ``node`` (one bounded query; None when Slurm cannot say)."""
+    from clusterops.slurm import Slurm
+    from clusterops.slurm.gres import gpu_count
+
+    slurm = Slurm.from_environment(timeout_s=timeout_s, read_attempts=1)
+    return gpu_count(slurm.node(node).gres)
+
+
+def _slurm_gpus(cfg: Dict[str, Any], ctx: ProbeContext) -> Tuple[Optional[int], str]:
+    """(count or None, why) from Slurm's gres for this node; asked once per check."""
+    if "slurm_gpus" not in ctx.cache:
+        ask = ctx.slurm_gpus or slurm_gpu_count
+        try:
+            ctx.cache["slurm_gpus"] = (ask(ctx.node, float(cfg.get("slurm_timeout_s", 2))), "")
+        except Exception as e:  # no Slurm here, controller down, node unknown: no expectation
+            ctx.cache["slurm_gpus"] = (None, f"{type(e).__name__}: {e}")
+    return ctx.cache["slurm_gpus"]
+
+
 def probe_nvml(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     required = bool(cfg.get("required", ctx.gpus_required))
     nv = load_nvml(ctx)
     if nv is None:
+        evidence = local_gpu_evidence(ctx.host_root)
+        if evidence:
+            # A GPU node that cannot be checked is not healthy: never a silent pass.
+            return [ProbeResult("nvml", "error", data={"evidence": evidence},
+                                detail=(f"this node has GPUs ({'; '.join(evidence)}) but pynvml is not "
+                                        "installed, so no GPU was checked: pip install 'clusterops[gpu]' "
+                                        "(nvidia-ml-py) into clusterops' environment"))]
         return [ProbeResult("nvml", "fail" if required else "skip",
                             detail=("pynvml not installed: pip install nvidia-ml-py" if required
                                     else "pynvml not installed; no GPUs checked"))]
     try:
         nv.nvmlInit()
     except nv.NVMLError as e:
-        if _code(e) in (ERR_LIBRARY_NOT_FOUND, ERR_DRIVER_NOT_LOADED) and not required:
-            return [ProbeResult("nvml", "skip", detail="no NVIDIA driver on this node; GPU probes skipped")]
+        if _code(e) in (ERR_LIBRARY_NOT_FOUND, ERR_DRIVER_NOT_LOADED):
+            evidence = local_gpu_evidence(ctx.host_root)
+            if evidence:
+                what = ("libnvidia-ml.so.1 not found: install the NVIDIA driver's NVML library "
+                        "(the driver package's libnvidia-ml / nvidia-utils) matching the kernel module"
+                        if _code(e) == ERR_LIBRARY_NOT_FOUND else
+                        "the NVIDIA kernel driver is not loaded: load it (modprobe nvidia) or reinstall the driver")
+                return [ProbeResult("nvml", "error", data={"evidence": evidence},
+                                    detail=f"this node has GPUs ({'; '.join(evidence)}) but NVML cannot "
+                                           f"be loaded, so no GPU was checked: {what}")]
+            if not required:
+                return [ProbeResult("nvml", "skip", detail="no NVIDIA driver on this node; GPU probes skipped")]
         return [ProbeResult("nvml", "fail", detail=f"NVML init failed ({e}): check the NVIDIA driver "
                                                    "(nvidia-smi, dmesg); reboot if it is wedged")]
     try:
@@ -360,15 +419,24 @@ def _probe(nv, cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     count = int(nv.nvmlDeviceGetCount())
     ctx.cache["gpu_count"] = count  # the local dist test runs one rank per GPU
     want = cfg.get("gpu_count")
+    source = "profile"
+    if want is None and cfg.get("gpus_from_slurm", True) and (count > 0 or local_gpu_evidence(ctx.host_root)):
+        # The node has GPUs: hold it to what Slurm schedules on it (its gres), asked only
+        # here so CPU nodes never wait on the controller.
+        slurm_n, _why = _slurm_gpus(cfg, ctx)
+        if slurm_n:
+            want, source = slurm_n, "Slurm gres"
     if want is None and (cfg.get("required", ctx.gpus_required)) and count == 0:
         want = 1
+    data = {"expected_from": source if want is not None else None}
     if want is not None and count != int(want):
         results.append(ProbeResult("nvml.gpu_count", "fail", value=count, unit="GPUs", threshold=int(want),
-                                   detail=f"{count} GPUs visible, expected {want}: a GPU fell off the bus "
-                                          "or is missing; check dmesg for Xid 79, reboot, RMA if it stays"))
+                                   data=data,
+                                   detail=f"{count} GPUs visible, expected {want} ({source}): a GPU fell off "
+                                          "the bus or is missing; check dmesg for Xid 79, reboot, RMA if it stays"))
     else:
         results.append(ProbeResult("nvml.gpu_count", "pass", value=count, unit="GPUs", threshold=want,
-                                   detail=f"{count} GPUs visible"))
+                                   data=data, detail=f"{count} GPUs visible"))
     # Driver version against the profile.
     drv = _text(_call(nv, "nvmlSystemGetDriverVersion"))
     dcfg = cfg.get("driver") or {}
@@ -398,16 +466,23 @@ def _probe(nv, cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
                                           ": the GPU fell off the bus; reboot the node, RMA if it recurs"))
     # Per-model expectations (NVLink link count) resolved from the profile's gpu_models.
     models = {g["index"]: match_model(g["name"], ctx.gpu_models) for g in gpus}
+    from clusterops.probes.host import job_of_process
+
+    proc_root = os.path.join(ctx.host_root, "proc")
+    jobs = {p["pid"]: job_of_process(p["pid"], proc_root) for g in gpus for p in g["processes"]}
     for name, rule, unit in RULES:
         per_gpu = []
         for g in gpus:
-            c = dict(cfg, _ignore_pids=ignore)
+            c = dict(cfg, _ignore_pids=ignore, _jobs=jobs)
             if name == "nvml.nvlink" and c.get("nvlink_links") is None:
                 m = models.get(g["index"])
                 c["nvlink_links"] = (ctx.gpu_models.get(m) or {}).get("nvlink_links") if m else None
             status, msg, value = rule(g, c)
             per_gpu.append((g, status, msg, value))
         results.append(_fold(name, unit, per_gpu, cfg))
-    results[0].data = {"gpus": [{"index": g["index"], "name": g["name"], "pci_bus_id": g["pci_bus_id"],
-                                 "model": models.get(g["index"])} for g in gpus]}
+    results[0].data.update(gpus=[{"index": g["index"], "name": g["name"], "pci_bus_id": g["pci_bus_id"],
+                                  "model": models.get(g["index"])} for g in gpus])
+    for r in results:
+        if r.name == "nvml.processes":
+            r.data["job_processes"] = {str(pid): job for pid, job in jobs.items() if job}
     return results

@@ -1,0 +1,482 @@
+"""Declarative schemas for the health inputs: one field table per input.
+
+A :class:`Field` says a key's name, type, bounds or choices, default and meaning. From
+the tables come the validation of health profiles and the health site config (every
+level, list items, types, ranges, choices, unknown keys with a suggestion) and the key
+tables in docs/health.md (``python -m clusterops.schema`` prints them; a test keeps the
+docs in step).
+
+The probe settings below are what each probe's code reads (``clusterops/probes/*``):
+when a probe learns a setting, its row is added here, or profiles using it are refused.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+from clusterops.errors import InputError
+
+Path_ = Tuple[Any, ...]
+DAY_S = 86400.0
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str  # bool int number str enum version regex list map dict union probe any
+    doc: str = ""
+    default: Any = None
+    nullable: bool = False
+    min: Optional[float] = None
+    max: Optional[float] = None
+    gt: bool = False                     # min is exclusive
+    choices: Tuple[Any, ...] = ()
+    item: Optional["Field"] = None       # list items / dict values
+    fields: Tuple["Field", ...] = ()     # map keys
+    options: Tuple["Field", ...] = ()    # union alternatives
+    required: bool = False               # the key must be present in its map
+    min_len: int = 0
+    max_len: Optional[int] = None
+
+    def type_text(self) -> str:
+        if self.kind == "enum":
+            t = " | ".join(str(c) for c in self.choices)
+        elif self.kind == "list":
+            t = f"list of {self.item.type_text() if self.item else 'any'}"
+            if self.min_len and self.min_len == self.max_len:
+                t = f"list of {self.min_len} {self.item.type_text() if self.item else 'any'}"
+        elif self.kind == "union":
+            t = " or ".join(o.type_text() for o in self.options)
+        elif self.kind in ("map", "probe"):
+            t = "mapping"
+        elif self.kind == "dict":
+            t = "mapping name -> " + (self.item.type_text() if self.item else "any")
+        elif self.kind == "version":
+            t = "version"
+        elif self.kind == "regex":
+            t = "regular expression"
+        else:
+            t = self.kind
+        rng = self.range_text()
+        if rng:
+            t += f" {rng}"
+        if self.nullable:
+            t += " or null"
+        return t
+
+    def range_text(self) -> str:
+        if self.kind not in ("int", "number"):
+            return ""
+        lo, hi = self.min, self.max
+        if lo is not None and hi is not None:
+            return f"{'(' if self.gt else '['}{lo:g}, {hi:g}]"
+        if lo is not None:
+            return f"{'>' if self.gt else '>='} {lo:g}"
+        if hi is not None:
+            return f"<= {hi:g}"
+        return ""
+
+
+def _f(name, kind, doc="", **kw) -> Field:
+    return Field(name, kind, doc, **kw)
+
+
+def seconds(name: str, doc: str, default: Any = None, **kw) -> Field:
+    # 0.1 s at least: a shorter deadline only turns a healthy probe into a "hung" one.
+    return Field(name, "number", doc, default=default, min=0.1, max=DAY_S, **kw)
+
+
+def count(name: str, doc: str, default: Any = None, hi: float = 1e9, **kw) -> Field:
+    return Field(name, "int", doc, default=default, min=0, max=hi, **kw)
+
+
+# -- probe settings: read from each probe's code ---------------------------------------------
+
+COMMON_SETTINGS: Tuple[Field, ...] = (
+    seconds("timeout_s", "the probe's deadline; past it the probe is an `error`", 10),
+    _f("enabled", "bool", "false disables the probe (as `probe: false` does)", default=True),
+)
+
+_SHAPE = Field("shape", "list", item=Field("dim", "int", min=1, max=1 << 17), min_len=3, max_len=3)
+
+PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
+    "nvml": (
+        _f("required", "bool", "no GPU / no NVML is a failure (default: the profile's `gpus.required`)"),
+        count("gpu_count", "GPUs expected (default: `gpus.count`, else Slurm's gres for the node)",
+              hi=1024, nullable=True),
+        _f("temperature_warn_c", "number", "warn at or above", default=85, min=0, max=200),
+        _f("temperature_fail_c", "number", "fail at or above", default=95, min=0, max=200),
+        count("ecc_volatile_max", "uncorrectable ECC since driver load; fail above", 0),
+        count("ecc_aggregate_max", "lifetime uncorrectable ECC; warn above", 0),
+        count("sram_uncorrected_max", "uncorrectable SRAM errors; fail above", 0),
+        count("nvlink_recovery_max", "NVLink recovery errors; fail above", 0),
+        count("nvlink_crc_replay_max", "NVLink CRC + replay errors; warn above", 1000),
+        count("nvlink_links", "NVLink links per GPU (default: the GPU model's)", hi=64, nullable=True),
+        _f("pcie_gen_busy_pct", "number", "judge the PCIe generation only at this utilisation", default=50,
+           min=0, max=100),
+        _f("persistence_required", "bool", "persistence mode off fails (else warns)", default=False),
+        _f("leftover_process_status", "enum", "status of a GPU process that belongs to no Slurm job",
+           default="fail", choices=("fail", "warn")),
+        _f("gpus_from_slurm", "bool", "with no gpu_count, a node that shows GPUs is held to its Slurm gres",
+           default=True),
+        seconds("slurm_timeout_s", "deadline of that one Slurm query", 2),
+        _f("driver", "map", "driver version rule", fields=(
+            _f("min", "version", "oldest driver allowed, e.g. \"535.104\"", nullable=True),
+            _f("exact", "version", "the fleet's one driver, e.g. \"550.54.15\"", nullable=True),
+        )),
+    ),
+    "xid": (
+        _f("source", "enum", "where the kernel log comes from", default="auto",
+           choices=("auto", "dmesg", "journal", "file")),
+        _f("log_file", "str", "kernel log file (source: file)", nullable=True),
+        _f("state_file", "str", "default $CLUSTEROPS_STATE_DIR or /var/lib/clusterops/xid-<node>.json",
+           nullable=True),
+        _f("boot_id_file", "str", "", default="/proc/sys/kernel/random/boot_id"),
+        seconds("read_timeout_s", "deadline of dmesg / journalctl", 5),
+    ),
+    "host.paths": (
+        seconds("path_timeout_s", "deadline of each path's statvfs + write", 5),
+        _f("paths", "list", "paths that must exist with room to spare", default=[], item=_f("path", "map", fields=(
+            _f("path", "str", "`${VAR}` expanded; an unset variable fails", required=True),
+            _f("min_free_gb", "number", "", default=0, min=0, max=1e9),
+            count("min_free_inodes", "", 0, hi=1e15),
+            _f("writable", "bool", "write + fsync a small file", default=True),
+        ))),
+    ),
+    "host.mounts": (
+        seconds("path_timeout_s", "deadline of each mount's write test", 5),
+        _f("mounts", "list", "mount points (a path, or a mapping)", default=[], item=_f("mount", "union", options=(
+            _f("path", "str"),
+            _f("mount", "map", fields=(
+                _f("path", "str", "", required=True),
+                _f("fstype", "str", "expected filesystem type, e.g. nfs4", nullable=True),
+                _f("writable", "bool", "", default=True),
+            )),
+        ))),
+        _f("mounts_file", "str", "", default="/proc/self/mounts"),
+    ),
+    "host.memory": (
+        _f("min_available_gb", "number", "MemAvailable below this fails", default=0, min=0, max=1e9),
+        _f("meminfo_file", "str", "", default="/proc/meminfo"),
+    ),
+    "host.cpus": (
+        count("min_cpus", "online CPUs below this fail (null: not checked)", hi=1 << 20, nullable=True),
+    ),
+    "host.infiniband": (
+        _f("sys_root", "str", "", default="/sys/class/infiniband"),
+        _f("required", "bool", "no HCA fails (else skips)", default=False),
+        _f("expected_rate_gbps", "number", "slowest port rate allowed", min=0, gt=True, max=1e6, nullable=True),
+        count("min_ports", "ACTIVE ports needed", 0, hi=1024, nullable=True),
+        _f("infiniband_only", "bool", "hold only InfiniBand-link ports to the rules", default=True),
+    ),
+    "host.stray_processes": (
+        _f("status", "enum", "status when processes of finished jobs are found", default="warn",
+           choices=("warn", "fail")),
+        seconds("slurm_timeout_s", "deadline of the Slurm query", 3),
+    ),
+    "dcgm": (
+        _f("level", "int", "dcgmi diag -r LEVEL", default=1, min=1, max=4),
+        _f("required", "bool", "no dcgmi fails (else skips)", default=False),
+        _f("dcgmi", "str", "the dcgmi program", default="dcgmi"),
+        seconds("diag_timeout_s", "deadline of the diag", 900),
+        _f("output_file", "str", "read a recorded `dcgmi diag -j` output instead", nullable=True),
+        _f("exit_code", "int", "exit code that goes with output_file", default=0, min=0, max=255),
+    ),
+    "matmul": (
+        _f("required", "bool", "no CUDA device fails (default: `gpus.required`)"),
+        count("warmup", "", 3, hi=1e6),
+        _f("iters", "int", "", default=10, min=1, max=1e6),
+        _f("gpu_shapes", "list", "[m, n, k] per shape", item=_SHAPE, min_len=1, max_len=64),
+        _f("cpu_shapes", "list", "[m, n, k] per shape", item=_SHAPE, min_len=1, max_len=64),
+        _f("min_fraction", "number", "best TFLOPS / the model's expected figure", default=0.85, min=0, max=1),
+        _f("straggler_pct", "number", "slower than the node's best GPU by more fails", default=10, min=0, max=100),
+        _f("cpu_expected_tflops", "number", "expected fp32 TFLOPS on a CPU node", min=0, gt=True, max=1e6,
+           nullable=True),
+        _f("flush_l2", "bool", "flush L2 between iterations", default=True),
+    ),
+    "dist": (
+        seconds("test_timeout_s", "each rank's deadline (default 0.7 x timeout_s)"),
+        _f("cpu_ranks", "int", "gloo ranks on a CPU-only node", default=2, min=1, max=1024),
+        count("local_ranks", "ranks to start (default: one per GPU)", hi=1024, nullable=True),
+        _f("backend", "enum", "", default="auto", choices=("auto", "nccl", "gloo")),
+        _f("sizes_bytes", "list", "all-reduce payloads on GPUs", default=[],
+           item=Field("size", "int", min=1, max=1 << 36), max_len=64),
+        _f("cpu_sizes_bytes", "list", "all-reduce payloads on CPU nodes",
+           item=Field("size", "int", min=1, max=1 << 36), max_len=64),
+        count("warmup", "", 5, hi=1e6),
+        _f("iters", "int", "", default=20, min=1, max=1e6),
+        _f("min_busbw_gbps", "number", "busbw below fails", min=0, gt=True, max=1e6, nullable=True),
+    ),
+}
+
+
+def probe_field(name: str) -> Field:
+    return Field(name, "probe", fields=PROBE_SETTINGS[name] + COMMON_SETTINGS)
+
+
+PROBES = Field("probes", "map", "probe name -> settings, or false to disable it",
+               fields=tuple(probe_field(n) for n in PROBE_SETTINGS))
+GPUS = Field("gpus", "map", "what the node must have", fields=(
+    _f("required", "bool", "no GPU is a failure (else a skip on a node that shows no GPUs)", default=False),
+    count("count", "GPUs per node (null: Slurm's gres for the node, else what NVML sees)", hi=1024,
+          nullable=True),
+))
+PROFILE = Field("profile", "map", fields=(
+    _f("description", "str", "one line for `health profiles`"),
+    _f("extends", "str", "parent profile (built-in name or file)"),
+    GPUS,
+    PROBES,
+))
+GPU_MODEL = Field("gpu_model", "map", fields=(
+    _f("match", "list", "regular expressions against the NVML device name (default: the model's key)",
+       item=_f("pattern", "regex"), min_len=1),
+    _f("matmul_bf16_tflops", "number", "expected best bf16 matmul TFLOPS", min=0, gt=True, max=1e6,
+       nullable=True),
+    count("nvlink_links", "NVLink links per GPU", hi=64, nullable=True),
+))
+DRAIN = Field("drain", "map", "the fleet guard of --drain-on-fail", fields=(
+    _f("max_drained_fraction", "number", "share of a partition's nodes that may carry a clusterops drain "
+       "at once (env CLUSTEROPS_MAX_DRAINED_FRACTION)", default=0.1, min=0, max=1),
+    _f("partition", "str", "the partition the share is counted in (default: the node's partitions)",
+       nullable=True),
+))
+SITE = Field("site", "map", fields=(
+    Field("gpu_models", "dict", "merged over the built-in gpu_models.yaml", item=GPU_MODEL),
+    Field("defaults", "map", "merged into every profile", fields=(GPUS, PROBES)),
+    Field("profiles", "dict", "per-profile overrides, by profile name", item=Field("profile", "map", fields=(
+        _f("description", "str"), GPUS, PROBES))),
+    DRAIN,
+))
+
+
+# -- validation ------------------------------------------------------------------------------
+
+def suggest(word: str, options: Sequence[str]) -> str:
+    m = difflib.get_close_matches(str(word), [str(o) for o in options], n=1)
+    return f" (did you mean {m[0]!r}?)" if m else ""
+
+
+_PLAIN_KEY = re.compile(r"[\w.\-/$@+:<>]+")
+
+
+def key_text(k: Any) -> str:
+    """A key as it may appear in a one-line message: plain names as they are, others quoted."""
+    return k if isinstance(k, str) and _PLAIN_KEY.fullmatch(k) else repr(k)
+
+
+def _dotted(path: Path_) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) and not isinstance(p, bool) else (("." if out else "") + key_text(p))
+    return out
+
+
+class _Where:
+    def __init__(self, source: str, lines: Mapping[Path_, int], prefix: Path_):
+        self.source, self.lines, self.prefix = source, lines, prefix
+
+    def error(self, path: Path_, message: str) -> InputError:
+        full = self.prefix + path
+        line = None
+        p = full
+        while p:
+            if p in self.lines:
+                line = self.lines[p]
+                break
+            p = p[:-1]
+        loc = f"{self.source}:{line}" if line is not None else self.source
+        key = _dotted(full)
+        return InputError(f"{loc}: {key}: {message}" if key else f"{loc}: {message}")
+
+
+def _name(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, dict):
+        return "a mapping"
+    if isinstance(v, list):
+        return "a list"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check(v: Any, f: Field, path: Path_, w: _Where) -> None:
+    if v is None:
+        if f.nullable or f.kind in ("probe", "any"):
+            return
+        if f.kind in ("map", "dict"):
+            return  # an empty section (`probes:` with nothing under it)
+        raise w.error(path, f"must be {f.type_text()}, got null")
+    k = f.kind
+    if k == "bool":
+        if not isinstance(v, bool):
+            raise w.error(path, f"must be true or false, got {_name(v)}")
+    elif k in ("int", "number"):
+        rng = f.range_text()
+        want = ("a whole number" if k == "int" else "a number") + (
+            (" in " if rng.startswith(("[", "(")) else " ") + rng if rng else "")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (k == "int" and not isinstance(v, int)):
+            raise w.error(path, f"must be {want}, got {_name(v)}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise w.error(path, f"must be {want} (finite), got {_name(v)}")
+        lo, hi = f.min, f.max
+        if (lo is not None and (v <= lo if f.gt else v < lo)) or (hi is not None and v > hi):
+            raise w.error(path, f"must be {want}, got {_name(v)}")
+    elif k == "str":
+        if not isinstance(v, str):
+            raise w.error(path, f"must be a string, got {_name(v)}")
+        if not v.strip():
+            raise w.error(path, "must not be empty")
+    elif k == "enum":
+        if v not in f.choices or isinstance(v, bool):
+            raise w.error(path, f"must be one of {', '.join(map(str, f.choices))}, got {_name(v)}"
+                                f"{suggest(v, f.choices) if isinstance(v, str) else ''}")
+    elif k == "version":
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not re.fullmatch(r"\d+(\.\d+)*", str(v)):
+            raise w.error(path, f"must be a version like \"550.54.15\" (quote it), got {_name(v)}")
+    elif k == "regex":
+        if not isinstance(v, str):
+            raise w.error(path, f"must be a regular expression (a string), got {_name(v)}")
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise w.error(path, f"bad regular expression {v!r}: {e}") from None
+    elif k == "list":
+        if not isinstance(v, list):
+            raise w.error(path, f"must be a {f.type_text()}, got {_name(v)}")
+        if len(v) < f.min_len or (f.max_len is not None and len(v) > f.max_len):
+            want = (f"exactly {f.min_len}" if f.min_len == f.max_len else
+                    f"at least {f.min_len}" if f.max_len is None else f"{f.min_len} to {f.max_len}")
+            raise w.error(path, f"must have {want} items, got {len(v)}")
+        if f.item is not None:
+            for i, item in enumerate(v):
+                _check(item, f.item, path + (i,), w)
+    elif k == "union":
+        errors = []
+        for opt in f.options:
+            try:
+                _check(v, opt, path, w)
+                return
+            except InputError as e:
+                errors.append(e)
+        # The option of the value's own shape explains best.
+        for opt, e in zip(f.options, errors):
+            if (opt.kind == "map" and isinstance(v, dict)) or (opt.kind == "str" and isinstance(v, str)):
+                raise e
+        raise w.error(path, f"must be {f.type_text()}, got {_name(v)}")
+    elif k == "probe":
+        if v is False:
+            return
+        if not isinstance(v, dict):
+            raise w.error(path, f"must be a mapping of settings, or false to disable the probe, got {_name(v)}")
+        _check_map(v, f, path, w, "setting")
+    elif k == "map":
+        if not isinstance(v, dict):
+            raise w.error(path, f"must be a mapping, got {_name(v)}")
+        _check_map(v, f, path, w, "probe" if f.name == "probes" else "key")
+    elif k == "dict":
+        if not isinstance(v, dict):
+            raise w.error(path, f"must be a mapping, got {_name(v)}")
+        for key, item in v.items():
+            if not isinstance(key, str) or not key.strip():
+                raise w.error(path + (key,), "names must be non-empty strings")
+            if f.item is not None:
+                _check(item, f.item, path + (key,), w)
+
+
+def _check_map(v: Dict[Any, Any], f: Field, path: Path_, w: _Where, what: str) -> None:
+    known = {x.name: x for x in f.fields}
+    for key, item in v.items():
+        if key not in known:
+            valid = ", ".join(known)
+            raise w.error(path + (key,), f"unknown {what}{suggest(key, known)}; "
+                                         f"{'known' if what == 'probe' else 'valid'}: {valid}")
+        _check(item, known[key], path + (key,), w)
+    for x in f.fields:
+        if x.required and x.name not in v:
+            raise w.error(path, f"missing {x.name}")
+
+
+def validate(data: Any, schema: Field, source: str, lines: Optional[Mapping[Path_, int]] = None,
+             prefix: Path_ = ()) -> None:
+    """Check ``data`` against ``schema``; raise InputError ``file:line: key.path: message``."""
+    w = _Where(source, lines or {}, prefix)
+    if data is not None and not isinstance(data, dict) and schema.kind == "map":
+        raise w.error((), f"a {schema.name} file is a YAML mapping of keys, got {_name(data)}")
+    _check(data, schema, (), w)
+
+
+def defaults_of(f: Field) -> Dict[str, Any]:
+    return {x.name: x.default for x in f.fields if x.default is not None}
+
+
+# -- docs ------------------------------------------------------------------------------------
+
+def _rows(f: Field, prefix: str) -> list:
+    rows = []
+    for x in f.fields:
+        key = f"{prefix}{x.name}"
+        if x.kind in ("map",) and x.fields:
+            rows.append((key, "mapping", "", x.doc))
+            rows += _rows(x, key + ".")
+        elif x.kind == "list" and x.item is not None and x.item.kind == "map":
+            rows.append((key, "list of mappings", _default_text(x), x.doc))
+            rows += _rows(x.item, key + "[].")
+        elif x.kind == "list" and x.item is not None and x.item.kind == "union":
+            rows.append((key, "list of (path or mapping)", _default_text(x), x.doc))
+            for o in x.item.options:
+                if o.kind == "map":
+                    rows += _rows(o, key + "[].")
+        else:
+            rows.append((key, x.type_text(), _default_text(x), x.doc))
+    return rows
+
+
+def _default_text(x: Field) -> str:
+    if x.default is None:
+        return ""
+    if isinstance(x.default, bool):
+        return "true" if x.default else "false"
+    return f"{x.default}"
+
+
+def markdown_table(rows: list) -> str:
+    out = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for key, typ, default, doc in rows:
+        cell = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+        out.append(f"| `{key}` | {cell(typ)} | {cell(default)} | {cell(doc)} |")
+    return "\n".join(out)
+
+
+def docs_tables() -> Dict[str, str]:
+    """Name -> markdown table, as embedded in docs/health.md between ``<!-- schema:NAME -->`` marks."""
+    tables = {
+        "profile": markdown_table(_rows(Field("p", "map", fields=PROFILE.fields[:3]), "")),
+        "probe-common": markdown_table(_rows(Field("c", "map", fields=COMMON_SETTINGS), "")),
+    }
+    for name, fields in PROBE_SETTINGS.items():
+        tables[f"probe-{name}"] = markdown_table(_rows(Field(name, "map", fields=fields), ""))
+    tables["site"] = markdown_table(
+        [("gpu_models.<MODEL>", "mapping", "", "merged over the built-in gpu_models.yaml")]
+        + _rows(GPU_MODEL, "gpu_models.<MODEL>.")
+        + [("defaults", "mapping (gpus, probes)", "", "merged into every profile"),
+           ("profiles.<NAME>", "mapping (description, gpus, probes)", "", "overrides for one profile")]
+        + [("drain", "mapping", "", DRAIN.doc)] + _rows(DRAIN, "drain."))
+    return tables
+
+
+def render_docs() -> str:
+    parts = []
+    for name, table in docs_tables().items():
+        parts.append(f"<!-- schema:{name} -->\n{table}\n<!-- /schema:{name} -->")
+    return "\n\n".join(parts)
+
+
+if __name__ == "__main__":  # python -m clusterops.schema: the tables for docs/health.md
+    print(render_docs())
