@@ -128,3 +128,27 @@ def test_steps_and_preempt_time():
     assert job.preempt_time is not None and job.preempt_time > 1.7e9 and job.exit_signal == 15
     jobs = by_name(parse.parse_scontrol_jobs((FIX / "scontrol_jobs_2205.txt").read_text()))
     assert jobs["train"].preempt_time is None        # PreemptTime=None: never preempted
+
+
+def test_stale_reason_on_a_node_back_in_service_is_dropped():
+    # Slurm 24.11 keeps the drain reason on a node resumed with State=RESUME.
+    resumed = ("NodeName=node2 Arch=x86_64 CPUTot=2 CPUAlloc=0 State=IDLE Partitions=debug "
+               "Reason=clusterops:health:fast: gpu: lost [root@2026-12-01T05:00:00]")
+    n = parse.node_from_oneliner(resumed)
+    assert n.is_idle and not n.drained and n.reason is None and n.reason_user is None
+    drained = resumed.replace("State=IDLE", "State=IDLE+DRAIN")
+    n = parse.node_from_oneliner(drained)
+    assert n.drained and n.reason == "clusterops:health:fast: gpu: lost" and n.reason_user == "root"
+    down = resumed.replace("State=IDLE", "State=DOWN+NOT_RESPONDING")
+    assert parse.node_from_oneliner(down).reason == "clusterops:health:fast: gpu: lost"
+    as_json = {"name": "node2", "state": ["IDLE"], "reason": "old", "reason_set_by_user": "root",
+               "reason_changed_at": {"set": True, "infinite": False, "number": 1796049600}}
+    assert parse.node_from_json(as_json).reason is None
+    assert parse.node_from_json({**as_json, "state": ["IDLE", "DRAIN"]}).reason == "old"
+
+
+def test_controller_version_from_show_config():
+    text = "Configuration data as of 2026-12-01T05:00:00\nAccountingStorageType   = (null)\nSLURM_VERSION           = 25.11.7\n"
+    assert parse.parse_config_version(text) == (25, 11, 7)
+    with pytest.raises(ValueError):
+        parse.parse_config_version("nothing here")

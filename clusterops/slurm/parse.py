@@ -298,6 +298,20 @@ _SCONTROL_FLAG_ALIASES = {"NOT_RESPONDING": "NOT_RESPONDING", "DRAIN": "DRAIN", 
                           "INVALID_REG": "INVALID_REG", "DYNAMIC_NORM": "DYNAMIC_NORM"}
 
 
+# A node reason means something only while one of these holds. Slurm 24.11 keeps the old
+# reason on a node resumed with State=RESUME (22.05 clears it), so an idle node can show
+# "clusterops:... [root@...]" long after it returned to service: that reason is stale.
+_REASON_FLAGS = frozenset({"DRAIN", "FAIL", "NOT_RESPONDING", "REBOOT_REQUESTED", "REBOOT_ISSUED",
+                           "POWER_DOWN", "POWERING_DOWN", "INVALID_REG"})
+
+
+def live_reason(base: str, flags: FrozenSet[str], reason: Optional[str]) -> Optional[str]:
+    """``reason`` while the node is drained, down or failing; None once it is back in service."""
+    if reason and (base in ("down", "error", "unknown") or flags & _REASON_FLAGS):
+        return reason
+    return None
+
+
 def _split_node_state(items: List[str]) -> Tuple[str, FrozenSet[str]]:
     base = "unknown"
     flags = set()
@@ -319,13 +333,14 @@ def node_from_json(n: Dict[str, Any]) -> NodeInfo:
     parts = n.get("partitions") or []
     if isinstance(parts, str):
         parts = [p for p in parts.split(",") if p]
+    reason = live_reason(base, flags, _null(n.get("reason")))
     return NodeInfo(
         name=n["name"],
         state=base,
         flags=flags,
-        reason=_null(n.get("reason")),
-        reason_user=_null(n.get("reason_set_by_user")),
-        reason_time=epoch(n.get("reason_changed_at")),
+        reason=reason,
+        reason_user=_null(n.get("reason_set_by_user")) if reason else None,
+        reason_time=epoch(n.get("reason_changed_at")) if reason else None,
         gres=n.get("gres") or "",
         partitions=tuple(parts),
         cpus=int(number(n.get("cpus")) or 0),
@@ -359,6 +374,8 @@ def node_from_oneliner(line: str) -> NodeInfo:
         m = _REASON_TAIL.match(reason)
         if m:
             reason, user, when = m.group("reason"), m.group("user"), parse_iso(m.group("time"))
+    if live_reason(base, flags, reason) is None:
+        reason = user = when = None
     return NodeInfo(
         name=kv["NodeName"],
         state=base,
@@ -393,6 +410,14 @@ def parse_version(text: str) -> Tuple[int, ...]:
     if not m:
         raise ValueError(f"no Slurm version in {text!r}")
     return tuple(int(g) for g in m.groups() if g is not None)
+
+
+def parse_config_version(text: str) -> Tuple[int, ...]:
+    """``scontrol show config``'s ``SLURM_VERSION = 22.05.8`` line -> (22, 5, 8)."""
+    m = re.search(r"^SLURM_VERSION\s*=\s*(\S+)", text, re.MULTILINE)
+    if not m:
+        raise ValueError("no SLURM_VERSION line in scontrol show config")
+    return parse_version(m.group(1))
 
 
 def parse_sbatch_parsable(text: str) -> int:
