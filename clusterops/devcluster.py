@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional
 
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import CommandError, Runner, pid_alive
+from clusterops.slurm.parse import parse_sinfo_node_states
 from clusterops.slurm.tools import SlurmTools, check_prefix
 
 MARKER_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
@@ -408,12 +409,7 @@ class DevCluster:
         tools = self.tools()
         out = self.runner.run(tools.argv(["sinfo", "--noheader", "--Node", "--format=%N %T"]),
                               env=self.env(), timeout_s=15).stdout
-        states = {}
-        for line in out.splitlines():
-            parts = line.split()
-            if len(parts) == 2:
-                states[parts[0]] = parts[1]
-        return states
+        return parse_sinfo_node_states(out)
 
     def wait_idle(self, nodes: List[str], timeout_s: float, procs: Optional[dict] = None) -> None:
         deadline = self.clock() + timeout_s

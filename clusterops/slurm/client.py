@@ -318,13 +318,11 @@ class Slurm:
         self._write(["scontrol", "update", f"NodeName={_hostlist(nodes)}", "State=RESUME"])
 
     def partition_nodes(self, partition: str) -> List[str]:
-        out = self._read(["sinfo", "--noheader", f"--partition={partition}", "--format=%N"])
-        names: List[str] = []
-        for line in out.split():
-            names.extend(hostlist.expand_hostlist(line))
+        names = parse.parse_hostlist_lines(
+            self._read(["sinfo", "--noheader", f"--partition={partition}", "--format=%N"]))
         if not names:
             raise NotFoundError(f"partition {partition} has no nodes (or does not exist)")
-        return sorted(set(names), key=names.index)
+        return names
 
     # -- reservations -----------------------------------------------------------------
     def create_reservation(self, name: str, nodes: Nodes, *, minutes: int, users: str,

@@ -86,7 +86,7 @@ def test_requeue_grows_restart_count(slurm, tmp_path):
 
 
 def test_hold_release_and_update(slurm, tmp_path):
-    jid = slurm.submit(script(tmp_path, "sleep 300"), ["--hold", "--nodes=1", "--time=10"])
+    jid = slurm.submit(script(tmp_path, "sleep 300"), ["--hold", "--nodes=1", "--time=10", f"--output={tmp_path}/held.out"])
     info = slurm.job(jid)
     assert info.category == "pending" and info.reason == "JobHeldUser"
     slurm.update_job(jid, ExcNodeList="node1,node2", TimeLimit="5")
