@@ -36,8 +36,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$prefix/sbin/slur
 fi
 
 # One build at a time per prefix (two shells running the script would race on make install).
-mkdir -p "$(dirname "$prefix")"
-exec 9>"$prefix.build.lock"
+builds="${CLUSTEROPS_BUILD_DIR:-/var/tmp/clusterops-slurm-build}"
+mkdir -p "$builds"
+exec 9>"$builds/$(echo "$prefix" | tr / _).lock"
 flock 9
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$prefix/sbin/slurmctld" ]; then
     echo "build-slurm: $prefix was built meanwhile; nothing to do"
@@ -56,7 +57,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-work="${CLUSTEROPS_BUILD_DIR:-/var/tmp/clusterops-slurm-build}/$sha"
+work="$builds/$sha"
 rm -rf "$work"
 mkdir -p "$work"
 log="$work/build.log"
