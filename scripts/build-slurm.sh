@@ -53,8 +53,8 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
     echo "build-slurm: apt-get install ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq "${missing[@]}" >/dev/null
+    apt-get -o DPkg::Lock::Timeout=600 update -qq
+    apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${missing[@]}" >/dev/null
 fi
 
 work="$builds/$sha"

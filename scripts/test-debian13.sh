@@ -40,11 +40,15 @@ log() { echo "test-debian13: $*"; }
 # -- 1. the root ----------------------------------------------------------------------
 if ! command -v debootstrap >/dev/null; then
     log "apt-get install debootstrap"
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq debootstrap >/dev/null
 fi
 if [ ! -f "$root/.clusterops-debootstrap-done" ]; then
     log "debootstrap trixie into $root"
+    # Never delete through a bind mount (/dev, /sys, the host's Python) left by --keep-mounts.
+    if awk -v r="$root" '$2 == r || index($2, r "/") == 1 {found=1} END {exit !found}' /proc/mounts; then
+        die "something is still mounted under $root: umount -R it first"
+    fi
     rm -rf "$root"
     mkdir -p "$root"
     start=$SECONDS
