@@ -201,6 +201,41 @@ def _processes_with_env(key: str, value: str) -> List[int]:
     return found
 
 
+def _stepds_with_sockets_under(directory: str) -> List[int]:
+    """slurmstepd processes holding a unix socket bound under ``directory`` (the cluster's
+    spool: every step listens on ``<spool>/<node>/<node>_<job>.<step>``). From Slurm 24.11
+    on slurmstepd clears its environment, so the SLURM_CONF test alone misses them."""
+    inodes = set()
+    prefix = directory.rstrip("/") + "/"
+    try:
+        with open("/proc/net/unix") as f:
+            next(f, None)
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 8 and parts[7].startswith(prefix):
+                    inodes.add(f"socket:[{parts[6]}]")
+    except OSError:
+        return []
+    if not inodes:
+        return []
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or _comm(int(entry.name)) != "slurmstepd":
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry.name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry.name}/fd/{fd}") in inodes:
+                    found.append(int(entry.name))
+                    break
+            except OSError:
+                continue
+    return found
+
+
 def _comm(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -442,6 +477,7 @@ class DevCluster:
         # slurmd hands slurmstepd a trimmed environment (no marker), but SLURM_CONF stays.
         pids += [p for p in _processes_with_env("SLURM_CONF", str(self.conf_path))
                  if p not in pids and _comm(p) == "slurmstepd"]
+        pids += [p for p in _stepds_with_sockets_under(str(self.state / "spool")) if p not in pids]
         pids = [p for p in pids if p not in mine]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in pids:

@@ -88,3 +88,33 @@ def test_bad_input_exits_2():
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("Error:") and "--nodes" in lines[0]
     assert not Path("/tmp/clusterops-never-used").exists()
+
+
+def test_down_leaves_no_step_daemons(tmp_path):
+    """`down` stops the slurmstepds of running steps too: from 24.11 on they carry no
+    environment, and are found by the sockets they hold in the cluster's spool."""
+    import os
+    import shutil
+
+    from conftest import pick_port_base
+
+    from clusterops.devcluster import DevCluster, DevClusterConfig, _comm, _stepds_with_sockets_under
+    from clusterops.runner import Runner, pid_alive
+
+    dc = DevCluster(tmp_path / "dc")
+    cfg = DevClusterConfig(nodes=2, port_base=pick_port_base(2),
+                           slurm_prefix=os.environ.get("CLUSTEROPS_SLURM_PREFIX") or None)
+    try:
+        dc.up(cfg)
+        slurm = Slurm(Runner(env=dc.env()), tools=cfg.tools)
+        jid = slurm.submit(text="#!/bin/bash\nsrun --nodes=2 --ntasks-per-node=1 sleep 300\n",
+                           args=["--nodes=2", f"--output={tmp_path}/step.out"], workdir=str(tmp_path))
+        wait_for(lambda: ("0", "sleep") in slurm.steps(jid), what="the step runs")
+        stepds = wait_for(lambda: _stepds_with_sockets_under(str(dc.state / "spool")), what="slurmstepds seen")
+        assert all(_comm(p) == "slurmstepd" for p in stepds)
+        stopped = dc.down()
+        assert set(stepds) <= set(stopped)
+        wait_for(lambda: not any(pid_alive(p) for p in stepds), timeout_s=20, what="slurmstepds gone")
+    finally:
+        dc.down()
+        shutil.rmtree(tmp_path / "dc", ignore_errors=True)
