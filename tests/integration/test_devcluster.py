@@ -37,6 +37,27 @@ def test_up_is_idempotent_and_status(cluster):
     assert data["running"] and data["config"]["nodes"] == 4 and len(data["nodes"]) == 4
 
 
+def test_daemons_and_tools_come_from_the_configured_slurm(cluster):
+    """With CLUSTEROPS_SLURM_PREFIX (the 25.11 tier) every daemon runs from PREFIX/sbin and the
+    layer's tools from PREFIX/bin; without it, whatever PATH finds."""
+    import os
+    import shutil
+
+    prefix = cluster.config().slurm_prefix
+    for key, pid in cluster.daemon_pids().items():
+        daemon = key.split(":")[0]
+        if daemon == "munged":
+            continue
+        exe = os.path.realpath(f"/proc/{pid}/exe")
+        want = os.path.join(prefix, "sbin", daemon) if prefix else shutil.which(daemon)
+        assert exe == os.path.realpath(want), key
+    slurm = Slurm.from_environment()
+    assert slurm.tools.prefix == (Path(prefix) if prefix else None)
+    ctld = subprocess.run([os.path.realpath(f"/proc/{cluster.daemon_pids()['slurmctld']}/exe"), "-V"],
+                          capture_output=True, text=True, check=True).stdout
+    assert slurm.controller_version() == slurm.version() == tuple(int(x) for x in ctld.split()[-1].split("."))
+
+
 def test_counted_gpus_and_scratch(cluster):
     out = subprocess.run(
         ["srun", "--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=2", "bash", "-c",
