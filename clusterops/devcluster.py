@@ -27,11 +27,14 @@ from typing import Callable, Dict, List, Optional
 
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import CommandError, Runner, pid_alive
+from clusterops.slurm.parse import parse_sinfo_node_states
+from clusterops.slurm.tools import SlurmTools, check_prefix
 
 MARKER_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
 SCRATCH_ENV = "CLUSTEROPS_NODE_SCRATCH"
 DEFAULT_STATE_DIR = "/tmp/clusterops-devcluster"
 DEFAULT_PORT_BASE = 17000
+# munged always comes from the system (PATH); the Slurm programs from PATH or the prefix.
 REQUIRED_BINARIES = {
     "munged": "munge",
     "slurmctld": "slurmctld (slurm-wlm)",
@@ -57,6 +60,7 @@ class DevClusterConfig:
     preempt_grace_s: int = 20
     cred_expire_s: int = 10
     slurmd_timeout_s: int = 10
+    slurm_prefix: Optional[str] = None   # run Slurm from PREFIX/bin and PREFIX/sbin (None: PATH)
 
     def validate(self) -> None:
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
@@ -67,6 +71,12 @@ class DevClusterConfig:
             raise InputError(f"--cpus-per-node: must be from 1 to 1024, got {self.cpus_per_node!r}")
         if not 1024 <= self.port_base <= 65535 - self.nodes - 1:
             raise InputError(f"--port-base: {self.port_base} leaves no room for {self.nodes} node ports")
+        if self.slurm_prefix is not None:
+            check_prefix(self.slurm_prefix)
+
+    @property
+    def tools(self) -> SlurmTools:
+        return SlurmTools.for_prefix(self.slurm_prefix)
 
     @property
     def node_names(self) -> List[str]:
@@ -154,6 +164,18 @@ echo "export TMPDIR={state}/scratch/$SLURMD_NODENAME/tmp"
 """
 
 
+def recorded_prefix(conf_path: str | os.PathLike) -> Optional[str]:
+    """The Slurm prefix a dev cluster was started with, read from the cluster.json beside
+    its slurm.conf; None for any other slurm.conf, or a cluster run from PATH."""
+    try:
+        info = json.loads((Path(conf_path).parent / "cluster.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = info.get("config") if isinstance(info, dict) else None
+    prefix = cfg.get("slurm_prefix") if isinstance(cfg, dict) else None
+    return prefix if isinstance(prefix, str) and prefix else None
+
+
 def _tail(path: Path, lines: int = 5) -> str:
     try:
         text = path.read_text(errors="replace").strip().splitlines()
@@ -176,6 +198,41 @@ def _processes_with_env(key: str, value: str) -> List[int]:
             continue
         if needle in env.split(b"\0"):
             found.append(int(entry.name))
+    return found
+
+
+def _stepds_with_sockets_under(directory: str) -> List[int]:
+    """slurmstepd processes holding a unix socket bound under ``directory`` (the cluster's
+    spool: every step listens on ``<spool>/<node>/<node>_<job>.<step>``). From Slurm 24.11
+    on slurmstepd clears its environment, so the SLURM_CONF test alone misses them."""
+    inodes = set()
+    prefix = directory.rstrip("/") + "/"
+    try:
+        with open("/proc/net/unix") as f:
+            next(f, None)
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 8 and parts[7].startswith(prefix):
+                    inodes.add(f"socket:[{parts[6]}]")
+    except OSError:
+        return []
+    if not inodes:
+        return []
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or _comm(int(entry.name)) != "slurmstepd":
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry.name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry.name}/fd/{fd}") in inodes:
+                    found.append(int(entry.name))
+                    break
+            except OSError:
+                continue
     return found
 
 
@@ -218,9 +275,14 @@ class DevCluster:
     def info_path(self) -> Path:
         return self.state / "cluster.json"
 
+    def tools(self) -> SlurmTools:
+        """Where this cluster's Slurm programs live (the prefix it was started with)."""
+        cfg = self.config()
+        return cfg.tools if cfg else SlurmTools()
+
     def env(self) -> Dict[str, str]:
-        """Environment a client needs to talk to this cluster."""
-        return {"SLURM_CONF": str(self.conf_path)}
+        """Environment a client needs to talk to this cluster (and its prefix's tools)."""
+        return {"SLURM_CONF": str(self.conf_path), **self.tools().env()}
 
     def scratch_dir(self, node: str) -> Path:
         return self.state / "scratch" / node
@@ -251,7 +313,16 @@ class DevCluster:
 
     # -- up ------------------------------------------------------------------
     @staticmethod
-    def check_binaries() -> None:
+    def check_binaries(tools: Optional[SlurmTools] = None) -> None:
+        tools = tools or SlurmTools()
+        if tools.prefix is not None:
+            missing = tools.missing([n for n in REQUIRED_BINARIES if n != "munged"])
+            if missing:
+                raise InputError(f"--slurm-prefix: {tools.prefix} lacks {', '.join(missing)} "
+                                 f"(expected in {tools.prefix}/bin and {tools.prefix}/sbin)")
+            if not shutil.which("munged"):
+                raise DevClusterError("missing munged: install with `apt-get install -y munge`")
+            return
         missing = [name for name in REQUIRED_BINARIES if not shutil.which(name)]
         if missing:
             pkgs = sorted({REQUIRED_BINARIES[m].split(" ")[0] for m in missing})
@@ -262,21 +333,28 @@ class DevCluster:
     def up(self, cfg: DevClusterConfig, timeout_s: float = 60.0) -> dict:
         """Bring the cluster up and wait until every node is idle. Idempotent."""
         cfg.validate()
-        self.check_binaries()
+        tools = cfg.tools
+        self.check_binaries(tools)
+        previous = self.config()
         if self.running():
-            if self.config() == cfg:
+            if previous == cfg:
                 self.wait_idle(cfg.node_names, timeout_s)
                 return self.status()
             self.down()  # a different shape: start afresh
         else:
             self.down()  # clear whatever a crashed cluster left
+        if previous is not None and previous.slurm_prefix != cfg.slurm_prefix:
+            # Another Slurm: a 25.11 slurmctld refuses state written by 22.05 ("Can not recover
+            # assoc_usage state, incompatible version"), so its state starts empty.
+            for sub in ("ctld", "spool"):
+                shutil.rmtree(self.state / sub, ignore_errors=True)
         start = self.clock()
         busy = [p for p in range(cfg.port_base, cfg.port_base + cfg.nodes + 1) if not self._port_free(p)]
         if busy:
             raise DevClusterError(f"ports {busy[:5]} on 127.0.0.1 are in use (another cluster?): "
                                   f"pick another --port-base")
         self._prepare(cfg)
-        env = {MARKER_ENV: str(self.state), "SLURM_CONF": str(self.conf_path)}
+        env = {MARKER_ENV: str(self.state), "SLURM_CONF": str(self.conf_path), **tools.env()}
         pids: Dict[str, Optional[int]] = {}
         logdir = self.state / "log"
 
@@ -291,14 +369,14 @@ class DevCluster:
         self._wait_for(lambda: (self.state / "munge/munge.socket").exists(), 10,
                        "munged", logdir / "munged.log", munged)
 
-        ctld = self.runner.spawn(["slurmctld", "-D", "-c", "-f", str(self.conf_path)],
+        ctld = self.runner.spawn(tools.argv(["slurmctld", "-D", "-c", "-f", str(self.conf_path)]),
                                  log_path=str(logdir / "slurmctld.out"), env=env)
         pids["slurmctld"] = ctld.pid
         self._wait_for(lambda: self._port_open(cfg.port_base), 20, "slurmctld", logdir / "slurmctld.log", ctld)
 
         procs = {}
         for name in cfg.node_names:
-            p = self.runner.spawn(["slurmd", "-D", "-N", name, "-f", str(self.conf_path)],
+            p = self.runner.spawn(tools.argv(["slurmd", "-D", "-N", name, "-f", str(self.conf_path)]),
                                   log_path=str(logdir / f"slurmd-{name}.out"), env=env)
             pids[f"slurmd:{name}"] = p.pid
             procs[name] = p
@@ -363,14 +441,10 @@ class DevCluster:
         raise DevClusterError(f"{what} did not become ready in {timeout_s:g}s: {_tail(log)}")
 
     def node_states(self) -> Dict[str, str]:
-        out = self.runner.run(["sinfo", "--noheader", "--Node", "--format=%N %T"],
+        tools = self.tools()
+        out = self.runner.run(tools.argv(["sinfo", "--noheader", "--Node", "--format=%N %T"]),
                               env=self.env(), timeout_s=15).stdout
-        states = {}
-        for line in out.splitlines():
-            parts = line.split()
-            if len(parts) == 2:
-                states[parts[0]] = parts[1]
-        return states
+        return parse_sinfo_node_states(out)
 
     def wait_idle(self, nodes: List[str], timeout_s: float, procs: Optional[dict] = None) -> None:
         deadline = self.clock() + timeout_s
@@ -403,6 +477,7 @@ class DevCluster:
         # slurmd hands slurmstepd a trimmed environment (no marker), but SLURM_CONF stays.
         pids += [p for p in _processes_with_env("SLURM_CONF", str(self.conf_path))
                  if p not in pids and _comm(p) == "slurmstepd"]
+        pids += [p for p in _stepds_with_sockets_under(str(self.state / "spool")) if p not in pids]
         pids = [p for p in pids if p not in mine]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in pids:
@@ -443,8 +518,9 @@ class DevCluster:
         info = self._read_info()
         if not info or f"slurmd:{name}" not in info.get("pids", {}):
             raise InputError(f"unknown dev-cluster node {name!r}")
-        env = {MARKER_ENV: str(self.state), "SLURM_CONF": str(self.conf_path)}
-        p = self.runner.spawn(["slurmd", "-D", "-N", name, "-f", str(self.conf_path)],
+        tools = self.tools()
+        env = {MARKER_ENV: str(self.state), "SLURM_CONF": str(self.conf_path), **tools.env()}
+        p = self.runner.spawn(tools.argv(["slurmd", "-D", "-N", name, "-f", str(self.conf_path)]),
                               log_path=str(self.state / "log" / f"slurmd-{name}.out"), env=env)
         info["pids"][f"slurmd:{name}"] = p.pid
         self._write_info(info)
@@ -466,6 +542,7 @@ class DevCluster:
         return {
             "state_dir": str(self.state),
             "slurm_conf": str(self.conf_path),
+            "slurm_prefix": (info.get("config") or {}).get("slurm_prefix"),
             "running": running,
             "config": info.get("config"),
             "daemons": daemons,

@@ -57,20 +57,24 @@ def devcluster():
 
     state = Path(tempfile.mkdtemp(prefix="clusterops-test-dc-"))
     dc = DevCluster(state)
+    # CLUSTEROPS_SLURM_PREFIX=/opt/slurm-25.11 runs the whole session on that Slurm.
+    prefix = os.environ.get("CLUSTEROPS_SLURM_PREFIX") or None
     cfg = DevClusterConfig(nodes=DEV_NODES, gpus_per_node=DEV_GPUS, cpus_per_node=2,
-                           port_base=pick_port_base(DEV_NODES))
+                           port_base=pick_port_base(DEV_NODES), slurm_prefix=prefix)
     dc.up(cfg)
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(dc.conf_path)
+    # SLURM_CONF, and PATH with the prefix's bin/ first for the tests' own Slurm calls.
+    saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PATH")}
+    os.environ.update(dc.env())
     try:
         yield dc
     finally:
         dc.down()
         shutil.rmtree(state, ignore_errors=True)
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _restore(dc) -> None:

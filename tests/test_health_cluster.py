@@ -33,8 +33,10 @@ def _node(dc, name):
     out = subprocess.run(["scontrol", "show", "node", name, "--oneliner"], env=_env(dc),
                          capture_output=True, text=True, check=True).stdout
     state = out.split("State=")[1].split()[0]
-    reason = out.split("Reason=")[1].rsplit(" [", 1)[0].strip() if "Reason=" in out else ""
-    return state, reason
+    # The layer's reading of the reason: Slurm 24.11+ keep a resumed node's old reason.
+    from clusterops.slurm.parse import node_from_oneliner
+
+    return state, node_from_oneliner(out.strip().splitlines()[0]).reason or ""
 
 
 def _await_report(proc, report, timeout_s):

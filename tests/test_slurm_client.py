@@ -106,3 +106,17 @@ def test_drain_writes_only_clusterops_reasons():
         with pytest.raises(InputError):
             s.drain("node1", bad)
     assert runner.calls == []
+
+
+def test_jobs_asks_scontrol_for_an_id_squeue_leaves_out():
+    # squeue (23.02+ without --states=all, or a job about to be purged) omits job 5;
+    # scontrol still has it; job 6 is known to neither and is simply absent.
+    squeue = '{"jobs": [{"job_id": 4, "name": "a", "job_state": ["RUNNING"]}]}'
+    scontrol5 = "JobId=5 JobName=b JobState=COMPLETED Reason=None Restarts=0 ExitCode=0:0 NodeList=node1\n"
+    gone = CommandError(["scontrol"], 1, "slurm_load_jobs error: Invalid job id specified")
+    s, runner, _ = client([squeue, scontrol5, gone])
+    found = {j.job_id: j for j in s.jobs([4, 5, 6])}
+    assert set(found) == {4, 5} and found[5].state == "COMPLETED" and found[5].category == "done"
+    assert runner.calls[0][:4] == ["squeue", "--json", "--all", "--states=all"]
+    assert runner.calls[1][:3] == ["scontrol", "show", "job"] and runner.calls[1][-1] == "5"
+    assert runner.calls[2][-1] == "6"

@@ -1,48 +1,213 @@
-"""Parsers on outputs recorded from the real dev cluster (22.05) and on the 23.02+ shapes."""
+"""Parsers on outputs recorded from real dev clusters, one directory per Slurm version
+(tests/fixtures/slurm/<major.minor>/, written by record.py), plus a few shapes no dev
+cluster produces (inline). Every recorded version must parse to the same facts."""
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 
-from clusterops.slurm import parse
+from clusterops.errors import NotFoundError
+from clusterops.runner import CommandError
+from clusterops.slurm import Slurm, parse
 from clusterops.slurm.states import DONE, FAILED, JOB_STATES, PENDING, RUNNING, categorize
+from clusterops.supervise_run import parse_srun_failures
 
 FIX = Path(__file__).parent / "fixtures" / "slurm"
+VERSIONS = sorted(p.name for p in FIX.iterdir() if p.is_dir() and re.fullmatch(r"\d+\.\d+", p.name))
+
+
+class Recorded:
+    """One version directory: its files and the scenario it was recorded with."""
+
+    def __init__(self, name: str):
+        self.dir = FIX / name
+        self.scenario = json.loads(self.read("scenario.json"))
+        self.version = tuple(self.scenario["version"])
+        self.ids = self.scenario["jobs"]
+
+    def read(self, name: str) -> str:
+        return (self.dir / name).read_text()
+
+    def has(self, name: str) -> bool:
+        return (self.dir / name).exists()
+
+
+@pytest.fixture(params=VERSIONS)
+def rec(request):
+    return Recorded(request.param)
+
+
+def test_at_least_two_slurm_versions_are_recorded():
+    # The oldest supported shape (22.05, openapi v0.0.38) and one data_parser shape (23.02+).
+    assert len(VERSIONS) >= 2
+    versions = [Recorded(v).version for v in VERSIONS]
+    assert min(versions) < (23, 2) <= max(versions)
+
+
+def test_directory_matches_the_recorded_version(rec):
+    assert rec.dir.name == f"{rec.version[0]}.{rec.version[1]:02d}"
+    assert parse.parse_version(rec.read("version.txt")) == rec.version
+    assert parse.parse_config_version(rec.read("config_version.txt")) == rec.version
 
 
 def by_name(jobs):
     return {j.name: j for j in jobs}
 
 
-@pytest.mark.parametrize("loader", [
-    lambda: parse.parse_squeue_json((FIX / "squeue_2205.json").read_text()),
-    lambda: parse.parse_squeue_json((FIX / "squeue_2311.json").read_text()),
-    lambda: parse.parse_scontrol_jobs((FIX / "scontrol_jobs_2205.txt").read_text()),
-], ids=["squeue-22.05", "squeue-23.11", "scontrol-oneliner"])
-def test_jobs_parse_to_the_same_facts(loader):
-    jobs = by_name(loader())
-    assert jobs["ok"].state == "COMPLETED" and jobs["ok"].category == DONE and jobs["ok"].exit_code == 0
-    assert jobs["bad"].state == "FAILED" and jobs["bad"].category == FAILED
-    assert jobs["bad"].exit_code == 3 and jobs["bad"].reason == "NonZeroExitCode"
+JOB_SOURCES = {
+    "squeue.json": parse.parse_squeue_json,
+    "scontrol_jobs.txt": parse.parse_scontrol_jobs,
+}
+
+
+@pytest.mark.parametrize("source", sorted(JOB_SOURCES))
+def test_jobs_parse_to_the_same_facts(rec, source):
+    jobs = by_name(JOB_SOURCES[source](rec.read(source)))
+    assert {j.job_id for j in jobs.values()} >= set(rec.ids.values())
+    ok, bad = jobs["ok"], jobs["bad"]
+    assert ok.job_id == rec.ids["ok"] and ok.state == "COMPLETED" and ok.category == DONE and ok.exit_code == 0
+    assert bad.state == "FAILED" and bad.category == FAILED
+    assert bad.exit_code == 3 and bad.exit_signal is None and bad.reason == "NonZeroExitCode"
     train = jobs["train"]
     assert train.state == "RUNNING" and train.category == RUNNING
     assert train.node_names == ("node1", "node2") and train.batch_host == "node1"
-    assert train.time_limit_min == 30
-    assert train.start_time and train.start_time > 1.7e9
+    assert train.time_limit_min == 30 and train.partition == "debug"
+    assert train.start_time and train.start_time > 1.7e9 and train.submit_time <= train.start_time
+    assert train.preempt_time is None and train.array_job_id is None and train.array_task_id is None
     held = jobs["held"]
     assert held.category == PENDING and held.reason == "JobHeldUser" and held.node_names == ()
-    assert held.start_time is None or held.start_time > 0
+    requeued = jobs["requeued"]
+    assert requeued.category == PENDING and requeued.restart_count == 1 and requeued.requeue
+    # The killed srun (rank 2 got SIGKILL, the rest SIGTERM) and the cancelled node-loss job.
+    assert jobs["nodefail"].state == "CANCELLED" and jobs["nodefail"].exit_signal == 15
 
 
-def test_2311_shapes_specific():
-    jobs = by_name(parse.parse_squeue_json((FIX / "squeue_2311.json").read_text()))
-    assert jobs["held"].time_limit_min is None          # infinite
-    assert jobs["train"].restart_count == 2 and jobs["train"].excluded_nodes == "node3"
-    pre = jobs["preempted"]
-    assert pre.state == "PREEMPTED" and pre.state_flags == ("REQUEUED",)
-    assert pre.category == PENDING                        # ended, but on its way back
-    assert pre.exit_signal == 15
-    assert jobs["ok"].array_task_id is None
+def test_json_shape_follows_the_version(rec):
+    # 22.05 (openapi v0.0.38) prints states as strings and exit codes as wait statuses;
+    # 23.02+ (data_parser) prints state lists and {set, infinite, number} objects.
+    raw = {j["name"]: j for j in json.loads(rec.read("squeue.json"))["jobs"]}
+    if rec.version >= (23, 2):
+        assert raw["train"]["job_state"] == ["RUNNING"]
+        assert raw["train"]["time_limit"] == {"set": True, "infinite": False, "number": 30}
+        assert isinstance(raw["bad"]["exit_code"], dict)
+    else:
+        assert raw["train"]["job_state"] == "RUNNING" and raw["bad"]["exit_code"] == 3 << 8
+    # Either way the layer reads the same JobInfo.
+    assert parse.job_from_json(raw["bad"]).exit_code == 3
+
+
+def test_finished_jobs_are_in_the_squeue_json(rec):
+    # The client asks `squeue --json --states=all`; the recording is that command's output.
+    states = {j.name: j.state for j in parse.parse_squeue_json(rec.read("squeue.json"))}
+    assert states["ok"] == "COMPLETED" and states["bad"] == "FAILED"
+
+
+def node_sources(rec):
+    out = {"scontrol_nodes.txt": parse.parse_scontrol_nodes(rec.read("scontrol_nodes.txt")),
+           "sinfo.json": parse.parse_sinfo_json(rec.read("sinfo.json"))}
+    if rec.has("nodes.json"):
+        out["nodes.json"] = parse.parse_sinfo_json(rec.read("nodes.json"))
+    return out
+
+
+def test_nodes_parse_to_the_same_facts(rec):
+    sources = node_sources(rec)
+    assert ("nodes.json" in sources) == (rec.version >= (23, 2))   # scontrol --json came with 23.02
+    for source, found in sources.items():
+        nodes = {n.name: n for n in found}
+        assert set(nodes) == {"node1", "node2", "node3", "node4"}, source
+        n1 = nodes["node1"]
+        assert n1.state == "mixed" and n1.busy and not n1.drained and n1.reason is None, source
+        n2 = nodes["node2"]
+        # node2 was drained and resumed: 24.11+ keep the old reason, the layer must not show it.
+        assert n2.state == "mixed" and not n2.drained and n2.reason is None, source
+        assert n2.gres == "gpu:4" and n2.partitions == ("debug", "urgent") and n2.cpus == 2, source
+        n3 = nodes["node3"]
+        assert n3.state == "idle" and n3.drained and not n3.is_idle, source
+        assert n3.reason == "admin: replace fan" and n3.reason_user == "root" and n3.reason_time > 1.7e9, source
+        n4 = nodes["node4"]
+        assert n4.is_down and not n4.responding and "NOT_RESPONDING" in n4.flags, source
+        assert n4.reason == "Not responding", source
+
+
+def test_resumed_node_right_after_resume(rec):
+    n = parse.node_from_oneliner(rec.read("scontrol_node_resumed.txt").strip())
+    # Just after State=RESUME the node waits to re-register (NOT_RESPONDING), is not drained,
+    # and (24.11+) still carries the old reason, which the layer does not show.
+    assert n.name == "node2" and not n.drained and not n.is_idle and n.reason is None
+    assert n.state == "mixed" and "NOT_RESPONDING" in n.flags
+    raw = rec.read("scontrol_node_resumed.txt")
+    assert ("Reason=clusterops:test: stale reason" in raw) == (rec.version >= (24, 11))
+
+
+def test_steps_node_states_partition_and_sbatch(rec):
+    steps = parse.parse_steps(rec.read("squeue_steps.txt"))
+    assert ("0", "train-step") in steps
+    states = parse.parse_sinfo_node_states(rec.read("sinfo_node_states.txt"))
+    assert states == {"node1": "mixed", "node2": "mixed", "node3": "drained", "node4": "down*"}
+    assert parse.parse_hostlist_lines(rec.read("sinfo_partition_nodes.txt")) == ["node1", "node2", "node3", "node4"]
+    assert parse.parse_sbatch_parsable(rec.read("sbatch_parsable.txt")) == rec.ids["ok"]
+
+
+def test_srun_errors(rec):
+    failures, lost = parse_srun_failures(rec.read("srun_killed.txt"))
+    assert (failures[0].node, failures[0].rank, failures[0].reason) == ("node3", 2, "Killed")
+    assert {(f.node, f.rank, f.reason) for f in failures[1:]} == {("node1", 0, "Terminated"), ("node2", 1, "Terminated")}
+    assert lost == []
+    failures, lost = parse_srun_failures(rec.read("srun_exit.txt"))
+    assert sorted(f.rank for f in failures) == [0, 1, 2, 3]
+    assert {f.reason for f in failures} == {"Exited with exit code 1"}
+    failures, lost = parse_srun_failures(rec.read("srun_nodefail.txt"))
+    assert lost == ["node4"] and ("node4", 1, "Killed") in {(f.node, f.rank, f.reason) for f in failures}
+
+
+class _ReplayRunner:
+    """Replays one recorded command result (what Slurm printed, and its exit code)."""
+
+    def __init__(self, result):
+        self.result, self.env = result, {}
+
+    def run(self, argv, **kw):
+        r = self.result
+        if r["rc"] != 0:
+            raise CommandError(argv, r["rc"], r["stderr"] or r["stdout"])
+        from clusterops.runner import Completed
+
+        return Completed(tuple(argv), 0, r["stdout"], r["stderr"], 0.0)
+
+
+def test_recorded_not_found_errors_are_not_found(rec, monkeypatch):
+    errors = json.loads(rec.read("errors.json"))
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+
+    def client(cmd):
+        return Slurm(_ReplayRunner(errors[cmd]), read_attempts=1, sleep=lambda s: None)
+
+    with pytest.raises(NotFoundError):
+        client("scontrol show job 999999").job(999999)
+    with pytest.raises(NotFoundError):
+        client("scontrol show node nosuchnode").nodes("nosuchnode")
+    # squeue and scontrol both say "Invalid job id": jobs() leaves the id out, no error.
+    assert client("squeue --noheader --jobs=999999").jobs([999999]) == []
+    with pytest.raises(NotFoundError):
+        client("sinfo --noheader --partition=nosuch").partition_nodes("nosuch")
+    with pytest.raises(NotFoundError):
+        client("sbatch --parsable --partition=nosuch --wrap=true").submit(text="#!/bin/sh\ntrue\n")
+
+
+def test_list_state_flags_fold():
+    # Shapes no dev cluster recording holds: a preempted job on its way back (23.02+ flags).
+    pre = parse.job_from_json({"job_id": 9, "name": "p", "job_state": ["PREEMPTED", "REQUEUED"],
+                               "exit_code": {"status": ["SIGNALED"], "return_code": {"set": False, "infinite": False, "number": 0},
+                                             "signal": {"id": {"set": True, "infinite": False, "number": 15}, "name": "TERM"}},
+                               "time_limit": {"set": False, "infinite": True, "number": 0},
+                               "array_task_id": {"set": True, "infinite": False, "number": 3},
+                               "array_job_id": {"set": True, "infinite": False, "number": 8}})
+    assert pre.state == "PREEMPTED" and pre.state_flags == ("REQUEUED",) and pre.category == PENDING
+    assert pre.exit_signal == 15 and pre.exit_code is None and pre.time_limit_min is None
+    assert pre.array_job_id == 8 and pre.array_task_id == 3
 
 
 def test_2205_exit_code_is_a_wait_status():
@@ -50,24 +215,6 @@ def test_2205_exit_code_is_a_wait_status():
     assert parse._exit_code(9) == (0, 9)
     assert parse._exit_code("3:0") == (3, None)
     assert parse._exit_code("0:15") == (0, 15)
-
-
-@pytest.mark.parametrize("loader", [
-    lambda: parse.parse_sinfo_json((FIX / "sinfo_2205.json").read_text()),
-    lambda: parse.parse_sinfo_json((FIX / "nodes_2311.json").read_text()),
-    lambda: parse.parse_scontrol_nodes((FIX / "scontrol_nodes_2205.txt").read_text()),
-], ids=["sinfo-22.05", "nodes-23.11", "scontrol-oneliner"])
-def test_nodes_parse_to_the_same_facts(loader):
-    nodes = {n.name: n for n in loader()}
-    assert set(nodes) == {"node1", "node2", "node3", "node4"}
-    assert nodes["node1"].state == "mixed" and nodes["node1"].busy and not nodes["node1"].drained
-    n3 = nodes["node3"]
-    assert n3.state == "idle" and n3.drained and not n3.is_idle
-    assert n3.reason == "admin: replace fan" and n3.reason_user == "root" and n3.reason_time > 1.7e9
-    n4 = nodes["node4"]
-    assert n4.is_down and not n4.responding and "NOT_RESPONDING" in n4.flags
-    assert nodes["node2"].gres == "gpu:4" and nodes["node2"].partitions == ("debug", "urgent")
-    assert nodes["node2"].cpus == 2
 
 
 def test_oneliner_keeps_spaces_and_odd_keys():
@@ -85,8 +232,8 @@ def test_time_limits(text, minutes):
 
 
 def test_version_and_sbatch():
-    assert parse.parse_version((FIX / "sinfo_version_2205.txt").read_text()) == (22, 5, 8)
-    assert parse.parse_version("slurm 23.11.4") == (23, 11, 4)
+    assert parse.parse_version("slurm 22.05.8") == (22, 5, 8)
+    assert parse.parse_version("slurm-wlm 24.11.5") == (24, 11, 5)
     assert parse.parse_sbatch_parsable("123\n") == 123
     assert parse.parse_sbatch_parsable("456;cluster-a") == 456
     with pytest.raises(ValueError):
@@ -126,5 +273,29 @@ def test_steps_and_preempt_time():
             "PreemptTime=2026-11-30T14:35:36 NodeList=(null)")
     job = parse.job_from_oneliner(line)
     assert job.preempt_time is not None and job.preempt_time > 1.7e9 and job.exit_signal == 15
-    jobs = by_name(parse.parse_scontrol_jobs((FIX / "scontrol_jobs_2205.txt").read_text()))
-    assert jobs["train"].preempt_time is None        # PreemptTime=None: never preempted
+
+
+def test_stale_reason_on_a_node_back_in_service_is_dropped():
+    # Slurm 24.11 keeps the drain reason on a node resumed with State=RESUME.
+    resumed = ("NodeName=node2 Arch=x86_64 CPUTot=2 CPUAlloc=0 State=IDLE Partitions=debug "
+               "Reason=clusterops:health:fast: gpu: lost [root@2026-12-01T05:00:00]")
+    n = parse.node_from_oneliner(resumed)
+    assert n.is_idle and not n.drained and n.reason is None and n.reason_user is None
+    drained = resumed.replace("State=IDLE", "State=IDLE+DRAIN")
+    n = parse.node_from_oneliner(drained)
+    assert n.drained and n.reason == "clusterops:health:fast: gpu: lost" and n.reason_user == "root"
+    down = resumed.replace("State=IDLE", "State=DOWN+NOT_RESPONDING")
+    assert parse.node_from_oneliner(down).reason == "clusterops:health:fast: gpu: lost"
+    rejoining = resumed.replace("State=IDLE", "State=IDLE+NOT_RESPONDING")   # resumed, not re-registered yet
+    assert parse.node_from_oneliner(rejoining).reason is None
+    as_json = {"name": "node2", "state": ["IDLE"], "reason": "old", "reason_set_by_user": "root",
+               "reason_changed_at": {"set": True, "infinite": False, "number": 1796049600}}
+    assert parse.node_from_json(as_json).reason is None
+    assert parse.node_from_json({**as_json, "state": ["IDLE", "DRAIN"]}).reason == "old"
+
+
+def test_controller_version_from_show_config():
+    text = "Configuration data as of 2026-12-01T05:00:00\nAccountingStorageType   = (null)\nSLURM_VERSION           = 25.11.7\n"
+    assert parse.parse_config_version(text) == (25, 11, 7)
+    with pytest.raises(ValueError):
+        parse.parse_config_version("nothing here")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from clusterops.history import History
+from clusterops.slurm import parse
 from clusterops.sweep import NodeResult, SweepReport
 
 pytestmark = pytest.mark.integration
@@ -56,8 +57,8 @@ def nodes_state(names=("node1", "node2", "node3", "node4")):
     for line in out.splitlines():
         name = re.search(r"NodeName=(\S+)", line).group(1)
         state = re.search(r"State=(\S+)", line).group(1)
-        m = re.search(r"Reason=(.*?)(?: \[|$)", line)
-        found[name] = (state, m.group(1).strip() if m else None)
+        # The layer's reading of the reason: Slurm 24.11+ keep a resumed node's old reason.
+        found[name] = (state, parse.node_from_oneliner(line).reason)
     return found
 
 

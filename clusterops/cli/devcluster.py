@@ -35,21 +35,39 @@ def devcluster() -> None:
 @click.option("--gpus-per-node", type=int, default=0, show_default=True, help="Counted GPUs (gres) per node.")
 @click.option("--cpus-per-node", type=int, default=2, show_default=True, help="CPUs each node declares.")
 @click.option("--port-base", type=int, default=None, help="slurmctld port; nodes use the next N ports [17000].")
+@click.option("--slurm-prefix", metavar="DIR", default=None,
+              help="Run Slurm from DIR/bin and DIR/sbin (e.g. /opt/slurm-25.11) instead of PATH "
+                   "(env CLUSTEROPS_SLURM_PREFIX).")
 @_state_dir_option
 @json_option
-def up(nodes: int, gpus_per_node: int, cpus_per_node: int, port_base, state_dir: str, as_json: bool) -> None:
-    """Bring the cluster up and wait until every node is idle (idempotent)."""
-    from clusterops.devcluster import DEFAULT_PORT_BASE, DevCluster, DevClusterConfig
+def up(nodes: int, gpus_per_node: int, cpus_per_node: int, port_base, slurm_prefix, state_dir: str,
+       as_json: bool) -> None:
+    """Bring the cluster up and wait until every node is idle (idempotent).
 
+    With --slurm-prefix the daemons and clients come from that installation; clusterops
+    commands then find it on their own (the prefix is recorded in the state dir), and
+    Slurm's own commands need the printed PATH. Another prefix than last time starts the
+    controller from an empty state (a newer slurmctld refuses an older one's state).
+    """
+    from clusterops.devcluster import DEFAULT_PORT_BASE, DevCluster, DevClusterConfig
+    from clusterops.slurm.tools import PREFIX_ENV, check_prefix
+
+    source = "--slurm-prefix"
+    if slurm_prefix is None and os.environ.get(PREFIX_ENV):
+        slurm_prefix, source = os.environ[PREFIX_ENV], PREFIX_ENV
+    if slurm_prefix is not None:
+        slurm_prefix = str(check_prefix(slurm_prefix, source))
     cfg = DevClusterConfig(nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node,
-                           port_base=port_base or DEFAULT_PORT_BASE)
+                           port_base=port_base or DEFAULT_PORT_BASE, slurm_prefix=slurm_prefix)
     info = DevCluster(state_dir).up(cfg)
     if as_json:
         echo_json(info)
         return
     click.echo(f"dev cluster up: {cfg.nodes} nodes ({cfg.hostlist}), {cfg.gpus_per_node} GPUs/node, "
-               f"state in {info['state_dir']}")
+               f"state in {info['state_dir']}" + (f", Slurm from {slurm_prefix}" if slurm_prefix else ""))
     click.echo(f"export SLURM_CONF={info['slurm_conf']}")
+    if slurm_prefix:
+        click.echo(f"export PATH={slurm_prefix}/bin:$PATH")
 
 
 @devcluster.command()

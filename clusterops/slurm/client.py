@@ -24,6 +24,7 @@ from clusterops.errors import ClusteropsError, InputError, NotFoundError
 from clusterops.runner import CommandError, CommandNotFound, CommandTimeout, Runner
 from clusterops.slurm import parse
 from clusterops.slurm.parse import JobInfo, NodeInfo
+from clusterops.slurm.tools import SlurmTools
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,11 @@ class Slurm:
 
     def __init__(self, runner: Optional[Runner] = None, *, timeout_s: float = 30.0,
                  read_attempts: int = 4, backoff_s: float = 0.5,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, tools: Optional[SlurmTools] = None):
         self.runner = runner or Runner()
+        # Where sinfo & co. live: given, or CLUSTEROPS_SLURM_PREFIX (the runner's env first).
+        self.tools = tools if tools is not None else SlurmTools.from_environment(
+            {**os.environ, **dict(getattr(self.runner, "env", {}) or {})})
         self.timeout_s = timeout_s
         self.read_attempts = max(1, read_attempts)
         self.backoff_s = backoff_s
@@ -93,12 +97,23 @@ class Slurm:
         if "CLUSTEROPS_SLURM_READ_ATTEMPTS" in os.environ:
             kwargs.setdefault("read_attempts", int(os.environ["CLUSTEROPS_SLURM_READ_ATTEMPTS"]))
         env = {}
-        if not os.environ.get("SLURM_CONF") and not Path("/etc/slurm/slurm.conf").exists():
+        conf = os.environ.get("SLURM_CONF")
+        if not conf and not Path("/etc/slurm/slurm.conf").exists():
             from clusterops.devcluster import DEFAULT_STATE_DIR
 
             dev = Path(os.environ.get("CLUSTEROPS_DEVCLUSTER_DIR", DEFAULT_STATE_DIR)) / "slurm.conf"
             if dev.exists():
-                env["SLURM_CONF"] = str(dev)
+                env["SLURM_CONF"] = conf = str(dev)
+        if "tools" not in kwargs:
+            tools = SlurmTools.from_environment()
+            if tools.prefix is None and conf:
+                # A dev cluster started with --slurm-prefix answers only to that Slurm's tools.
+                from clusterops.devcluster import recorded_prefix
+
+                prefix = recorded_prefix(conf)
+                if prefix:
+                    tools = SlurmTools.for_prefix(prefix, f"{Path(conf).parent / 'cluster.json'}: slurm_prefix")
+            kwargs["tools"] = tools
         return cls(Runner(env=env), **kwargs)
 
     # -- plumbing ---------------------------------------------------------------
@@ -108,23 +123,28 @@ class Slurm:
         if conf and not Path(conf).is_file():
             raise SlurmConfigError(f"SLURM_CONF={conf}: no such file")
 
+    def _not_installed(self, name: str) -> SlurmError:
+        return SlurmError(f"{name} not found: install the Slurm client (apt-get install slurm-client), "
+                          f"or name where Slurm is installed with CLUSTEROPS_SLURM_PREFIX")
+
     def _classify(self, err: CommandError) -> ClusteropsError:
         text = (err.stderr or "").lower()
         if "could not establish a configuration source" in text or "unable to process configuration file" in text:
             return SlurmConfigError(
-                f"{err.argv[0]}: no Slurm configuration found: set SLURM_CONF, or run `clusterops devcluster up`")
+                f"{os.path.basename(err.argv[0])}: no Slurm configuration found: set SLURM_CONF, or run `clusterops devcluster up`")
         if _NOT_FOUND.search(text):
-            return NotFoundError(f"{err.argv[0]}: {err.stderr.strip().splitlines()[-1]}")
+            return NotFoundError(f"{os.path.basename(err.argv[0])}: {err.stderr.strip().splitlines()[-1]}")
         return SlurmError(str(err))
 
     def _read(self, argv: Sequence[str]) -> str:
         self._check_config()
         last: Optional[Exception] = None
+        run_argv = self.tools.argv(argv)
         for attempt in range(self.read_attempts):
             try:
-                return self.runner.run(argv, timeout_s=self.timeout_s).stdout
+                return self.runner.run(run_argv, timeout_s=self.timeout_s, env=self.tools.env()).stdout
             except CommandNotFound:
-                raise SlurmError(f"{argv[0]} not found: install the Slurm client (apt-get install slurm-client)")
+                raise self._not_installed(argv[0])
             except CommandTimeout as e:
                 last = e
             except CommandError as e:
@@ -141,9 +161,10 @@ class Slurm:
     def _write(self, argv: Sequence[str], *, input: Optional[str] = None) -> str:
         self._check_config()
         try:
-            return self.runner.run(argv, timeout_s=self.timeout_s, input=input).stdout
+            return self.runner.run(self.tools.argv(argv), timeout_s=self.timeout_s, input=input,
+                                   env=self.tools.env()).stdout
         except CommandNotFound:
-            raise SlurmError(f"{argv[0]} not found: install the Slurm client (apt-get install slurm-client)")
+            raise self._not_installed(argv[0])
         except CommandTimeout as e:
             raise SlurmUnavailable(f"{e} (the controller may be down or overloaded)") from None
         except CommandError as e:
@@ -151,7 +172,12 @@ class Slurm:
 
     # -- version ------------------------------------------------------------------
     def version(self) -> Tuple[int, ...]:
+        """The client tools' version, e.g. (22, 5, 8)."""
         return parse.parse_version(self._read(["sinfo", "--version"]))
+
+    def controller_version(self) -> Tuple[int, ...]:
+        """The running slurmctld's version (``scontrol show config``: SLURM_VERSION)."""
+        return parse.parse_config_version(self._read(["scontrol", "show", "config"]))
 
     # -- jobs ---------------------------------------------------------------------
     def submit(self, script: Union[str, os.PathLike, None] = None, args: Sequence[str] = (), *,
@@ -170,8 +196,14 @@ class Slurm:
         return parse.parse_sbatch_parsable(self._write(argv, input=text))
 
     def jobs(self, job_ids: Optional[Iterable[int]] = None) -> List[JobInfo]:
-        """Jobs Slurm still knows (squeue --json). Unknown ids are simply absent."""
-        argv = ["squeue", "--json", "--all"]
+        """Jobs Slurm still knows, finished ones included (squeue --json). Unknown ids are absent.
+
+        ``--states=all``: 22.05 ignores filters under --json and lists finished jobs anyway;
+        from 23.02 on the filters apply, and squeue's default (pending, running, completing)
+        would drop a job that just ended (seen on 24.11). A named id that squeue still leaves
+        out is asked of ``scontrol show job``; only when that too has no record is it absent.
+        """
+        argv = ["squeue", "--json", "--all", "--states=all"]
         ids = [str(int(j)) for j in job_ids] if job_ids is not None else None
         if ids is not None:
             if not ids:
@@ -180,12 +212,19 @@ class Slurm:
         try:
             found = parse.parse_squeue_json(self._read(argv))
         except NotFoundError:
-            return []
+            found = []
         if ids is None:
             return found
         # Slurm 22.05's --json output ignores the --jobs filter: apply it here as well.
         wanted = {int(i) for i in ids}
-        return [j for j in found if j.job_id in wanted or j.array_job_id in wanted]
+        found = [j for j in found if j.job_id in wanted or j.array_job_id in wanted]
+        seen = {j.job_id for j in found} | {j.array_job_id for j in found if j.array_job_id}
+        for jid in sorted(wanted - seen):
+            try:
+                found.extend(self.job_tasks(jid))
+            except NotFoundError:
+                pass
+        return found
 
     def job(self, job_id: Union[int, str]) -> JobInfo:
         """One job in detail (scontrol show job); NotFoundError when Slurm no longer knows it."""
@@ -297,13 +336,11 @@ class Slurm:
         self._write(["scontrol", "update", f"NodeName={names}", "State=RESUME"])
 
     def partition_nodes(self, partition: str) -> List[str]:
-        out = self._read(["sinfo", "--noheader", f"--partition={partition}", "--format=%N"])
-        names: List[str] = []
-        for line in out.split():
-            names.extend(hostlist.expand_hostlist(line))
+        names = parse.parse_hostlist_lines(
+            self._read(["sinfo", "--noheader", f"--partition={partition}", "--format=%N"]))
         if not names:
             raise NotFoundError(f"partition {partition} has no nodes (or does not exist)")
-        return sorted(set(names), key=names.index)
+        return names
 
     # -- reservations -----------------------------------------------------------------
     def create_reservation(self, name: str, nodes: Nodes, *, minutes: int, users: str,

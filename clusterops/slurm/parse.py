@@ -298,6 +298,22 @@ _SCONTROL_FLAG_ALIASES = {"NOT_RESPONDING": "NOT_RESPONDING", "DRAIN": "DRAIN", 
                           "INVALID_REG": "INVALID_REG", "DYNAMIC_NORM": "DYNAMIC_NORM"}
 
 
+# A node reason means something only while one of these holds. Slurm 24.11 and 25.11 keep
+# the old reason on a node resumed with State=RESUME (22.05 clears it), so an idle node can
+# show "clusterops:... [root@...]" long after it returned to service: that reason is stale.
+# NOT_RESPONDING alone is no holder: a resumed node carries it until slurmd re-registers
+# (about a second), and a node that really stopped answering turns DOWN with its own reason.
+_REASON_FLAGS = frozenset({"DRAIN", "FAIL", "REBOOT_REQUESTED", "REBOOT_ISSUED",
+                           "POWER_DOWN", "POWERING_DOWN", "INVALID_REG"})
+
+
+def live_reason(base: str, flags: FrozenSet[str], reason: Optional[str]) -> Optional[str]:
+    """``reason`` while the node is drained, down or failing; None once it is back in service."""
+    if reason and (base in ("down", "error", "unknown") or flags & _REASON_FLAGS):
+        return reason
+    return None
+
+
 def _split_node_state(items: List[str]) -> Tuple[str, FrozenSet[str]]:
     base = "unknown"
     flags = set()
@@ -319,13 +335,14 @@ def node_from_json(n: Dict[str, Any]) -> NodeInfo:
     parts = n.get("partitions") or []
     if isinstance(parts, str):
         parts = [p for p in parts.split(",") if p]
+    reason = live_reason(base, flags, _null(n.get("reason")))
     return NodeInfo(
         name=n["name"],
         state=base,
         flags=flags,
-        reason=_null(n.get("reason")),
-        reason_user=_null(n.get("reason_set_by_user")),
-        reason_time=epoch(n.get("reason_changed_at")),
+        reason=reason,
+        reason_user=_null(n.get("reason_set_by_user")) if reason else None,
+        reason_time=epoch(n.get("reason_changed_at")) if reason else None,
         gres=n.get("gres") or "",
         partitions=tuple(parts),
         cpus=int(number(n.get("cpus")) or 0),
@@ -333,17 +350,66 @@ def node_from_json(n: Dict[str, Any]) -> NodeInfo:
     )
 
 
+def _node_from_sinfo_entry(name: str, e: Dict[str, Any]) -> NodeInfo:
+    """A node from one 24.05+ ``sinfo --json`` entry: a group of nodes of one partition that
+    share a state. Per-node figures are exact for a one-node group; a group's allocated CPUs
+    are split evenly (the layer reads node detail from scontrol, not from here)."""
+    base, flags = _split_node_state(list((e.get("node") or {}).get("state") or ["UNKNOWN"]))
+    reason_obj = e.get("reason") if isinstance(e.get("reason"), dict) else {}
+    reason = live_reason(base, flags, _null(reason_obj.get("description")))
+    cpus = e.get("cpus") or {}
+    count = int(number((e.get("nodes") or {}).get("total")) or 1)
+    part = (e.get("partition") or {}).get("name") or ""
+    return NodeInfo(
+        name=name,
+        state=base,
+        flags=flags,
+        reason=reason,
+        reason_user=_null(reason_obj.get("user")) if reason else None,
+        reason_time=epoch(reason_obj.get("time")) if reason else None,
+        gres=(e.get("gres") or {}).get("total") or "",
+        partitions=(part,) if part else (),
+        cpus=int(number(cpus.get("maximum")) or 0),
+        alloc_cpus=int(number(cpus.get("allocated")) or 0) // max(count, 1),
+    )
+
+
 def parse_sinfo_json(text: str) -> List[NodeInfo]:
-    """``sinfo --json``: 22.05 lists nodes under ``nodes``; 24.05+ under ``sinfo`` (by partition)."""
+    """``sinfo --json``: up to 23.11 a ``nodes`` list (one element per node); from 24.05 on a
+    ``sinfo`` list of groups (partition x state), where a node appears once per partition."""
     data = json.loads(text)
     if "nodes" in data:
         return [node_from_json(n) for n in data["nodes"]]
     seen: Dict[str, NodeInfo] = {}
     for entry in data.get("sinfo", []):
-        names = entry.get("nodes", {}).get("nodes", []) if isinstance(entry.get("nodes"), dict) else []
+        names = (entry.get("nodes") or {}).get("nodes") or []
         for name in names:
-            seen.setdefault(name, NodeInfo(name=name, state="unknown"))
+            node = _node_from_sinfo_entry(name, entry)
+            if name in seen:    # the same node under another partition
+                node = NodeInfo(**{**asdict(seen[name]), "partitions": seen[name].partitions + node.partitions})
+            seen[name] = node
     return list(seen.values())
+
+
+def parse_sinfo_node_states(text: str) -> Dict[str, str]:
+    """``sinfo --noheader --Node --format='%N %T'`` -> {node: state}; a node listed once per
+    partition keeps its one state. The state keeps sinfo's suffixes (``down*``, ``idle~``)."""
+    states: Dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            states[parts[0]] = parts[1]
+    return states
+
+
+def parse_hostlist_lines(text: str) -> List[str]:
+    """Hostlists, one or more a line (``sinfo --format=%N``) -> node names in order, once each."""
+    names: List[str] = []
+    for token in text.split():
+        for name in hostlist.expand_hostlist(token):
+            if name not in names:
+                names.append(name)
+    return names
 
 
 _REASON_TAIL = re.compile(r"^(?P<reason>.*?)\s*\[(?P<user>[^@\]]+)@(?P<time>[^\]]+)\]\s*$")
@@ -359,6 +425,8 @@ def node_from_oneliner(line: str) -> NodeInfo:
         m = _REASON_TAIL.match(reason)
         if m:
             reason, user, when = m.group("reason"), m.group("user"), parse_iso(m.group("time"))
+    if live_reason(base, flags, reason) is None:
+        reason = user = when = None
     return NodeInfo(
         name=kv["NodeName"],
         state=base,
@@ -393,6 +461,14 @@ def parse_version(text: str) -> Tuple[int, ...]:
     if not m:
         raise ValueError(f"no Slurm version in {text!r}")
     return tuple(int(g) for g in m.groups() if g is not None)
+
+
+def parse_config_version(text: str) -> Tuple[int, ...]:
+    """``scontrol show config``'s ``SLURM_VERSION = 22.05.8`` line -> (22, 5, 8)."""
+    m = re.search(r"^SLURM_VERSION\s*=\s*(\S+)", text, re.MULTILINE)
+    if not m:
+        raise ValueError("no SLURM_VERSION line in scontrol show config")
+    return parse_version(m.group(1))
 
 
 def parse_sbatch_parsable(text: str) -> int:

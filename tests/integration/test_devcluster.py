@@ -37,6 +37,27 @@ def test_up_is_idempotent_and_status(cluster):
     assert data["running"] and data["config"]["nodes"] == 4 and len(data["nodes"]) == 4
 
 
+def test_daemons_and_tools_come_from_the_configured_slurm(cluster):
+    """With CLUSTEROPS_SLURM_PREFIX (the 25.11 tier) every daemon runs from PREFIX/sbin and the
+    layer's tools from PREFIX/bin; without it, whatever PATH finds."""
+    import os
+    import shutil
+
+    prefix = cluster.config().slurm_prefix
+    for key, pid in cluster.daemon_pids().items():
+        daemon = key.split(":")[0]
+        if daemon == "munged":
+            continue
+        exe = os.path.realpath(f"/proc/{pid}/exe")
+        want = os.path.join(prefix, "sbin", daemon) if prefix else shutil.which(daemon)
+        assert exe == os.path.realpath(want), key
+    slurm = Slurm.from_environment()
+    assert slurm.tools.prefix == (Path(prefix) if prefix else None)
+    ctld = subprocess.run([os.path.realpath(f"/proc/{cluster.daemon_pids()['slurmctld']}/exe"), "-V"],
+                          capture_output=True, text=True, check=True).stdout
+    assert slurm.controller_version() == slurm.version() == tuple(int(x) for x in ctld.split()[-1].split("."))
+
+
 def test_counted_gpus_and_scratch(cluster):
     out = subprocess.run(
         ["srun", "--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=2", "bash", "-c",
@@ -88,3 +109,33 @@ def test_bad_input_exits_2():
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("Error:") and "--nodes" in lines[0]
     assert not Path("/tmp/clusterops-never-used").exists()
+
+
+def test_down_leaves_no_step_daemons(tmp_path):
+    """`down` stops the slurmstepds of running steps too: from 24.11 on they carry no
+    environment, and are found by the sockets they hold in the cluster's spool."""
+    import os
+    import shutil
+
+    from conftest import pick_port_base
+
+    from clusterops.devcluster import DevCluster, DevClusterConfig, _comm, _stepds_with_sockets_under
+    from clusterops.runner import Runner, pid_alive
+
+    dc = DevCluster(tmp_path / "dc")
+    cfg = DevClusterConfig(nodes=2, port_base=pick_port_base(2),
+                           slurm_prefix=os.environ.get("CLUSTEROPS_SLURM_PREFIX") or None)
+    try:
+        dc.up(cfg)
+        slurm = Slurm(Runner(env=dc.env()), tools=cfg.tools)
+        jid = slurm.submit(text="#!/bin/bash\nsrun --nodes=2 --ntasks-per-node=1 sleep 300\n",
+                           args=["--nodes=2", f"--output={tmp_path}/step.out"], workdir=str(tmp_path))
+        wait_for(lambda: ("0", "sleep") in slurm.steps(jid), what="the step runs")
+        stepds = wait_for(lambda: _stepds_with_sockets_under(str(dc.state / "spool")), what="slurmstepds seen")
+        assert all(_comm(p) == "slurmstepd" for p in stepds)
+        stopped = dc.down()
+        assert set(stepds) <= set(stopped)
+        wait_for(lambda: not any(pid_alive(p) for p in stepds), timeout_s=20, what="slurmstepds gone")
+    finally:
+        dc.down()
+        shutil.rmtree(tmp_path / "dc", ignore_errors=True)
