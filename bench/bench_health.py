@@ -58,7 +58,7 @@ WORKER = r"""
 import json, os, statistics, sys, time
 import torch, torch.distributed as dist
 sys.path.insert(0, os.environ["BENCH_REPO"])
-from clusterops.probes.dist import allreduce_bandwidth, busbw_factor
+from clusterops.health.probes.dist import allreduce_bandwidth, busbw_factor
 size, rounds, warmup, iters = (int(x) for x in sys.argv[1:5])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["MASTER_PORT"],
                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
@@ -109,8 +109,8 @@ def bench_allreduce(ranks: int, size: int, rounds: int, warmup: int, iters: int)
 
 
 def bench_probe_end_to_end(ranks: int, size: int, warmup: int, iters: int) -> dict:
-    from clusterops.probes.base import ProbeContext
-    from clusterops.probes.dist import probe_dist
+    from clusterops.health.probes.base import ProbeContext
+    from clusterops.health.probes.dist import probe_dist
 
     t0 = time.perf_counter()
     res = probe_dist({"cpu_ranks": ranks, "sizes_bytes": [size], "warmup": warmup, "iters": iters,

@@ -33,8 +33,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the fault kit lives with the tests (tests/support)
 
-from clusterops import faultkit as fk  # noqa: E402
+from support import faultkit as fk  # noqa: E402
 
 STEPS = 60
 CKPT_EVERY = 10

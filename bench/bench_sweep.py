@@ -230,7 +230,7 @@ def bench_slurm(args) -> dict:
 def bench_ssh(args) -> dict:
     from sweep_sshd import Sshd
 
-    from clusterops import sshfan
+    from clusterops.sweep import ssh as sshfan
     from clusterops.sweep import check_argv
 
     if not Sshd.available():

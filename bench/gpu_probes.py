@@ -40,10 +40,10 @@ def main() -> int:
     a = ap.parse_args()
 
     from clusterops.health import load_gpu_models
-    from clusterops.probes.base import ProbeContext, ProbeSpec, run_probes
-    from clusterops.probes.dist import probe_dist
-    from clusterops.probes.matmul import probe_matmul
-    from clusterops.probes.nvml import probe_nvml
+    from clusterops.health.probes.base import ProbeContext, ProbeSpec, run_probes
+    from clusterops.health.probes.dist import probe_dist
+    from clusterops.health.probes.matmul import probe_matmul
+    from clusterops.health.probes.nvml import probe_nvml
 
     ctx = ProbeContext(gpu_models=load_gpu_models({}), gpus_required=True, state_dir="/tmp")
     out = {}

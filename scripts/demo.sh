@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 state=${CLUSTEROPS_DEVCLUSTER_DIR:-/tmp/clusterops-devcluster}
-.venv/bin/python -m clusterops.demo --state-dir "$state" --keep
+.venv/bin/python examples/demo_allreduce.py --state-dir "$state" --keep
 rc=0
 .venv/bin/python examples/demo.py --state-dir "$state" --port-base 17000 "$@" || rc=$?
 # CLUSTEROPS_KEEP_CLUSTER=1 leaves the dev cluster up to play with (export SLURM_CONF=$state/slurm.conf).

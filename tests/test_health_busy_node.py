@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from clusterops.probes.host import find_job_processes
-from clusterops.probes.nvml import slurm_gpu_count
+from clusterops.health.probes.host import find_job_processes
+from clusterops.health.probes.nvml import slurm_gpu_count
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
 PY = sys.executable

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from clusterops.cli.health import health
 from clusterops.errors import InputError
 from clusterops.health import (drain_decision, drain_reason, load_profile, prometheus_text, run_check)
-from clusterops.probes.base import ProbeContext
-from clusterops.probes.matmul import probe_matmul
+from clusterops.health.probes.base import ProbeContext
+from clusterops.health.probes.matmul import probe_matmul
 
 REPO = Path(__file__).resolve().parent.parent
 FIX = Path(__file__).parent / "fixtures"
@@ -288,7 +288,7 @@ def test_matmul_gpu_required_without_cuda_fails():
 
 @pytest.mark.timeout(120)
 def test_local_dist_probe_gloo_real():
-    from clusterops.probes.dist import probe_dist
+    from clusterops.health.probes.dist import probe_dist
 
     res = {r.name: r for r in probe_dist({"cpu_ranks": 2, "test_timeout_s": 60, "sizes_bytes": [1 << 20],
                                           "warmup": 1, "iters": 3}, ProbeContext())}
@@ -308,7 +308,7 @@ def _dev(best, model="H100", expected=794):
 
 
 def test_matmul_judge_expected_figure_and_straggler():
-    from clusterops.probes.matmul import judge
+    from clusterops.health.probes.matmul import judge
 
     ok = judge({f"cuda:{i}": _dev(780 - i) for i in range(8)}, "bfloat16", 0.9, 10)
     assert ok.status == "pass" and ok.value == 773 and ok.threshold == pytest.approx(714.6)
@@ -328,7 +328,7 @@ def test_matmul_judge_expected_figure_and_straggler():
 def test_dist_report_names_stuck_missing_and_failed_ranks(tmp_path):
     import time as _t
 
-    from clusterops.probes.dist import collect_report, report_results
+    from clusterops.health.probes.dist import collect_report, report_results
 
     now = _t.time()
     (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "node": "gpu001", "status": "fail",
@@ -344,7 +344,7 @@ def test_dist_report_names_stuck_missing_and_failed_ranks(tmp_path):
 
 
 def test_expected_hosts_from_slurm_env():
-    from clusterops.probes.dist import expected_hosts
+    from clusterops.health.probes.dist import expected_hosts
 
     env = {"SLURM_STEP_NODELIST": "gpu[001-003]", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1"}
     assert expected_hosts(env, 5) == {0: "gpu001", 1: "gpu001", 2: "gpu002", 3: "gpu002", 4: "gpu003"}

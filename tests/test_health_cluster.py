@@ -214,8 +214,8 @@ def test_stray_process_of_finished_job_is_found(cluster, tmp_path):
         time.sleep(0.1)
     pid = int(pidfile.read_text())
     try:
-        from clusterops.probes.base import ProbeContext
-        from clusterops.probes.host import probe_stray_processes
+        from clusterops.health.probes.base import ProbeContext
+        from clusterops.health.probes.host import probe_stray_processes
 
         # node4's view: the job has ended, its sleep is still there.
         res = None

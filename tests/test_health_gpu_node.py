@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from clusterops.health import load_gpu_models
-from clusterops.probes.base import ProbeContext
-from clusterops.probes.host import job_of_process
-from clusterops.probes.nvml import local_gpu_evidence, probe_nvml
-from clusterops.probes.nvml_standin import StandinNVML
+from clusterops.health.probes.base import ProbeContext
+from clusterops.health.probes.host import job_of_process
+from clusterops.health.probes.nvml import local_gpu_evidence, probe_nvml
+from clusterops.health.probes.nvml_standin import StandinNVML
 from clusterops.slurm.gres import gpu_count
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"

@@ -377,8 +377,8 @@ def test_valid_settings_never_crash_a_probe(case):
     import json as _json
 
     from clusterops.health import REGISTRY, _lazy, load_gpu_models
-    from clusterops.probes.base import ProbeContext
-    from clusterops.probes.nvml_standin import StandinNVML
+    from clusterops.health.probes.base import ProbeContext
+    from clusterops.health.probes.nvml_standin import StandinNVML
 
     name, cfg = case
     work = Path(tempfile.mkdtemp(dir=WORK))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from clusterops.probes.base import ProbeContext, ProbeResult, ProbeSpec, overall_status, run_probes, worst
-from clusterops.probes.host import (expand, probe_cpus, probe_infiniband, probe_memory, probe_mounts,
+from clusterops.health.probes.base import ProbeContext, ProbeResult, ProbeSpec, overall_status, run_probes, worst
+from clusterops.health.probes.host import (expand, probe_cpus, probe_infiniband, probe_memory, probe_mounts,
                                     probe_paths, read_mounts)
 
 
@@ -149,7 +149,7 @@ def test_hung_mount_check_is_bounded(tmp_path):
     d = tmp_path / "m"
     d.mkdir()
     ctx = ProbeContext()
-    from clusterops.probes import host
+    from clusterops.health.probes import host
 
     orig = host._PATH_CHECK
     host._PATH_CHECK = orig.replace('f = os.path.join(p, f".clusterops-health-{os.getpid()}")',

@@ -10,9 +10,9 @@ import pynvml
 import pytest
 
 from clusterops.health import load_gpu_models
-from clusterops.probes.base import ProbeContext, ProbeSpec, run_probes
-from clusterops.probes.nvml import probe_nvml
-from clusterops.probes.nvml_standin import StandinNVML
+from clusterops.health.probes.base import ProbeContext, ProbeSpec, run_probes
+from clusterops.health.probes.nvml import probe_nvml
+from clusterops.health.probes.nvml_standin import StandinNVML
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from clusterops.probes.base import ProbeContext
-from clusterops.probes.dcgm import DiagAborted, parse_diag, probe_dcgm
-from clusterops.probes.xid import XID_TABLE, ack, classify, parse_log, probe_xid
+from clusterops.health.probes.base import ProbeContext
+from clusterops.health.probes.dcgm import DiagAborted, parse_diag, probe_dcgm
+from clusterops.health.probes.xid import XID_TABLE, ack, classify, parse_log, probe_xid
 
 FIX = Path(__file__).parent / "fixtures"
 

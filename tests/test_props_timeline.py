@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from props_harness import PROPS, run_cli, values
 
-from clusterops import timeline as tl
+from clusterops.supervisor import timeline as tl
 
 EVENTS = sorted(tl.FAULT_KINDS | tl.DECISION_KINDS | {"launch", "progress", "checkpoint", "start", "preflight"})
 FIELDS = ["nodes", "spares", "blamed", "failures", "step", "resume_step", "ckpt_step", "cause", "code", "reason",

@@ -12,7 +12,7 @@ from clusterops.errors import NotFoundError
 from clusterops.runner import CommandError
 from clusterops.slurm import Slurm, parse
 from clusterops.slurm.states import DONE, FAILED, JOB_STATES, PENDING, RUNNING, categorize
-from clusterops.supervise_run import parse_srun_failures
+from clusterops.supervisor.run import parse_srun_failures
 
 FIX = Path(__file__).parent / "fixtures" / "slurm"
 VERSIONS = sorted(p.name for p in FIX.iterdir() if p.is_dir() and re.fullmatch(r"\d+\.\d+", p.name))

@@ -12,7 +12,7 @@ import pytest
 
 from sweep_sshd import SilentHost, Sshd
 
-from clusterops import sshfan
+from clusterops.sweep import ssh as sshfan
 
 pytestmark = pytest.mark.skipif(not Sshd.available(), reason="needs /usr/sbin/sshd (apt-get install openssh-server)")
 

@@ -8,9 +8,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from clusterops import timeline as tl
+from clusterops.supervisor import timeline as tl
 from clusterops.cli import cli
-from clusterops.supervise_run import parse_srun_failures, read_heartbeats
+from clusterops.supervisor.run import parse_srun_failures, read_heartbeats
 
 # Recorded from the dev cluster (srun 22.05): rank 2 SIGKILLed, the others torn down.
 SRUN_KILLED = """\

@@ -55,7 +55,7 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
     from clusterops.fsutil import write_atomic
     from clusterops.health import (drain_settings, exit_code, format_table, load_profile, prometheus_text,
                                    run_check, self_drain)
-    from clusterops.probes.base import ProbeContext, node_name
+    from clusterops.health.probes.base import ProbeContext, node_name
 
     profile = load_profile(profile_name, site_config)  # InputError -> exit 2
     guard = drain_settings(site_config) if drain_on_fail else None  # bad drain: settings -> exit 2
@@ -159,7 +159,7 @@ def dist(result_dir, timeout_s, backend, sizes, warmup, iters, min_busbw_gbps, r
     Exit 0 pass, 1 fail (rank 0 speaks for the whole test).
     """
     from clusterops.errors import InputError
-    from clusterops.probes.dist import DistOptions, run_rank
+    from clusterops.health.probes.dist import DistOptions, run_rank
 
     env = dict(os.environ)
     if not result_dir:
@@ -198,8 +198,8 @@ def xid_ack(state_file, node):
     """Acknowledge open Xid failures after the GPU was reset (a reboot clears them by itself)."""
     from pathlib import Path
 
-    from clusterops.probes.base import ProbeContext, node_name
-    from clusterops.probes.xid import ack, default_state_file
+    from clusterops.health.probes.base import ProbeContext, node_name
+    from clusterops.health.probes.xid import ack, default_state_file
 
     path = Path(state_file) if state_file else default_state_file(ProbeContext(node=node or node_name()))
     n = ack(path)

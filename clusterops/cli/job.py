@@ -27,7 +27,7 @@ def timeline(job_dir, as_json, chart, progress):
     garbage) are skipped, counted and named on stderr ("skipped_lines" with --json).
     Exit 0; 2 when JOB_DIR holds no timeline.
     """
-    from clusterops import timeline as tl
+    from clusterops.supervisor import timeline as tl
 
     records, skipped = tl.load(job_dir)
     if chart:

@@ -111,7 +111,7 @@ def supervise(spec_json, job_dir, ckpt_dir, nodes, nodes_min, spares, ranks_per_
     JOB_DIR/timeline.jsonl (`clusterops job timeline JOB_DIR`).
     """
     from clusterops import supervisor as sv
-    from clusterops.supervise_run import RunConfig, SupervisorRun
+    from clusterops.supervisor.run import RunConfig, SupervisorRun
 
     spec = {}
     if spec_json:

@@ -71,7 +71,8 @@ def test_counted_gpus_and_scratch(cluster):
 
 def test_torchrun_gloo_allreduce_on_4_nodes(cluster, tmp_path):
     """A real 4-node torchrun (gloo) job through clusterops' Slurm layer; the all-reduce is checked."""
-    from clusterops.demo_job import render_allreduce_job
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from allreduce_job import render_allreduce_job
 
     out_dir = tmp_path / "ranks"
     out_dir.mkdir()

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from clusterops import faultkit as fk
+from support import faultkit as fk
 from clusterops import supervisor as sv
-from clusterops import timeline as tl
+from clusterops.supervisor import timeline as tl
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ seen down, a stop requested, a checkpoint committed, clock ticks), actions come 
 (run a preflight, launch the training step on these nodes, kill the step, capture
 stacks, ask the ranks to stop, drain nodes, requeue, exit with a code, write a
 timeline record). The clock is passed in with every event; nothing here reads the
-time, touches a process, a file or Slurm. ``clusterops.supervise_run`` is the thin
+time, touches a process, a file or Slurm. ``clusterops.supervisor.run`` is the thin
 plumbing that turns actions into srun/scancel/scontrol calls and observations into
 events.
 
@@ -30,6 +30,45 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from clusterops import drains
+
+__all__ = [
+    "EXIT_DONE",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "EXIT_NO_PROGRESS",
+    "EXIT_REQUEUE_BUDGET",
+    "EXIT_RESTART_BUDGET",
+    "EXIT_TOO_FEW_NODES",
+    "EXIT_STOPPED_NO_REQUEUE",
+    "EXIT_CODES",
+    "LIVENESS",
+    "Policy",
+    "Event",
+    "PreflightDone",
+    "StepLaunched",
+    "RankFailure",
+    "StepExited",
+    "Heartbeats",
+    "NodesDown",
+    "StopRequested",
+    "CheckpointCommitted",
+    "ResumeChosen",
+    "RequeueFailed",
+    "Tick",
+    "Action",
+    "Record",
+    "RunPreflight",
+    "Launch",
+    "KillStep",
+    "CaptureStacks",
+    "RequestStop",
+    "DrainNodes",
+    "Requeue",
+    "Exit",
+    "Memory",
+    "Supervisor",
+    "IDLE", "PREFLIGHT", "RUNNING", "KILLING", "STOPPING", "POSTMORTEM", "REQUEUEING", "DONE",
+]
 
 EXIT_DONE = 0
 EXIT_FAILED = 1

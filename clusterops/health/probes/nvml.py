@@ -10,7 +10,7 @@ inactive and error counters; persistence mode; driver version against the profil
 compute processes left over from a previous job.
 
 The pynvml module is passed in through ``ctx.nvml`` (tests use the stand-in in
-``clusterops.probes.nvml_standin``) or imported here, lazily.
+``clusterops.health.probes.nvml_standin``) or imported here, lazily.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from clusterops.probes.base import ProbeContext, ProbeResult, worst
+from clusterops.health.probes.base import ProbeContext, ProbeResult, worst
 
 # NVML return codes (nvml.h); used through err.value so any pynvml-like module works.
 ERR_INVALID_ARGUMENT = 2
@@ -58,7 +58,7 @@ def load_nvml(ctx: ProbeContext):
         return ctx.nvml
     standin = ctx.env.get("CLUSTEROPS_NVML_STANDIN")
     if standin:
-        from clusterops.probes.nvml_standin import load
+        from clusterops.health.probes.nvml_standin import load
 
         return load(standin)
     try:
@@ -466,7 +466,7 @@ def _probe(nv, cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
                                           ": the GPU fell off the bus; reboot the node, RMA if it recurs"))
     # Per-model expectations (NVLink link count) resolved from the profile's gpu_models.
     models = {g["index"]: match_model(g["name"], ctx.gpu_models) for g in gpus}
-    from clusterops.probes.host import job_of_process
+    from clusterops.health.probes.host import job_of_process
 
     proc_root = os.path.join(ctx.host_root, "proc")
     jobs = {p["pid"]: job_of_process(p["pid"], proc_root) for g in gpus for p in g["processes"]}

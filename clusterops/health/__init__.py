@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from clusterops import drains, schema, yamlio
 from clusterops.errors import InputError, where
-from clusterops.probes.base import ProbeContext, ProbeSpec, RunOutcome, overall_status, run_probes
+from clusterops.health.probes.base import ProbeContext, ProbeSpec, RunOutcome, overall_status, run_probes
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +63,17 @@ EXIT_CODES = {
 
 # probe name -> (module, function, exclusive)
 REGISTRY: Dict[str, Tuple[str, str, bool]] = {
-    "nvml": ("clusterops.probes.nvml", "probe_nvml", False),
-    "xid": ("clusterops.probes.xid", "probe_xid", False),
-    "host.paths": ("clusterops.probes.host", "probe_paths", False),
-    "host.mounts": ("clusterops.probes.host", "probe_mounts", False),
-    "host.memory": ("clusterops.probes.host", "probe_memory", False),
-    "host.cpus": ("clusterops.probes.host", "probe_cpus", False),
-    "host.infiniband": ("clusterops.probes.host", "probe_infiniband", False),
-    "host.stray_processes": ("clusterops.probes.host", "probe_stray_processes", False),
-    "dcgm": ("clusterops.probes.dcgm", "probe_dcgm", True),
-    "matmul": ("clusterops.probes.matmul", "probe_matmul", True),
-    "dist": ("clusterops.probes.dist", "probe_dist", True),
+    "nvml": ("clusterops.health.probes.nvml", "probe_nvml", False),
+    "xid": ("clusterops.health.probes.xid", "probe_xid", False),
+    "host.paths": ("clusterops.health.probes.host", "probe_paths", False),
+    "host.mounts": ("clusterops.health.probes.host", "probe_mounts", False),
+    "host.memory": ("clusterops.health.probes.host", "probe_memory", False),
+    "host.cpus": ("clusterops.health.probes.host", "probe_cpus", False),
+    "host.infiniband": ("clusterops.health.probes.host", "probe_infiniband", False),
+    "host.stray_processes": ("clusterops.health.probes.host", "probe_stray_processes", False),
+    "dcgm": ("clusterops.health.probes.dcgm", "probe_dcgm", True),
+    "matmul": ("clusterops.health.probes.matmul", "probe_matmul", True),
+    "dist": ("clusterops.health.probes.dist", "probe_dist", True),
 }
 # Settings each probe understands, with types and ranges: clusterops/schema.py (PROBE_SETTINGS).
 DEFAULT_TIMEOUT_S = 10.0
@@ -100,9 +100,9 @@ class Profile:
 # -- loading ------------------------------------------------------------------------------
 
 def builtin_dir() -> Path:
-    import clusterops.health_profiles as hp
+    from clusterops.resources import data_dir
 
-    return Path(hp.__file__).resolve().parent
+    return data_dir("health_profiles")
 
 
 def builtin_profiles() -> List[str]:

@@ -1,6 +1,6 @@
 """The README's main job: a 4-node dev cluster and a real multi-node torchrun job on it.
 
-Run with ``python -m clusterops.demo`` (``scripts/demo.sh`` sets up first). Prints what
+Run with ``python examples/demo_allreduce.py`` (``scripts/demo.sh`` sets up first). Prints what
 happens as it goes; exit 0 only when every check passed.
 """
 
@@ -19,7 +19,7 @@ def say(msg: str) -> None:
 
 
 def allreduce_demo(slurm, nodes: int) -> bool:
-    from clusterops.demo_job import render_allreduce_job
+    from allreduce_job import render_allreduce_job
 
     work = Path(tempfile.mkdtemp(prefix="clusterops-demo-"))
     out_dir = work / "ranks"
@@ -47,7 +47,7 @@ def allreduce_demo(slurm, nodes: int) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m clusterops.demo", description=__doc__)
+    ap = argparse.ArgumentParser(prog="examples/demo_allreduce.py", description=__doc__)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--state-dir", default=None, help="dev cluster state dir")
     ap.add_argument("--keep", action="store_true", help="leave the dev cluster running afterwards")

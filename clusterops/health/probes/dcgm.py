@@ -19,7 +19,7 @@ import json
 import shutil
 from typing import Any, Dict, List
 
-from clusterops.probes.base import ProbeContext, ProbeResult
+from clusterops.health.probes.base import ProbeContext, ProbeResult
 from clusterops.runner import CommandNotFound, CommandTimeout
 
 _STATUS = {"pass": "pass", "fail": "fail", "warn": "warn", "warning": "warn", "skip": "skip",

@@ -643,7 +643,7 @@ class SlurmFanout:
 
 def ssh_fanout(targets: Sequence[str], argv: Sequence[str], opts: "SweepOptions",
                on_result: Optional[Progress] = None) -> Dict[str, NodeResult]:
-    from clusterops import sshfan
+    from clusterops.sweep import ssh as sshfan
 
     results: Dict[str, NodeResult] = {}
     lock = threading.Lock()

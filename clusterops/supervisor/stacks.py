@@ -1,7 +1,7 @@
 """Capture the Python stacks of a job step's ranks on this node (run by the supervisor
 through ``srun --overlap`` on the node of a hung rank).
 
-    python -m clusterops.stacks --job 12 --step 0 --ranks 1,2
+    python -m clusterops.supervisor.stacks --job 12 --step 0 --ranks 1,2
 
 Finds the step's processes by their environment (SLURM_JOB_ID, SLURM_STEP_ID,
 SLURM_PROCID), then prints ``py-spy dump --nonblocking`` for each (nonblocking: a

@@ -740,9 +740,9 @@ def _build_supervise(c: _Checker, value: Any, kw: Dict[str, Any], workdir: Path)
 
 
 def builtin_template_dir() -> Path:
-    from importlib import resources
+    from clusterops.resources import data_dir
 
-    return Path(str(resources.files("clusterops.templates")))
+    return data_dir("templates")
 
 
 def template_search_path(site_dirs: Sequence[str | os.PathLike] = (), *,

@@ -14,8 +14,8 @@ import statistics
 import time
 from typing import Any, Dict, List, Sequence, Tuple
 
-from clusterops.probes.base import ProbeContext, ProbeResult
-from clusterops.probes.nvml import match_model
+from clusterops.health.probes.base import ProbeContext, ProbeResult
+from clusterops.health.probes.nvml import match_model
 
 
 def measure(torch, device: str, shapes: Sequence[Sequence[int]], dtype, *, warmup: int = 3,

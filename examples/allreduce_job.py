@@ -1,6 +1,6 @@
 """The foundation's main job: a 4-node torchrun (gloo) all-reduce through clusterops' Slurm layer.
 
-``render_allreduce_job`` returns the batch script (pure); ``python -m clusterops.demo_job``
+``render_allreduce_job`` returns the batch script (pure); this file, run as a script,
 is the per-rank worker torchrun starts: it all-reduces ``rank + 1`` over gloo and
 writes what it saw to ``<out>/rank<N>.json``.
 """
@@ -28,14 +28,15 @@ export MASTER_ADDR MASTER_PORT
 srun --kill-on-bad-exit=1 --wait=60 bash -c 'exec {python} -m torch.distributed.run \\
     --nnodes="$SLURM_NNODES" --nproc-per-node=1 --node-rank="$SLURM_NODEID" \\
     --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \\
-    -m clusterops.demo_job --out {out_dir}'
+    {worker} --out {out_dir}'
 """
 
 
 def render_allreduce_job(*, python: str, out_dir: str, nodes: int = 4) -> str:
     # The srun body is single-quoted so $SLURM_NODEID expands on each node;
     # the values we put inside it are quoted for that inner shell.
-    inner = {"python": shlex.quote(python), "out_dir": shlex.quote(out_dir)}
+    inner = {"python": shlex.quote(python), "out_dir": shlex.quote(out_dir),
+             "worker": shlex.quote(str(Path(__file__).resolve()))}
     for k, v in inner.items():
         inner[k] = v.replace("'", "'\\''")
     return SCRIPT.format(nodes=int(nodes), **inner)

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 from clusterops.errors import ClusteropsError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO / "examples" / "train.py"
 
 
@@ -155,7 +155,7 @@ class TrainJob:
         return pids
 
     def timeline(self) -> List[dict]:
-        from clusterops import timeline as tl
+        from clusterops.supervisor import timeline as tl
 
         try:
             return tl.read(self.job_dir)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from clusterops.probes.base import ProbeContext, ProbeResult
+from clusterops.health.probes.base import ProbeContext, ProbeResult
 from clusterops.runner import CommandError, CommandTimeout
 
 _VAR = re.compile(r"\$(\w+)|\$\{(\w+)\}")

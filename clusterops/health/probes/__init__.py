@@ -2,7 +2,7 @@
 
 Each probe module exposes functions that take a probe configuration (a plain dict
 from the resolved health profile) and a ProbeContext, and return a list of
-ProbeResult. ``clusterops.probes.base.run_probes`` runs them, each under its own
+ProbeResult. ``clusterops.health.probes.base.run_probes`` runs them, each under its own
 deadline, so one hung probe becomes an ``error`` result instead of a hung check.
 
 Heavy libraries (torch, pynvml) are imported inside the functions that use them:

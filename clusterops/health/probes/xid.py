@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from clusterops.probes.base import ProbeContext, ProbeResult
+from clusterops.health.probes.base import ProbeContext, ProbeResult
 from clusterops.runner import CommandError
 
 # code -> (status, action, what it means). From the NVIDIA Xid catalog and the

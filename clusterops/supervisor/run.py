@@ -33,7 +33,7 @@ from clusterops import drains
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Runner
-from clusterops.timeline import Timeline
+from clusterops.supervisor.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class SupervisorRun:
                     self._do(self.sup.handle(sv.StepExited(self.clock(), returncode=127)))
 
     def _record(self, kind: str, data: Optional[dict] = None) -> None:
-        from clusterops.timeline import describe
+        from clusterops.supervisor.timeline import describe
 
         rec = self.timeline.append(kind, data or {})
         self.echo(f"[clusterops supervise] {time.strftime('%H:%M:%S', time.gmtime(rec['t']))} {describe(rec)}")
@@ -521,7 +521,7 @@ class SupervisorRun:
             ranks = [r for r in a.ranks if self.sup.rank_node(r) == node]
             argv = ["srun", "--overlap", f"--jobid={self.cfg.job_id}", "--nodes=1", "--ntasks=1",
                     f"--nodelist={node}", f"--output={out}/{node}.txt", "--job-name=clusterops-stacks",
-                    self.cfg.python, "-m", "clusterops.stacks", "--job", self.cfg.job_id,
+                    self.cfg.python, "-m", "clusterops.supervisor.stacks", "--job", self.cfg.job_id,
                     "--step", str(step if step is not None else ""), "--ranks", ",".join(map(str, ranks))]
             try:
                 procs[node] = (self.runner.spawn(argv, log_path=str(out / f"{node}.srun.log")), ranks)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from clusterops.probes.base import ProbeContext, ProbeResult
+from clusterops.health.probes.base import ProbeContext, ProbeResult
 
 FINAL = ("pass", "fail")
 
@@ -388,7 +388,7 @@ def probe_dist(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     with tempfile.TemporaryDirectory(prefix="clusterops-dist-") as d:
         port = _free_port()
         procs = []
-        argv = [sys.executable, "-m", "clusterops.probes.dist", "--result-dir", d,
+        argv = [sys.executable, "-m", "clusterops.health.probes.dist", "--result-dir", d,
                 "--timeout-s", str(timeout_s), "--backend", cfg.get("backend", "auto"),
                 "--warmup", str(cfg.get("warmup", 5)), "--iters", str(cfg.get("iters", 20))]
         for s in sizes:
@@ -424,12 +424,12 @@ def probe_dist(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
         return res
 
 
-# -- python -m clusterops.probes.dist (a local rank, spawned by probe_dist) ------------------------
+# -- python -m clusterops.health.probes.dist (a local rank, spawned by probe_dist) ------------------------
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m clusterops.probes.dist")
+    ap = argparse.ArgumentParser(prog="python -m clusterops.health.probes.dist")
     ap.add_argument("--result-dir", required=True)
     ap.add_argument("--timeout-s", type=float, default=60.0)
     ap.add_argument("--backend", default="auto")

@@ -1,0 +1,13 @@
+"""The job supervisor: heals a multi-node training run inside its allocation.
+
+- ``machine``: the pure state machine (events in, actions out, the clock passed in) and
+  the ``Policy`` it decides by; re-exported here, so ``from clusterops import supervisor
+  as sv; sv.Supervisor(...)`` is the way in.
+- ``run``: the runtime plumbing that turns the machine's actions into srun steps,
+  signals, drains and requeues (``clusterops supervise`` runs it).
+- ``timeline``: the job's event log and its text/SVG/HTML views.
+- ``stacks``: Python stacks of hung ranks (run on each node as a step).
+"""
+
+from clusterops.supervisor.machine import *  # noqa: F401,F403
+from clusterops.supervisor.machine import __all__  # noqa: F401
