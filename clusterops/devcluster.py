@@ -28,11 +28,12 @@ from typing import Callable, Dict, List, Optional
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import CommandError, Runner, pid_alive
 from clusterops.slurm.parse import parse_sinfo_node_states
+from clusterops.slurm.settings import DEFAULT_DEVCLUSTER_DIR, DEVCLUSTER_INFO
 from clusterops.slurm.tools import SlurmTools, check_prefix
 
 MARKER_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
 SCRATCH_ENV = "CLUSTEROPS_NODE_SCRATCH"
-DEFAULT_STATE_DIR = "/tmp/clusterops-devcluster"
+DEFAULT_STATE_DIR = DEFAULT_DEVCLUSTER_DIR
 DEFAULT_PORT_BASE = 17000
 # munged always comes from the system (PATH); the Slurm programs from PATH or the prefix.
 REQUIRED_BINARIES = {
@@ -164,18 +165,6 @@ echo "export TMPDIR={state}/scratch/$SLURMD_NODENAME/tmp"
 """
 
 
-def recorded_prefix(conf_path: str | os.PathLike) -> Optional[str]:
-    """The Slurm prefix a dev cluster was started with, read from the cluster.json beside
-    its slurm.conf; None for any other slurm.conf, or a cluster run from PATH."""
-    try:
-        info = json.loads((Path(conf_path).parent / "cluster.json").read_text())
-    except (OSError, ValueError):
-        return None
-    cfg = info.get("config") if isinstance(info, dict) else None
-    prefix = cfg.get("slurm_prefix") if isinstance(cfg, dict) else None
-    return prefix if isinstance(prefix, str) and prefix else None
-
-
 def _tail(path: Path, lines: int = 5) -> str:
     try:
         text = path.read_text(errors="replace").strip().splitlines()
@@ -273,7 +262,7 @@ class DevCluster:
 
     @property
     def info_path(self) -> Path:
-        return self.state / "cluster.json"
+        return self.state / DEVCLUSTER_INFO
 
     def tools(self) -> SlurmTools:
         """Where this cluster's Slurm programs live (the prefix it was started with)."""

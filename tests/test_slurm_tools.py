@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from clusterops.devcluster import DevCluster, DevClusterConfig, recorded_prefix
+from clusterops.devcluster import DevCluster, DevClusterConfig
+from clusterops.slurm.settings import recorded_prefix
 from clusterops.errors import InputError
 from clusterops.slurm import Slurm
 from clusterops.slurm.tools import PREFIX_ENV, SlurmTools

@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -24,6 +25,8 @@ from clusterops.errors import ClusteropsError, InputError, NotFoundError
 from clusterops.runner import CommandError, CommandNotFound, CommandTimeout, Runner
 from clusterops.slurm import parse
 from clusterops.slurm.parse import JobInfo, NodeInfo
+from clusterops.slurm.settings import (DEVCLUSTER_INFO, PREFIX_ENV, SlurmSettings, devcluster_conf,
+                                        recorded_prefix)
 from clusterops.slurm.tools import SlurmTools
 
 log = logging.getLogger(__name__)
@@ -75,46 +78,51 @@ def _check_signal(sig: Union[str, int]) -> str:
 class Slurm:
     """Slurm through its command-line tools. All commands go through ``runner``."""
 
-    def __init__(self, runner: Optional[Runner] = None, *, timeout_s: float = 30.0,
-                 read_attempts: int = 4, backoff_s: float = 0.5,
+    def __init__(self, runner: Optional[Runner] = None, *, settings: Optional[SlurmSettings] = None,
+                 timeout_s: Optional[float] = None, read_attempts: Optional[int] = None,
+                 backoff_s: Optional[float] = None,
                  sleep: Callable[[float], None] = time.sleep, tools: Optional[SlurmTools] = None):
+        """``settings`` are the site's (default: built-in defaults, not the environment:
+        ``from_environment`` and ``settings.connect`` read that); the keyword knobs
+        override single values, for tests and for callers that build a client by hand."""
         self.runner = runner or Runner()
-        # Where sinfo & co. live: given, or CLUSTEROPS_SLURM_PREFIX (the runner's env first).
-        self.tools = tools if tools is not None else SlurmTools.from_environment(
-            {**os.environ, **dict(getattr(self.runner, "env", {}) or {})})
-        self.timeout_s = timeout_s
-        self.read_attempts = max(1, read_attempts)
-        self.backoff_s = backoff_s
+        s = settings or SlurmSettings()
+        s = replace(s, **{k: v for k, v in (("timeout_s", timeout_s), ("read_attempts", read_attempts),
+                                             ("backoff_s", backoff_s)) if v is not None})
+        self.settings = s
+        # Where sinfo & co. live: given, the settings' prefix, or CLUSTEROPS_SLURM_PREFIX
+        # (the runner's env first).
+        if tools is None:
+            tools = (SlurmTools.for_prefix(s.prefix, PREFIX_ENV) if s.prefix else SlurmTools.from_environment(
+                {**os.environ, **dict(getattr(self.runner, "env", {}) or {})}))
+        self.tools = tools
+        self.timeout_s = s.timeout_s
+        self.read_attempts = s.read_attempts
+        self.backoff_s = s.backoff_s
         self.sleep = sleep
 
     @classmethod
-    def from_environment(cls, **kwargs) -> "Slurm":
-        """Honour SLURM_CONF; with no system slurm.conf and no SLURM_CONF, use the default
-        dev cluster's config if one exists (so `clusterops` just works after `devcluster up`)."""
-        # Site knobs for a slow controller (documented in the README's sysadmin guide).
-        if "CLUSTEROPS_SLURM_TIMEOUT_S" in os.environ:
-            kwargs.setdefault("timeout_s", float(os.environ["CLUSTEROPS_SLURM_TIMEOUT_S"]))
-        if "CLUSTEROPS_SLURM_READ_ATTEMPTS" in os.environ:
-            kwargs.setdefault("read_attempts", int(os.environ["CLUSTEROPS_SLURM_READ_ATTEMPTS"]))
+    def from_environment(cls, settings: Optional[SlurmSettings] = None, **kwargs) -> "Slurm":
+        """The client for this environment: ``settings`` (default: read from the
+        environment, see ``clusterops.slurm.settings``), SLURM_CONF honoured; with no system
+        slurm.conf and no SLURM_CONF, the default dev cluster's config if one exists (so
+        `clusterops` just works after `devcluster up`)."""
+        settings = settings or SlurmSettings.from_environment()
         env = {}
         conf = os.environ.get("SLURM_CONF")
         if not conf and not Path("/etc/slurm/slurm.conf").exists():
-            from clusterops.devcluster import DEFAULT_STATE_DIR
-
-            dev = Path(os.environ.get("CLUSTEROPS_DEVCLUSTER_DIR", DEFAULT_STATE_DIR)) / "slurm.conf"
+            dev = devcluster_conf()
             if dev.exists():
                 env["SLURM_CONF"] = conf = str(dev)
-        if "tools" not in kwargs:
+        if "tools" not in kwargs and not settings.prefix:
             tools = SlurmTools.from_environment()
             if tools.prefix is None and conf:
                 # A dev cluster started with --slurm-prefix answers only to that Slurm's tools.
-                from clusterops.devcluster import recorded_prefix
-
                 prefix = recorded_prefix(conf)
                 if prefix:
-                    tools = SlurmTools.for_prefix(prefix, f"{Path(conf).parent / 'cluster.json'}: slurm_prefix")
+                    tools = SlurmTools.for_prefix(prefix, f"{Path(conf).parent / DEVCLUSTER_INFO}: slurm_prefix")
             kwargs["tools"] = tools
-        return cls(Runner(env=env), **kwargs)
+        return cls(Runner(env=env), settings=settings, **kwargs)
 
     # -- plumbing ---------------------------------------------------------------
     def _check_config(self) -> None:

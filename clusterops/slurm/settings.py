@@ -1,0 +1,115 @@
+"""How clusterops talks to Slurm: one validated settings object, read once, passed in.
+
+``SlurmSettings`` holds the site knobs (timeout per command, read attempts and backoff
+for a flaky controller, the Slurm installation prefix). ``SlurmSettings.from_environment``
+reads them from ``CLUSTEROPS_SLURM_TIMEOUT_S``, ``CLUSTEROPS_SLURM_READ_ATTEMPTS``,
+``CLUSTEROPS_SLURM_BACKOFF_S`` and ``CLUSTEROPS_SLURM_PREFIX``; a bad value is a one-line
+``InputError`` (exit 2), never a traceback. ``connect(settings, **overrides)`` is the one
+way the rest of the package gets a ``Slurm`` client: callers that need a tighter bound
+(a health check's self-drain, a probe's gres lookup) pass overrides, and can only tighten
+the site's timeout, never loosen it.
+
+The dev cluster's well-known places (its default state folder and the ``cluster.json``
+that records the prefix it was started with) are defined here, so the Slurm layer finds a
+dev cluster without importing the dev-cluster code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from clusterops.errors import InputError
+
+TIMEOUT_ENV = "CLUSTEROPS_SLURM_TIMEOUT_S"
+ATTEMPTS_ENV = "CLUSTEROPS_SLURM_READ_ATTEMPTS"
+BACKOFF_ENV = "CLUSTEROPS_SLURM_BACKOFF_S"
+PREFIX_ENV = "CLUSTEROPS_SLURM_PREFIX"
+DEVCLUSTER_DIR_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
+DEFAULT_DEVCLUSTER_DIR = "/tmp/clusterops-devcluster"
+DEVCLUSTER_INFO = "cluster.json"   # beside the dev cluster's slurm.conf
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    timeout_s: float = 30.0        # one Slurm command, wall time
+    read_attempts: int = 4         # reads are retried; writes never are
+    backoff_s: float = 0.5         # first pause between read attempts (doubles)
+    prefix: Optional[str] = None   # Slurm installed under PREFIX/bin, PREFIX/sbin
+
+    def __post_init__(self) -> None:
+        _positive(self.timeout_s, "timeout_s", upper=86400.0)
+        if isinstance(self.read_attempts, bool) or not isinstance(self.read_attempts, int) \
+                or not 1 <= self.read_attempts <= 100:
+            raise InputError(f"Slurm settings: read_attempts: must be an integer in [1, 100], "
+                             f"got {self.read_attempts!r}")
+        _positive(self.backoff_s, "backoff_s", upper=3600.0, zero_ok=True)
+
+    @classmethod
+    def from_environment(cls, env: Optional[Mapping[str, str]] = None) -> "SlurmSettings":
+        env = os.environ if env is None else env
+        kw: dict = {}
+        for var, key, conv in ((TIMEOUT_ENV, "timeout_s", float), (ATTEMPTS_ENV, "read_attempts", int),
+                               (BACKOFF_ENV, "backoff_s", float)):
+            raw = env.get(var, "").strip()
+            if raw:
+                try:
+                    kw[key] = conv(raw)
+                except ValueError:
+                    raise InputError(f"${var}={raw}: not a number") from None
+        if env.get(PREFIX_ENV, "").strip():
+            kw["prefix"] = env[PREFIX_ENV].strip()
+        try:
+            return cls(**kw)
+        except InputError as e:
+            raise InputError(f"environment: {e.message}") from None
+
+    def tightened(self, **overrides: Any) -> "SlurmSettings":
+        """A copy bounded by ``overrides``: a caller may wait less than the site allows,
+        or try fewer times, never more."""
+        if overrides.get("timeout_s") is not None:
+            overrides["timeout_s"] = min(float(overrides["timeout_s"]), self.timeout_s)
+        if overrides.get("read_attempts") is not None:
+            overrides["read_attempts"] = min(int(overrides["read_attempts"]), self.read_attempts)
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _positive(value: Any, name: str, *, upper: float, zero_ok: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value >= 0 if zero_ok else value > 0) and value <= upper
+    if not ok:
+        raise InputError(f"Slurm settings: {name}: must be a number in {'[0' if zero_ok else '(0'}, "
+                         f"{upper:g}], got {value!r}")
+
+
+def connect(settings: Optional[SlurmSettings] = None, *, runner=None, **overrides: Any):
+    """The Slurm client for ``settings`` (default: from the environment), tightened by
+    ``overrides`` (timeout_s, read_attempts, backoff_s)."""
+    from clusterops.slurm.client import Slurm
+
+    s = (settings or SlurmSettings.from_environment()).tightened(**overrides)
+    if runner is not None:
+        return Slurm(runner, settings=s)
+    return Slurm.from_environment(settings=s)
+
+
+def devcluster_conf(env: Optional[Mapping[str, str]] = None) -> Path:
+    """Where the default dev cluster keeps its slurm.conf."""
+    env = os.environ if env is None else env
+    return Path(env.get(DEVCLUSTER_DIR_ENV) or DEFAULT_DEVCLUSTER_DIR) / "slurm.conf"
+
+
+def recorded_prefix(conf_path: str | os.PathLike) -> Optional[str]:
+    """The Slurm prefix a dev cluster was started with, read from the cluster.json beside
+    its slurm.conf; None for any other slurm.conf, or a cluster run from PATH."""
+    try:
+        info = json.loads((Path(conf_path).parent / DEVCLUSTER_INFO).read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = info.get("config") if isinstance(info, dict) else None
+    prefix = cfg.get("slurm_prefix") if isinstance(cfg, dict) else None
+    return prefix if isinstance(prefix, str) and prefix else None
