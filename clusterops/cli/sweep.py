@@ -174,8 +174,9 @@ def _summary(doc: dict) -> None:
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write a self-contained HTML report.")
 @click.option("--prometheus", "prom_path", type=click.Path(dir_okay=False),
               help="Write a node_exporter textfile (atomically).")
-@click.option("--db", "db_path", type=click.Path(dir_okay=False),
-              help="History database [default: $CLUSTEROPS_SWEEP_DB, /var/lib/clusterops/sweep.db as root].")
+@click.option("--db", "db_path", metavar="PATH|URL",
+              help="History database: a SQLite path or postgresql://user@host/db [default: $CLUSTEROPS_SWEEP_DB, "
+                   "$CLUSTEROPS_HISTORY_DB, /var/lib/clusterops/sweep.db as root].")
 @click.option("--no-history", is_flag=True, help="Do not read or write the history database.")
 @click.option("--retention-days", type=float, default=90.0, show_default=True, help="Prune history older than this.")
 @click.option("--work-dir", type=click.Path(file_okay=False),
@@ -220,7 +221,7 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
     from clusterops import sweep as sw
     from clusterops.errors import ClusteropsError, InputError
     from clusterops.fsutil import check_output_target
-    from clusterops.history import History, default_db_path
+    from clusterops.history import History, default_db_path, default_target, parse_target
 
     if check_cmd is not None:
         try:
@@ -243,9 +244,18 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
     for flag, path in (("--report", report_path), ("--prometheus", prom_path)):
         if path:
             _check_output(flag, path, check_output_target)
-    db = Path(db_path) if db_path else default_db_path()
-    if db_path and Path(db_path).exists() and not Path(db_path).is_file():
-        raise InputError(f"--db: {db_path} is not a regular file")
+    target = parse_target(db_path if db_path else default_target())
+    if target.kind == "sqlite":
+        db = target.path
+        if db_path and db.exists() and not db.is_file():
+            raise InputError(f"--db: {db_path} is not a regular file")
+        lock_path = db.with_name(db.name + ".lock")
+    else:
+        # One sweep at a time from this host; the database itself takes concurrent writers.
+        import hashlib
+
+        digest = hashlib.sha256(target.display.encode()).hexdigest()[:12]
+        lock_path = default_db_path().with_name(f"sweep-postgresql-{digest}.lock")
     opts.validate_profile()
     import signal
 
@@ -255,12 +265,11 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _terminate)
-    lock_path = db.with_name(db.name + ".lock")
     progress = _Progress(live=sys.stderr.isatty() and not as_json, quiet=quiet)
     try:
         with SweepLock(lock_path):
             try:
-                history = None if no_history else History.open(db)
+                history = None if no_history else History.open(target)
             except ClusteropsError as e:
                 raise sw.SweepCannotRun(f"sweep could not run: {e.message}") from None
             try:
