@@ -247,3 +247,20 @@ def test_dev_cluster_sweep_writes_to_postgresql(cluster, postgres_server, tmp_pa
         assert [s["id"] for s in h.sweeps()] == [doc["sweep_id"]]
         latest = {r.node: (r.status, r.source) for r in h.latest()}
         assert latest == {f"node{i}": ("pass", "sweep") for i in range(1, 5)}
+
+
+@pytest.mark.integration
+def test_four_srun_tasks_record_their_checks(cluster, postgres_server, tmp_path):
+    """As HealthCheckProgram would on four nodes: one check per node at once, each under
+    its own node name ($SLURMD_NODENAME), sharing one spool directory (one host here)."""
+    url = postgres_server.create_db("srun")
+    env = dict(os.environ, CLUSTEROPS_HEALTH_SPOOL=str(tmp_path / "spool"), CLUSTEROPS_HISTORY_DB=url)
+    o = subprocess.run(["srun", "-N4", "--ntasks-per-node=1", "--time=2", f"--output={tmp_path}/out-%t.json",
+                        CLUSTEROPS, "health", "check", "--json"], capture_output=True, text=True, timeout=120, env=env)
+    assert o.returncode == 0, o.stderr
+    docs = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("out-*.json"))]
+    assert sorted(d["node"] for d in docs) == ["node1", "node2", "node3", "node4"]
+    # A check that found another flushing leaves its report for a later run: flush now.
+    spool.flush(spool.RecordSettings(url, tmp_path / "spool"))
+    with History.open(url, create=False) as h:
+        assert sorted(c["node"] for c in h.checks()) == ["node1", "node2", "node3", "node4"]
