@@ -22,74 +22,41 @@ COLORS = {"pass": "#2e7d32", "warn": "#f9a825", "fail": "#c62828", "error": "#6a
 
 # -- Prometheus -------------------------------------------------------------------
 
-def _label(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _num(v: object) -> str:
-    """A sample value as the exposition format spells it (NaN, +Inf, -Inf included)."""
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    try:
-        f = float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):
-        return "NaN"
-    if f != f:
-        return "NaN"
-    if f in (float("inf"), float("-inf")):
-        return "+Inf" if f > 0 else "-Inf"
-    if isinstance(v, int) and abs(v) < 2 ** 53:
-        return str(v)
-    return repr(f) if not f.is_integer() or abs(f) >= 1e16 else str(int(f))
-
-
-class Exposition:
-    """Prometheus text exposition (0.0.4) built series by series, never with a duplicate:
-    a series (metric name + label set) given twice keeps its last value, as a scrape of
-    one target can hold each series once only."""
-
-    def __init__(self, helps: Mapping[str, str]):
-        self.helps = dict(helps)
-        self.metrics: Dict[str, Dict[tuple, str]] = {}
-
-    def add(self, name: str, labels: Mapping[str, object], value: object) -> None:
-        key = tuple((k, _label(v)) for k, v in labels.items())
-        self.metrics.setdefault(name, {})[key] = _num(value)
-
-    def text(self) -> str:
-        out: List[str] = []
-        for name, series in self.metrics.items():
-            out.append(f"# HELP {name} {self.helps.get(name, name)}")
-            out.append(f"# TYPE {name} gauge")
-            for key, value in series.items():
-                lab = ",".join(f'{k}="{v}"' for k, v in key)
-                out.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
-        return "\n".join(out) + "\n"
+def _drained_after(doc: Mapping) -> Dict[str, str]:
+    """node -> drain reason for the nodes that carry a drain after this sweep: what it
+    applied (drain, keep), the drains it kept or left to someone else, less what it
+    resumed. A foreign drain's reason is not in the plan: it reads as ``other``."""
+    plan = doc.get("plan") or {}
+    out: Dict[str, str] = {}
+    planned: Dict[str, str] = {}
+    for a in plan.get("actions", []):
+        if a.get("reason"):
+            planned[str(a["node"])] = str(a["reason"])
+        if a.get("action") == "keep" and a.get("reason"):
+            out[str(a["node"])] = str(a["reason"])
+        elif a.get("action") == "untouched" and "by someone else" in str(a.get("why", "")):
+            out[str(a["node"])] = ""
+    for a in doc.get("applied", []):
+        if a.get("action") in ("drain", "keep"):
+            node = str(a["node"])
+            # A drain this sweep applied is clusterops' even when its reason is not at hand.
+            out[node] = str(a.get("reason") or planned.get(node) or "clusterops:sweep: drained")
+        elif a.get("action") == "resume":
+            out.pop(str(a["node"]), None)
+    return out
 
 
 def prometheus_text(doc: Mapping) -> str:
-    """node_exporter textfile-collector format (Prometheus text exposition 0.0.4)."""
-    helps = {
-        "clusterops_sweep_node_healthy": "1 when the node passed its check in the last sweep (warnings allowed), "
-                                         "0 when it failed or did not answer; absent when skipped.",
-        "clusterops_sweep_node_status": "The node's status in the last sweep (one series per status, value 1 "
-                                        "for the current one).",
-        "clusterops_sweep_node_straggler": "1 when a fleet figure of the node is below (1 - tolerance) x the "
-                                           "sweep median.",
-        "clusterops_sweep_node_check_duration_seconds": "Wall time of the node's health check.",
-        "clusterops_sweep_node_matmul_tflops": "Matmul throughput measured on the node (TFLOPS).",
-        "clusterops_sweep_node_busbw_gbps": "All-reduce bus bandwidth measured on the node (GB/s).",
-        "clusterops_sweep_node_action": "What the sweep did to the node (drain, resume, keep).",
-        "clusterops_sweep_fleet_median": "The sweep's fleet median of a per-node figure.",
-        "clusterops_sweep_nodes": "Nodes per status in the last sweep.",
-        "clusterops_sweep_guard_tripped": "1 when the drain safety guard refused to drain.",
-        "clusterops_sweep_timestamp_seconds": "When the last sweep finished (epoch seconds).",
-        "clusterops_sweep_duration_seconds": "Wall time of the last sweep.",
-        "clusterops_sweep_exit_code": "Exit code of the last sweep.",
-    }
+    """node_exporter textfile-collector format (Prometheus text exposition 0.0.4),
+    written by prometheus-client from the metrics in :mod:`clusterops.metrics`."""
+    return sweep_metrics(doc).text()
 
-    prom = Exposition(helps)
-    add = prom.add
+
+def sweep_metrics(doc: Mapping):
+    from clusterops.metrics import Metrics, drain_origin
+
+    prom = Metrics()
+    add = prom.set
 
     # One entry per node (the last one given), so a node listed twice is one set of series.
     by_node = {str(n["node"]): n for n in doc.get("nodes", [])}
@@ -109,21 +76,36 @@ def prometheus_text(doc: Mapping) -> str:
             add("clusterops_sweep_node_busbw_gbps", {"node": node}, m["busbw_gbps"])
     for a in doc.get("applied", []):
         add("clusterops_sweep_node_action", {"node": a["node"], "action": a["action"]}, 1)
+    by_origin: Dict[str, int] = {o: 0 for o in DRAIN_ORIGINS}
+    for node, reason in _drained_after(doc).items():
+        origin = drain_origin(reason)
+        add("clusterops_sweep_node_drained", {"node": node, "origin": origin}, 1)
+        by_origin[origin] = by_origin.get(origin, 0) + 1
+    for origin, count in by_origin.items():
+        add("clusterops_sweep_drained_nodes", {"origin": origin}, count)
     for k, v in (doc.get("medians") or {}).items():
         add("clusterops_sweep_fleet_median", {"metric": k}, v)
     counts = doc.get("counts") or {}
     for s in STATUSES:
         add("clusterops_sweep_nodes", {"status": s}, counts.get(s, 0))
+    add("clusterops_sweep_stragglers", {}, counts.get("stragglers", 0))
     plan = doc.get("plan") or {}
-    add("clusterops_sweep_guard_tripped", {}, 1 if plan.get("guard_tripped") else 0)
+    guard = bool(plan.get("guard_tripped"))
+    add("clusterops_sweep_guard_tripped", {}, 1 if guard else 0)
+    refused = sum(1 for a in plan.get("actions", []) if str(a.get("why", "")).startswith("guard:"))
+    add("clusterops_sweep_drains_refused", {}, refused if guard else 0)
     add("clusterops_sweep_timestamp_seconds", {}, doc.get("finished", time.time()))
     add("clusterops_sweep_duration_seconds", {}, doc.get("duration_s", 0))
     add("clusterops_sweep_exit_code", {}, doc.get("exit_code", 0))
-    return prom.text()
+    return prom
+
+
+# Always exported (0 when none), so a dashboard's stack and an alert's absence test work.
+DRAIN_ORIGINS = ("health", "sweep", "supervisor", "straggler", "flapping", "legacy", "other")
 
 
 def write_prometheus(path: os.PathLike | str, doc: Mapping) -> None:
-    write_atomic(path, prometheus_text(doc))
+    sweep_metrics(doc).write_textfile(path)
 
 
 # -- HTML -------------------------------------------------------------------------

@@ -211,6 +211,67 @@ def summary(records: Iterable[Mapping]) -> dict:
     return out
 
 
+def goodput(records: Iterable[Mapping]) -> Optional[float]:
+    """Share of the job's wall time (first launch to last record) in which the training
+    step advanced: the time between consecutive progress samples of one launch whose
+    step grew. None before the first launch."""
+    recs = sorted((r for r in records if _finite(r.get("t")) is not None), key=lambda r: r["t"])
+    launches = [r["t"] for r in recs if r.get("event") == "launch"]
+    if not launches:
+        return None
+    t0, t1 = launches[0], recs[-1]["t"]
+    if t1 <= t0:
+        return 0.0
+    useful = 0.0
+    last: Optional[Tuple[float, float]] = None
+    for r in recs:
+        if r["t"] < t0:
+            continue
+        e = r.get("event")
+        if e == "launch":
+            rs = _finite(r.get("resume_step"))
+            last = (r["t"], rs) if rs is not None else None
+        elif e == "progress" and _finite(r.get("step")) is not None:
+            step = _finite(r["step"])
+            if last is not None and step > last[1]:
+                useful += r["t"] - last[0]
+            last = (r["t"], step)
+        elif e in FAULT_KINDS or e in ("restart", "requeue", "give_up"):
+            last = None
+    return max(0.0, min(1.0, useful / (t1 - t0)))
+
+
+def prometheus_text(records: Iterable[Mapping], job: str) -> str:
+    return job_metrics(records, job).text()
+
+
+def job_metrics(records: Iterable[Mapping], job: str):
+    """The supervised job's metrics (:mod:`clusterops.metrics`), labelled ``job``."""
+    from clusterops.metrics import Metrics
+
+    recs = list(records)
+    s = summary(recs)
+    prom = Metrics()
+    lab = {"job": job}
+    prom.set("clusterops_job_restarts", lab, s["restarts"])
+    prom.set("clusterops_job_requeues", lab, s["requeues"])
+    prom.set("clusterops_job_launches", lab, s["launches"])
+    prom.set("clusterops_job_faults", lab, len(s["faults"]))
+    prom.set("clusterops_job_given_up", lab, 1 if s["outcome"] == "give_up" else 0)
+    prom.set("clusterops_job_finished", lab, 1 if s["outcome"] == "done" else 0)
+    if isinstance(s["exit_code"], int) and not isinstance(s["exit_code"], bool):
+        prom.set("clusterops_job_exit_code", lab, s["exit_code"])
+    if _finite(s["last_step"]) is not None:
+        prom.set("clusterops_job_last_step", lab, s["last_step"])
+    g = goodput(recs)
+    if g is not None:
+        prom.set("clusterops_job_goodput_ratio", lab, g)
+    times = [_finite(r.get("t")) for r in recs if _finite(r.get("t")) is not None]
+    if times:
+        prom.set("clusterops_job_last_event_timestamp_seconds", lab, max(times))
+    return prom
+
+
 # ------------------------------------------------------------------------------ chart
 def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 360, title: str = "") -> str:
     """Training step against wall time; faults (red) and decisions (blue) marked."""

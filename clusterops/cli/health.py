@@ -50,8 +50,7 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
     Exit codes: 0 healthy (warnings allowed); 1 unhealthy (a probe failed or
     hung); 2 bad usage or profile.
     """
-    from clusterops.fsutil import write_atomic
-    from clusterops.health import load_profile, prometheus_text, run_check, self_drain, format_table
+    from clusterops.health import health_metrics, load_profile, run_check, self_drain, format_table
     from clusterops.probes.base import ProbeContext, node_name
 
     profile = load_profile(profile_name, site_config)  # InputError -> exit 2
@@ -72,12 +71,12 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
             click.echo(f"warning: history not recorded now ({h['error']}); {h['pending']} check(s) wait in "
                        f"{h['spool']}", err=True)
     if prometheus:
-        try:
-            write_atomic(prometheus, prometheus_text(report))
-        except OSError as e:
-            from clusterops.errors import ClusteropsError
+        from clusterops.errors import ClusteropsError
 
-            raise ClusteropsError(f"--prometheus {prometheus}: cannot write: {e.strerror}") from None
+        try:
+            health_metrics(report).write_textfile(prometheus)
+        except ClusteropsError as e:
+            raise ClusteropsError(f"--prometheus {prometheus}: {e.message}", exit_code=e.exit_code) from None
     if as_json:
         echo_json(report)
     else:
