@@ -328,12 +328,12 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
     for seg in segs:
         if len(seg) >= 2:
             d = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in seg)
-            parts.append(f'<polyline points="{d}" fill="none" stroke="#2a7" stroke-width="2"/>')
+            parts.append(f'<polyline class="step" points="{d}" fill="none" stroke="#2a7" stroke-width="2"/>')
         for t, s in seg:
             parts.append(f'<circle cx="{x(t):.1f}" cy="{y(s):.1f}" r="1.8" fill="#2a7"/>')
     for r in recs:
         if r.get("event") == "checkpoint" and _finite(r.get("step")) is not None:
-            parts.append(f'<rect x="{x(r["t"]) - 3:.1f}" y="{y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
+            parts.append(f'<rect class="checkpoint" x="{x(r["t"]) - 3:.1f}" y="{y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
                          f'fill="#fc3" stroke="#960"><title>checkpoint step {esc(str(r["step"]))}</title></rect>')
     row = 0
     for r in recs:
@@ -342,13 +342,14 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
             e = "done"
         if e in FAULT_KINDS or e in DECISION_KINDS:
             color = "#d22" if e in FAULT_KINDS else "#25c"
+            kind = "fault" if e in FAULT_KINDS else "decision"
             xx = x(r["t"])
             label = esc(describe(r))[:80]
-            parts.append(f'<line x1="{xx:.1f}" y1="{pad_t}" x2="{xx:.1f}" y2="{pad_t + h}" stroke="{color}" '
+            parts.append(f'<line class="{kind}" data-event="{esc(e)}" x1="{xx:.1f}" y1="{pad_t}" x2="{xx:.1f}" y2="{pad_t + h}" stroke="{color}" '
                          f'stroke-dasharray="4,3"><title>{label}</title></line>')
             short = esc(e.replace("_", " ") + (f": {r.get('cause')}" if r.get("cause") else ""))
             ly = pad_t + h + 46 + 12 * (row % 3)
-            parts.append(f'<text x="{xx + 2:.1f}" y="{ly}" fill="{color}">{short}</text>')
+            parts.append(f'<text class="{kind}-label" x="{xx + 2:.1f}" y="{ly}" fill="{color}">{short}</text>')
             row += 1
     parts.append(f'<g transform="translate({pad_l + w - 250},{pad_t - 14})">'
                  '<line x1="0" y1="0" x2="16" y2="0" stroke="#2a7" stroke-width="2"/><text x="20" y="4">step</text>'
