@@ -77,7 +77,7 @@ PROBE_SETTINGS: Dict[str, set] = {
 }
 PROFILE_KEYS = {"description", "extends", "gpus", "probes"}
 GPUS_KEYS = {"required", "count"}
-SITE_KEYS = {"gpu_models", "defaults", "profiles", "history"}  # history: clusterops.spool
+SITE_KEYS = {"gpu_models", "defaults", "profiles", "history", "notify"}  # history: clusterops.spool; notify: clusterops.notify
 DEFAULT_TIMEOUT_S = 10.0
 
 
