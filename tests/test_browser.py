@@ -245,7 +245,8 @@ def test_dev_cluster_sweep_report_in_chromium(browser, cluster, tmp_path):
         assert "fail" in bar.get_attribute("class") and bar.is_displayed()
         row = css(browser, 'tr[data-node="node3"]')[0]
         assert row.is_displayed() and row.get_attribute("data-status") == "fail"
-        assert {r.get_attribute("data-status") for r in css(browser, "tr[data-node]")} == {"pass", "fail"}
+        others = {r.get_attribute("data-node"): r.get_attribute("data-status") for r in css(browser, "tr[data-node]")}
+        assert others.pop("node3") == "fail" and set(others.values()) <= {"pass", "warn"}   # a busy machine may warn
         shot = screenshot(browser, "sweep-report-devcluster.png")
     finally:
         browser.set_window_size(*WINDOW)

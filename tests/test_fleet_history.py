@@ -245,8 +245,9 @@ def test_dev_cluster_sweep_writes_to_postgresql(cluster, postgres_server, tmp_pa
     doc = json.loads(o.stdout)
     with History.open(url, create=False) as h:
         assert [s["id"] for s in h.sweeps()] == [doc["sweep_id"]]
-        latest = {r.node: (r.status, r.source) for r in h.latest()}
-        assert latest == {f"node{i}": ("pass", "sweep") for i in range(1, 5)}
+        latest = {r.node: (r.status in ("pass", "warn"), r.source) for r in h.latest()}   # healthy (a busy
+        assert latest == {f"node{i}": (True, "sweep") for i in range(1, 5)}               # machine may warn)
+        assert len(h.rows(probe="check")) == 4
 
 
 @pytest.mark.integration
