@@ -65,8 +65,10 @@ class PgServer:
             try:
                 pwd.getpwnam(self.os_user)
             except KeyError:
+                # Another test session may create it at the same moment: only its absence
+                # afterwards is an error.
                 subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                                self.os_user], check=True, capture_output=True)
+                                self.os_user], capture_output=True)
             pw = pwd.getpwnam(self.os_user)
             os.chown(self.base, pw.pw_uid, pw.pw_gid)
         os.chmod(self.base, 0o700)
