@@ -22,74 +22,41 @@ COLORS = {"pass": "#2e7d32", "warn": "#f9a825", "fail": "#c62828", "error": "#6a
 
 # -- Prometheus -------------------------------------------------------------------
 
-def _label(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _num(v: object) -> str:
-    """A sample value as the exposition format spells it (NaN, +Inf, -Inf included)."""
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    try:
-        f = float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):
-        return "NaN"
-    if f != f:
-        return "NaN"
-    if f in (float("inf"), float("-inf")):
-        return "+Inf" if f > 0 else "-Inf"
-    if isinstance(v, int) and abs(v) < 2 ** 53:
-        return str(v)
-    return repr(f) if not f.is_integer() or abs(f) >= 1e16 else str(int(f))
-
-
-class Exposition:
-    """Prometheus text exposition (0.0.4) built series by series, never with a duplicate:
-    a series (metric name + label set) given twice keeps its last value, as a scrape of
-    one target can hold each series once only."""
-
-    def __init__(self, helps: Mapping[str, str]):
-        self.helps = dict(helps)
-        self.metrics: Dict[str, Dict[tuple, str]] = {}
-
-    def add(self, name: str, labels: Mapping[str, object], value: object) -> None:
-        key = tuple((k, _label(v)) for k, v in labels.items())
-        self.metrics.setdefault(name, {})[key] = _num(value)
-
-    def text(self) -> str:
-        out: List[str] = []
-        for name, series in self.metrics.items():
-            out.append(f"# HELP {name} {self.helps.get(name, name)}")
-            out.append(f"# TYPE {name} gauge")
-            for key, value in series.items():
-                lab = ",".join(f'{k}="{v}"' for k, v in key)
-                out.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
-        return "\n".join(out) + "\n"
+def _drained_after(doc: Mapping) -> Dict[str, str]:
+    """node -> drain reason for the nodes that carry a drain after this sweep: what it
+    applied (drain, keep), the drains it kept or left to someone else, less what it
+    resumed. A foreign drain's reason is not in the plan: it reads as ``other``."""
+    plan = doc.get("plan") or {}
+    out: Dict[str, str] = {}
+    planned: Dict[str, str] = {}
+    for a in plan.get("actions", []):
+        if a.get("reason"):
+            planned[str(a["node"])] = str(a["reason"])
+        if a.get("action") == "keep" and a.get("reason"):
+            out[str(a["node"])] = str(a["reason"])
+        elif a.get("action") == "untouched" and "by someone else" in str(a.get("why", "")):
+            out[str(a["node"])] = ""
+    for a in doc.get("applied", []):
+        if a.get("action") in ("drain", "keep"):
+            node = str(a["node"])
+            # A drain this sweep applied is clusterops' even when its reason is not at hand.
+            out[node] = str(a.get("reason") or planned.get(node) or "clusterops:sweep: drained")
+        elif a.get("action") == "resume":
+            out.pop(str(a["node"]), None)
+    return out
 
 
 def prometheus_text(doc: Mapping) -> str:
-    """node_exporter textfile-collector format (Prometheus text exposition 0.0.4)."""
-    helps = {
-        "clusterops_sweep_node_healthy": "1 when the node passed its check in the last sweep (warnings allowed), "
-                                         "0 when it failed or did not answer; absent when skipped.",
-        "clusterops_sweep_node_status": "The node's status in the last sweep (one series per status, value 1 "
-                                        "for the current one).",
-        "clusterops_sweep_node_straggler": "1 when a fleet figure of the node is below (1 - tolerance) x the "
-                                           "sweep median.",
-        "clusterops_sweep_node_check_duration_seconds": "Wall time of the node's health check.",
-        "clusterops_sweep_node_matmul_tflops": "Matmul throughput measured on the node (TFLOPS).",
-        "clusterops_sweep_node_busbw_gbps": "All-reduce bus bandwidth measured on the node (GB/s).",
-        "clusterops_sweep_node_action": "What the sweep did to the node (drain, resume, keep).",
-        "clusterops_sweep_fleet_median": "The sweep's fleet median of a per-node figure.",
-        "clusterops_sweep_nodes": "Nodes per status in the last sweep.",
-        "clusterops_sweep_guard_tripped": "1 when the drain safety guard refused to drain.",
-        "clusterops_sweep_timestamp_seconds": "When the last sweep finished (epoch seconds).",
-        "clusterops_sweep_duration_seconds": "Wall time of the last sweep.",
-        "clusterops_sweep_exit_code": "Exit code of the last sweep.",
-    }
+    """node_exporter textfile-collector format (Prometheus text exposition 0.0.4),
+    written by prometheus-client from the metrics in :mod:`clusterops.metrics`."""
+    return sweep_metrics(doc).text()
 
-    prom = Exposition(helps)
-    add = prom.add
+
+def sweep_metrics(doc: Mapping):
+    from clusterops.metrics import Metrics, drain_origin
+
+    prom = Metrics()
+    add = prom.set
 
     # One entry per node (the last one given), so a node listed twice is one set of series.
     by_node = {str(n["node"]): n for n in doc.get("nodes", [])}
@@ -109,21 +76,36 @@ def prometheus_text(doc: Mapping) -> str:
             add("clusterops_sweep_node_busbw_gbps", {"node": node}, m["busbw_gbps"])
     for a in doc.get("applied", []):
         add("clusterops_sweep_node_action", {"node": a["node"], "action": a["action"]}, 1)
+    by_origin: Dict[str, int] = {o: 0 for o in DRAIN_ORIGINS}
+    for node, reason in _drained_after(doc).items():
+        origin = drain_origin(reason)
+        add("clusterops_sweep_node_drained", {"node": node, "origin": origin}, 1)
+        by_origin[origin] = by_origin.get(origin, 0) + 1
+    for origin, count in by_origin.items():
+        add("clusterops_sweep_drained_nodes", {"origin": origin}, count)
     for k, v in (doc.get("medians") or {}).items():
         add("clusterops_sweep_fleet_median", {"metric": k}, v)
     counts = doc.get("counts") or {}
     for s in STATUSES:
         add("clusterops_sweep_nodes", {"status": s}, counts.get(s, 0))
+    add("clusterops_sweep_stragglers", {}, counts.get("stragglers", 0))
     plan = doc.get("plan") or {}
-    add("clusterops_sweep_guard_tripped", {}, 1 if plan.get("guard_tripped") else 0)
+    guard = bool(plan.get("guard_tripped"))
+    add("clusterops_sweep_guard_tripped", {}, 1 if guard else 0)
+    refused = sum(1 for a in plan.get("actions", []) if str(a.get("why", "")).startswith("guard:"))
+    add("clusterops_sweep_drains_refused", {}, refused if guard else 0)
     add("clusterops_sweep_timestamp_seconds", {}, doc.get("finished", time.time()))
     add("clusterops_sweep_duration_seconds", {}, doc.get("duration_s", 0))
     add("clusterops_sweep_exit_code", {}, doc.get("exit_code", 0))
-    return prom.text()
+    return prom
+
+
+# Always exported (0 when none), so a dashboard's stack and an alert's absence test work.
+DRAIN_ORIGINS = ("health", "sweep", "supervisor", "straggler", "flapping", "legacy", "other")
 
 
 def write_prometheus(path: os.PathLike | str, doc: Mapping) -> None:
-    write_atomic(path, prometheus_text(doc))
+    sweep_metrics(doc).write_textfile(path)
 
 
 # -- HTML -------------------------------------------------------------------------
@@ -135,13 +117,49 @@ def _chart_metric(nodes: List[Mapping]) -> tuple:
     return "duration_s", "check duration (s)", lambda n: n.get("duration_s")
 
 
+# Above this many nodes the page is laid out for a large fleet: the chart is sorted by
+# value (lowest first, nodes without a value before them), fits the page width and
+# labels only the nodes with a problem; the table lists problem nodes first and folds
+# the healthy ones away (<details>).
+LARGE_FLEET = 128
+MAX_CHART_WIDTH = 1300
+MAX_PROBLEM_LABELS = 60
+PROBLEM = ("fail", "unreachable", "error")
+_SEVERITY = {"fail": 0, "unreachable": 1, "error": 2, "warn": 4, "skipped": 5, "pass": 6}
+
+
+def _natural(name: str):
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(name))]
+
+
+def _problem(n: Mapping) -> bool:
+    return n.get("status") in PROBLEM or bool(n.get("stragglers"))
+
+
+def _severity(n: Mapping) -> tuple:
+    rank = _SEVERITY.get(str(n.get("status")), 3)
+    if n.get("stragglers") and n.get("status") in ("pass", "warn"):
+        rank = 3
+    return (rank, _natural(n.get("node", "")))
+
+
 def svg_chart(doc: Mapping, width: int = 900) -> str:
     """Per-node bars of the fleet figure with the sweep median as a dashed line; failing
-    nodes red, stragglers orange with a marker, skipped nodes a grey stub."""
+    nodes red, stragglers orange with a marker, skipped nodes a grey stub. A large fleet
+    (more than LARGE_FLEET nodes) is drawn sorted by value in at most MAX_CHART_WIDTH
+    pixels, with only the problem nodes named."""
     nodes = list(doc.get("nodes", []))
     if not nodes:
         return "<p>No nodes.</p>"
     key, label, get = _chart_metric(nodes)
+    large = len(nodes) > LARGE_FLEET
+    if large:
+        def order(nd):
+            v = get(nd)
+            return (0, 0.0) if not isinstance(v, (int, float)) else (1, float(v))
+        nodes.sort(key=order)
     values = [get(n) for n in nodes]
     known = [v for v in values if isinstance(v, (int, float))]
     vmax = max(known) if known else 1.0
@@ -153,12 +171,19 @@ def svg_chart(doc: Mapping, width: int = 900) -> str:
         median = statistics.median(known)
     left, top, height = 56, 24, 220
     n = len(nodes)
-    slot = max(4.0, (width - left - 10) / n)
+    if large:
+        slot = (MAX_CHART_WIDTH - left - 10) / n
+        bar = slot
+    else:
+        slot = max(4.0, (width - left - 10) / n)
+        bar = max(2.0, slot * 0.7)
     width = int(left + 10 + slot * n)
-    bar = max(2.0, slot * 0.7)
+    title = f"{html.escape(label)} per node"
+    if large:
+        title += f", {n} nodes sorted lowest first; problem nodes named"
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + height + 70}" '
-             f'role="img" aria-label="{html.escape(label)} per node">',
-             f'<text x="{left}" y="16" font-size="13" font-family="sans-serif">{html.escape(label)} per node'
+             f'role="img" aria-label="{html.escape(label)} per node" class="{"large" if large else "small"}">',
+             f'<text x="{left}" y="16" font-size="13" font-family="sans-serif">{title}'
              f'{" (dashed: fleet median)" if median is not None else ""}</text>',
              f'<line x1="{left}" y1="{top + height}" x2="{width - 5}" y2="{top + height}" stroke="#444"/>',
              f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + height}" stroke="#444"/>']
@@ -167,30 +192,49 @@ def svg_chart(doc: Mapping, width: int = 900) -> str:
         parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" font-size="10" text-anchor="end" '
                      f'font-family="sans-serif">{vmax / 1.1 * frac * 1.1:.3g}</text>')
     label_every = max(1, int(n / 40))
+    labelled = 0
+    callouts: List[tuple] = []
     for i, (nd, v) in enumerate(zip(nodes, values)):
         x = left + i * slot + (slot - bar) / 2
         status = nd.get("status")
         color = COLORS.get(status, "#555")
         if status in ("pass", "warn") and nd.get("stragglers"):
             color = "#ef6c00"
-        title = html.escape(f"{nd['node']}: {status}" + (f", {v:.4g}" if isinstance(v, (int, float)) else "")
-                            + (" straggler" if nd.get("stragglers") else "")
-                            + (f" - {nd.get('detail')}" if nd.get("detail") else ""))
+        tip = html.escape(f"{nd['node']}: {status}" + (f", {v:.4g}" if isinstance(v, (int, float)) else "")
+                          + (" straggler" if nd.get("stragglers") else "")
+                          + (f" - {nd.get('detail')}" if nd.get("detail") else ""))
         if isinstance(v, (int, float)):
             h = max(1.0, v / vmax * height)
         else:
-            h = 4.0
-        parts.append(f'<rect class="bar {html.escape(str(status))}" x="{x:.1f}" y="{top + height - h:.1f}" '
-                     f'width="{bar:.1f}" height="{h:.1f}" fill="{color}"><title>{title}</title></rect>')
-        if status in ("fail", "unreachable", "error") or nd.get("stragglers"):
-            mark = "✗" if status in ("fail", "unreachable", "error") else "▼"
-            parts.append(f'<text x="{x + bar / 2:.1f}" y="{top + height - h - 3:.1f}" font-size="11" '
+            h = 4.0 if not large or status in ("pass", "warn") else height * 0.15
+        parts.append(f'<rect class="bar {html.escape(str(status))}" data-node="{html.escape(str(nd["node"]))}" '
+                     f'x="{x:.2f}" y="{top + height - h:.1f}" width="{max(bar, 0.5):.2f}" height="{h:.1f}" '
+                     f'fill="{color}"><title>{tip}</title></rect>')
+        problem = _problem(nd)
+        if problem and (not large or labelled < MAX_PROBLEM_LABELS):
+            mark = "✗" if status in PROBLEM else "▼"
+            parts.append(f'<text class="mark" x="{x + bar / 2:.1f}" y="{top + height - h - 3:.1f}" font-size="11" '
                          f'text-anchor="middle" fill="{color}">{mark}</text>')
-        if i % label_every == 0:
-            parts.append(f'<text x="{x + bar / 2:.1f}" y="{top + height + 12}" font-size="9" '
+        if large and problem and labelled < MAX_PROBLEM_LABELS:
+            labelled += 1
+            callouts.append((x + bar / 2, str(nd["node"]), color))
+        elif not large and i % label_every == 0:
+            parts.append(f'<text class="label" x="{x + bar / 2:.1f}" y="{top + height + 12}" font-size="9" '
                          f'font-family="sans-serif" text-anchor="end" '
                          f'transform="rotate(-60 {x + bar / 2:.1f} {top + height + 12})">'
                          f'{html.escape(nd["node"])}</text>')
+    if callouts:
+        # Problem nodes sit side by side (the chart is sorted): their names are spread
+        # evenly along the axis, each tied to its bar by a thin leader line.
+        span = (width - left - 10) / len(callouts)
+        base = top + height
+        for k, (bx, name, color) in enumerate(callouts):
+            lx = left + span * (k + 0.5)
+            parts.append(f'<polyline class="leader" points="{bx:.1f},{base} {bx:.1f},{base + 5} {lx:.1f},{base + 14}" '
+                         f'fill="none" stroke="{color}" stroke-width="0.8"/>')
+            parts.append(f'<text class="label" x="{lx:.1f}" y="{base + 24}" font-size="10" '
+                         f'font-family="sans-serif" text-anchor="end" fill="{color}" '
+                         f'transform="rotate(-45 {lx:.1f} {base + 24})">{html.escape(name)}</text>')
     if median is not None and vmax:
         y = top + height - median / vmax * height
         parts.append(f'<line class="median" x1="{left}" y1="{y:.1f}" x2="{width - 5}" y2="{y:.1f}" '
@@ -218,8 +262,13 @@ def html_report(doc: Mapping) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(doc.get("started", 0)))
     actions = {a["node"]: a for a in plan.get("actions", [])}
     applied = {a["node"]: a for a in doc.get("applied", [])}
+    nodes = list(doc.get("nodes", []))
+    large = len(nodes) > LARGE_FLEET
+    if large:
+        nodes.sort(key=_severity)
     rows = []
-    for n in doc.get("nodes", []):
+    healthy_rows = []
+    for n in nodes:
         m = n.get("metrics") or {}
         act = applied.get(n["node"]) or {}
         planned = actions.get(n["node"]) or {}
@@ -229,7 +278,8 @@ def html_report(doc: Mapping) -> str:
         dur = "" if n.get("duration_s") is None else f"{n['duration_s']:.2f}"
         tfl = "" if "matmul_tflops" not in m else f"{m['matmul_tflops']:.4g}"
         bw = "" if "busbw_gbps" not in m else f"{m['busbw_gbps']:.4g}"
-        rows.append(
+        (healthy_rows if large and n["status"] in ("pass", "warn", "skipped") and not n.get("stragglers")
+         else rows).append(
             f'<tr class="{cls}" data-node="{esc(n["node"])}" data-status="{esc(n["status"])}">'
             f'<td>{esc(n["node"])}</td><td class="s-{esc(n["status"])}">{esc(n["status"])}</td>'
             f'<td>{esc(n.get("detail") or "")}</td>'
@@ -249,6 +299,12 @@ def html_report(doc: Mapping) -> str:
                        f"<td>{esc(p.get('detail') or '')}</td></tr>" for p in doc["pairs"])
         pairs = ("<h2>Node pairs (2-node all-reduce)</h2><table><tr><th>nodes</th><th>status</th>"
                  f"<th>busbw GB/s</th><th>detail</th></tr>{prow}</table>")
+    header = ("<tr><th>node</th><th>status</th><th>detail</th><th>check s</th><th>TFLOPS</th>"
+              "<th>busbw GB/s</th><th>straggler</th><th>action</th></tr>")
+    folded = ""
+    if large:
+        folded = (f'<details id="healthy"><summary>{len(healthy_rows)} healthy or skipped nodes (show)</summary>'
+                  f'<table id="healthy-nodes">{header}{"".join(healthy_rows)}</table></details>')
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <title>clusterops sweep {esc(doc.get("sweep_id", ""))}</title>
@@ -261,11 +317,12 @@ profile <code>{esc(str(opts.get("profile", "")))}</code> via {esc(str(opts.get("
 {guard}
 <p class="summary">{summary}</p>
 {svg_chart(doc)}
-<h2>Nodes</h2>
-<table id="nodes"><tr><th>node</th><th>status</th><th>detail</th><th>check s</th><th>TFLOPS</th>
-<th>busbw GB/s</th><th>straggler</th><th>action</th></tr>
+<h2>Nodes{" with a problem" if large else ""}</h2>
+{"<p>" + str(len(rows)) + " of " + str(len(nodes)) + " nodes failed, did not answer or lag; worst first.</p>" if large else ""}
+<table id="nodes">{header}
 {"".join(rows)}
 </table>
+{folded}
 {pairs}
 {"<h2>Errors</h2><ul>" + errors + "</ul>" if errors else ""}
 </body></html>

@@ -6,7 +6,7 @@ level, list items, types, ranges, choices, unknown keys with a suggestion) and t
 tables in docs/health.md (``python -m clusterops.schema`` prints them; a test keeps the
 docs in step).
 
-The probe settings below are what each probe's code reads (``clusterops/probes/*``):
+The probe settings below are what each probe's code reads (``clusterops/health/probes/*``):
 when a probe learns a setting, its row is added here, or profiles using it are refused.
 """
 
@@ -244,12 +244,31 @@ DRAIN = Field("drain", "map", "the fleet guard of --drain-on-fail", fields=(
     _f("partition", "str", "the partition the share is counted in (default: the node's partitions)",
        nullable=True),
 ))
+HISTORY = Field("history", "map", "where health checks record their results (clusterops.spool)", fields=(
+    _f("db", "str", "a SQLite path, sqlite:///path or postgresql://... (env CLUSTEROPS_HISTORY_DB)"),
+    _f("spool_dir", "str", "local spool for results the database could not take yet"),
+    _f("spool_max_files", "int", "spool cap, files", default=2000, min=1, max=10_000_000),
+    _f("spool_max_bytes", "int", "spool cap, bytes", default=32 << 20, min=4096, max=1 << 40),
+    _f("timeout_s", "number", "the longest a check waits on the database", default=3.0, min=0.5, max=120),
+))
+WEBHOOK = Field("webhook", "map", "a webhook: generic JSON or Slack-compatible (clusterops.notify)", fields=(
+    _f("url", "str", "http:// or https:// URL", required=True),
+    _f("format", "enum", "payload shape", default="json", choices=("json", "slack")),
+    _f("events", "list", "events to send (default: all)", item=_f("event", "enum", choices=(
+        "node_drained", "node_resumed", "guard_tripped", "sweep_cannot_run", "job_given_up", "job_requeued"))),
+    _f("timeout_s", "number", "per attempt", default=5.0, min=0.1, max=60),
+    _f("retries", "int", "attempts after the first", default=2, min=0, max=10),
+))
+NOTIFY = Field("notify", "list", "webhooks told about drains, resumes, guard trips and sweeps that could "
+               "not run", item=Field("target", "union", options=(_f("url", "str"), WEBHOOK)))
 SITE = Field("site", "map", fields=(
     Field("gpu_models", "dict", "merged over the built-in gpu_models.yaml", item=GPU_MODEL),
     Field("defaults", "map", "merged into every profile", fields=(GPUS, PROBES)),
     Field("profiles", "dict", "per-profile overrides, by profile name", item=Field("profile", "map", fields=(
         _f("description", "str"), GPUS, PROBES))),
     DRAIN,
+    HISTORY,
+    NOTIFY,
 ))
 
 

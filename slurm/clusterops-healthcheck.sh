@@ -18,6 +18,8 @@
 #   CLUSTEROPS_HEALTH_SITE      site overrides file (read by clusterops itself)
 #   CLUSTEROPS_PROM_FILE        Prometheus textfile to write (node_exporter textfile collector)
 #   CLUSTEROPS_HEALTH_LOG       where the last report goes (default /var/log/clusterops-health.log)
+#   CLUSTEROPS_HISTORY_DB       fleet history (postgresql://...) each check is recorded in, through a
+#                               local spool; or history: {db: ...} in the site config (docs/sweep.md)
 set -u
 CLUSTEROPS=${CLUSTEROPS:-/opt/clusterops/bin/clusterops}
 PROFILE=${CLUSTEROPS_HEALTH_PROFILE:-fast}

@@ -108,3 +108,7 @@ def cluster(devcluster):
     _restore(devcluster)
     yield devcluster
     _restore(devcluster)
+
+
+# A real PostgreSQL server (session) and a fresh history database per backend (per test).
+from pgserver import history_target, postgres_server  # noqa: E402,F401

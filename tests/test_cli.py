@@ -54,7 +54,8 @@ def test_no_slurm_config_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_import_is_light():
     code = ("import sys, clusterops, clusterops.cli; "
-            "heavy = [m for m in ('torch', 'numpy', 'pynvml', 'paramiko', 'rich') if m in sys.modules]; "
+            "heavy = [m for m in ('torch', 'numpy', 'pynvml', 'paramiko', 'rich', 'prometheus_client', 'psycopg') "
+            "if m in sys.modules]; "
             "print(heavy)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.strip() == "[]"

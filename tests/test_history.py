@@ -29,8 +29,8 @@ def report(sweep_id, t, statuses, tflops=None):
     return SweepReport(sweep_id, t - 5, t, {"via": "slurm", "profile": "fast"}, list(statuses), results, {}, None)
 
 
-def test_record_query_flapping_and_prune(tmp_path):
-    db = tmp_path / "h.db"
+def test_record_query_flapping_and_prune(history_target):
+    db = history_target
     now = time.time()
     with History.open(db) as h:
         seq = ["pass", "fail", "skipped", "fail", "pass", "unreachable"]
@@ -66,8 +66,8 @@ def test_sparkline():
     assert sparkline([]) == ""
 
 
-def test_history_cli(tmp_path):
-    db = tmp_path / "h.db"
+def test_history_cli(history_target, tmp_path):
+    db = history_target
     now = time.time()
     with History.open(db) as h:
         for i in range(5):

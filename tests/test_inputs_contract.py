@@ -151,8 +151,8 @@ def _sweep_doc(nodes):
 def test_sweep_prometheus_repeated_node_is_one_set_of_series():
     s = parse_exposition(report.prometheus_text(_sweep_doc([("node1", "fail"), ("node2", "pass"),
                                                             ("node1", "pass")])))
-    healthy = {dict(k[1])["node"]: v for k, v in s.items() if k[0] == "clusterops_sweep_node_healthy"}
-    assert healthy == {"node1": "1", "node2": "1"}       # the last entry of node1 counts
+    healthy = {dict(k[1])["node"]: float(v) for k, v in s.items() if k[0] == "clusterops_sweep_node_healthy"}
+    assert healthy == {"node1": 1, "node2": 1}       # the last entry of node1 counts
 
 
 @PROPS

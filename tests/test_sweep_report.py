@@ -48,7 +48,7 @@ def test_prometheus_text_is_valid_exposition_and_says_what_json_says():
     assert 'clusterops_sweep_node_healthy{node="gpu006"} 0' in text
     assert 'clusterops_sweep_node_healthy{node="gpu005"}' not in text   # skipped: no verdict
     assert 'clusterops_sweep_node_matmul_tflops{node="gpu001"} 100' in text
-    assert 'clusterops_sweep_node_action{node="gpu003",action="drain"} 1' in text
+    assert 'clusterops_sweep_node_action{action="drain",node="gpu003"} 1' in text   # labels sorted
     assert 'clusterops_sweep_fleet_median{metric="matmul_tflops"} 98' in text
     assert "clusterops_sweep_guard_tripped 0" in text
     # one TYPE line per metric family

@@ -41,7 +41,11 @@ def health() -> None:
 @click.option("--node", default=None, help="This node's Slurm name (default: $SLURMD_NODENAME, else short hostname).")
 @click.option("--drain-timeout-s", type=float, default=20.0, show_default=True,
               help="Upper bound on the Slurm calls of --drain-on-fail.")
-def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, drain_timeout_s):
+@click.option("--db", "db_target", default=None, metavar="PATH|URL",
+              help="Record this check in the fleet history: postgresql://user@host/db or a SQLite path "
+                   "[default: $CLUSTEROPS_HISTORY_DB, else the site config's history.db; none: not recorded]. "
+                   "Through a bounded local spool: a database that is down never fails the check.")
+def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, drain_timeout_s, db_target):
     """Run a health profile on this node.
 
     \b
@@ -52,26 +56,34 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
       3  unhealthy, but the fleet guard refused the drain: node left in service
       4  error: a probe crashed, timed out or could not check: node left in service
     """
-    from clusterops.fsutil import write_atomic
-    from clusterops.health import (drain_settings, exit_code, format_table, load_profile, prometheus_text,
-                                   run_check, self_drain)
+    from clusterops import spool
+    from clusterops.health import (drain_settings, exit_code, format_table, health_metrics, load_profile,
+                                   load_site_config, run_check, self_drain)
     from clusterops.health.probes.base import ProbeContext, node_name
 
     profile = load_profile(profile_name, site_config)  # InputError -> exit 2
     guard = drain_settings(site_config) if drain_on_fail else None  # bad drain: settings -> exit 2
+    site, site_path = load_site_config(site_config)
+    record_to = spool.settings(db_target, site, site_path)   # a bad --db / history: is exit 2, before the check
     ctx = ProbeContext(node=node or node_name())
     run = run_check(profile, ctx)
     report = run.report
     if drain_on_fail:
         report["slurm"] = self_drain(report, ctx.node, timeout_s=drain_timeout_s, guard=guard)
     report["exit_code"] = exit_code(report["status"], report.get("slurm"))
+    if record_to is not None:
+        report["history"] = spool.record(report, record_to)
+        if report["history"]["error"]:
+            h = report["history"]
+            click.echo(f"warning: history not recorded now ({h['error']}); {h['pending']} check(s) wait in "
+                       f"{h['spool']}", err=True)
     if prometheus:
-        try:
-            write_atomic(prometheus, prometheus_text(report))
-        except OSError as e:
-            from clusterops.errors import ClusteropsError
+        from clusterops.errors import ClusteropsError
 
-            raise ClusteropsError(f"--prometheus {prometheus}: cannot write: {e.strerror}") from None
+        try:
+            health_metrics(report).write_textfile(prometheus)
+        except ClusteropsError as e:
+            raise ClusteropsError(f"--prometheus {prometheus}: {e.message}", exit_code=e.exit_code) from None
     if as_json:
         echo_json(report)
     else:

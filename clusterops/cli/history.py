@@ -6,8 +6,6 @@ works on its own (``python -m clusterops.cli.history``).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from clusterops.cli.common import echo_json, json_option
@@ -24,29 +22,33 @@ def _fmt_time(t: float) -> str:
 @click.option("--probe", help="Only this probe (e.g. check, matmul, fleet:matmul_tflops).")
 @click.option("--since", help="Only rows newer than this: 30m, 12h, 7d, 2w or an ISO date.")
 @click.option("--limit", type=int, default=30, show_default=True, help="At most this many rows (the newest).")
-@click.option("--db", "db_path", type=click.Path(dir_okay=False),
-              help="History database [default: $CLUSTEROPS_SWEEP_DB, /var/lib/clusterops/sweep.db as root].")
+@click.option("--source", type=click.Choice(["all", "sweep", "check"]), default="all", show_default=True,
+              help="Rows from sweeps, from the nodes' own health checks, or both.")
+@click.option("--db", "db_path", metavar="PATH|URL",
+              help="History database: a SQLite path or postgresql://user@host/db [default: "
+                   "$CLUSTEROPS_SWEEP_DB, $CLUSTEROPS_HISTORY_DB, /var/lib/clusterops/sweep.db as root].")
 @json_option
-def history(node, probe, since, limit, db_path, as_json):
-    """Show sweep history: with NODE, that node's results over time (with --probe, one
-    probe's trend, e.g. its TFLOPS over the last 30 sweeps); without, each node's latest
-    verdict."""
+def history(node, probe, since, limit, source, db_path, as_json):
+    """Show sweep and health-check history: with NODE, that node's results over time
+    (with --probe, one probe's trend, e.g. its TFLOPS over the last 30 sweeps); without,
+    each node's latest verdict."""
     from clusterops.errors import InputError
-    from clusterops.history import History, default_db_path, parse_since, sparkline, trend
+    from clusterops.history import History, default_target, parse_since, parse_target, sparkline, trend
 
     if limit is not None and limit < 1:
         raise InputError(f"--limit: must be at least 1, got {limit}")
     t0 = parse_since(since) if since else None
-    db = Path(db_path) if db_path else default_db_path()
-    with History.open(db, create=False) as h:
+    target = parse_target(db_path if db_path else default_target())
+    src = None if source == "all" else source
+    with History.open(target, create=False) as h:
         if node is None and probe is None:
-            rows = h.latest(since=t0)
+            rows = h.latest(since=t0, source=src)
         else:
-            rows = h.rows(node=node, probe=probe, since=t0, limit=limit)
+            rows = h.rows(node=node, probe=probe, since=t0, limit=limit, source=src)
     values = [r.value for r in rows]
     summary = trend(values) if probe else None
     if as_json:
-        out = {"db": str(db), "node": node, "probe": probe, "rows": [r.to_dict() for r in rows]}
+        out = {"db": target.display, "node": node, "probe": probe, "rows": [r.to_dict() for r in rows]}
         if summary is not None:
             out["trend"] = summary
         echo_json(out)
@@ -57,7 +59,8 @@ def history(node, probe, since, limit, db_path, as_json):
     for r in rows:
         val = "" if r.value is None else f"{r.value:.4g}{(' ' + r.unit) if r.unit else ''}"
         detail = f"  {r.detail}" if r.detail else ""
-        click.echo(f"{_fmt_time(r.time)}  {r.node:<12} {r.probe:<22} {r.status:<11} {val:<14}{detail}")
+        click.echo(f"{_fmt_time(r.time)}  {r.node:<12} {r.probe:<22} {r.status:<11} {val:<14} "
+                   f"{r.source or 'sweep':<6}{detail}")
     if summary and summary["n"]:
         click.echo(f"trend ({summary['n']} values): {sparkline(values)}  min {summary['min']:.4g}  "
                    f"median {summary['median']:.4g}  max {summary['max']:.4g}  last {summary['last']:.4g}")

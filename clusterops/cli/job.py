@@ -18,7 +18,11 @@ def job():
 @click.option("--chart", type=click.Path(dir_okay=False),
               help="Also write a self-contained chart: FILE.svg, or FILE.html (chart + event table).")
 @click.option("--progress", is_flag=True, help="Include the periodic step samples in the text output.")
-def timeline(job_dir, as_json, chart, progress):
+@click.option("--prometheus", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Also write the job's metrics (restarts, requeues, goodput, outcome) as a Prometheus "
+                   "textfile, atomically.")
+@click.option("--job-label", default=None, help="The job label of --prometheus [default: the job id, else JOB_DIR's name].")
+def timeline(job_dir, as_json, chart, progress, prometheus, job_label):
     """Print the timeline of a supervised job (JOB_DIR/timeline.jsonl).
 
     Every event and decision of every incarnation: preflight, launch, heartbeat lost,
@@ -32,6 +36,12 @@ def timeline(job_dir, as_json, chart, progress):
     records, skipped = tl.load(job_dir)
     if chart:
         tl.write_chart(records, chart, title=f"supervised job {job_dir}")
+    if prometheus:
+        import os
+
+        ids = [r.get("job_id") for r in records if r.get("job_id")]
+        label = job_label or (str(ids[-1]) if ids else os.path.basename(os.path.abspath(job_dir)))
+        tl.job_metrics(records, label).write_textfile(prometheus)
     if skipped:
         shown = ", ".join(f"{n} ({why})" for n, why in skipped[:10]) + (" ..." if len(skipped) > 10 else "")
         click.echo(f"warning: {tl.timeline_path(job_dir)}: skipped {len(skipped)} unreadable line(s): {shown}",

@@ -174,8 +174,9 @@ def _summary(doc: dict) -> None:
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write a self-contained HTML report.")
 @click.option("--prometheus", "prom_path", type=click.Path(dir_okay=False),
               help="Write a node_exporter textfile (atomically).")
-@click.option("--db", "db_path", type=click.Path(dir_okay=False),
-              help="History database [default: $CLUSTEROPS_SWEEP_DB, /var/lib/clusterops/sweep.db as root].")
+@click.option("--db", "db_path", metavar="PATH|URL",
+              help="History database: a SQLite path or postgresql://user@host/db [default: $CLUSTEROPS_SWEEP_DB, "
+                   "$CLUSTEROPS_HISTORY_DB, /var/lib/clusterops/sweep.db as root].")
 @click.option("--no-history", is_flag=True, help="Do not read or write the history database.")
 @click.option("--retention-days", type=float, default=90.0, show_default=True, help="Prune history older than this.")
 @click.option("--work-dir", type=click.Path(file_okay=False),
@@ -192,10 +193,13 @@ def _summary(doc: dict) -> None:
 @click.option("--connect-timeout", "connect_timeout_s", type=float, default=10.0, show_default=True,
               help="SSH: seconds for TCP connect and handshake.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.option("--notify-config", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="YAML whose notify: list names webhooks told of drains, resumes, guard trips and a sweep that "
+                   "could not run [default: the health site config, $CLUSTEROPS_HEALTH_SITE].")
 def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, drain, max_drain_fraction, flap_k, flap_n,
           straggler_tolerance, drain_stragglers, dry_run, pairs, as_json, report_path, prom_path, db_path,
           no_history, retention_days, work_dir, keep_work_dir, check_cmd, accept_new_hosts, ssh_config, known_hosts,
-          ssh_key, ssh_user, ssh_port, connect_timeout_s, quiet):
+          ssh_key, ssh_user, ssh_port, connect_timeout_s, quiet, notify_config):
     """Health-check a fleet of nodes; optionally drain the bad and resume the recovered.
 
     Via Slurm (default) each idle node gets a short exclusive job pinned to it that runs
@@ -218,9 +222,9 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
     Only 0 and 1 mean "the sweep did its job" (the systemd unit's SuccessExitStatus=1).
     """
     from clusterops import sweep as sw
-    from clusterops.errors import ClusteropsError, InputError
+    from clusterops.errors import InputError
     from clusterops.fsutil import check_output_target
-    from clusterops.history import History, default_db_path
+    from clusterops.history import default_db_path, default_target, parse_target
 
     if check_cmd is not None:
         try:
@@ -243,10 +247,52 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
     for flag, path in (("--report", report_path), ("--prometheus", prom_path)):
         if path:
             _check_output(flag, path, check_output_target)
-    db = Path(db_path) if db_path else default_db_path()
-    if db_path and Path(db_path).exists() and not Path(db_path).is_file():
-        raise InputError(f"--db: {db_path} is not a regular file")
+    target = parse_target(db_path if db_path else default_target())
+    if target.kind == "sqlite":
+        db = target.path
+        if db_path and db.exists() and not db.is_file():
+            raise InputError(f"--db: {db_path} is not a regular file")
+        lock_path = db.with_name(db.name + ".lock")
+    else:
+        # One sweep at a time from this host; the database itself takes concurrent writers.
+        import hashlib
+
+        digest = hashlib.sha256(target.display.encode()).hexdigest()[:12]
+        lock_path = default_db_path().with_name(f"sweep-postgresql-{digest}.lock")
     opts.validate_profile()
+    from clusterops import notify
+
+    notifier = notify.Notifier(notify.load_config(notify_config or os.environ.get("CLUSTEROPS_HEALTH_SITE")))
+    try:
+        return _run(sw, opts, target, lock_path, no_history, retention_days, as_json, quiet, prom_path, report_path,
+                    drain, dry_run, notifier)
+    except sw.SweepCannotRun as e:
+        notifier.send("sweep_cannot_run", e.message, {"exit_code": sw.EXIT_CANNOT_RUN})
+        _close_notifier(notifier)
+        raise
+
+
+def notify_events(doc, drain):
+    from clusterops.notify import sweep_events
+
+    return sweep_events(doc, drain)
+
+
+NOTIFY_WAIT_S = 20.0   # the most a sweep waits at its end for its webhooks
+
+
+def _close_notifier(notifier) -> list:
+    failed = [d for d in notifier.close(NOTIFY_WAIT_S) if not d.ok]
+    for d in failed:
+        click.echo(f"warning: notification {d.event} not delivered: {d.error}", err=True)
+    return failed
+
+
+def _run(sw, opts, target, lock_path, no_history, retention_days, as_json, quiet, prom_path, report_path, drain,
+         dry_run, notifier):
+    from clusterops.errors import ClusteropsError
+    from clusterops.history import History
+
     import signal
 
     def _terminate(signum, frame):
@@ -255,12 +301,11 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _terminate)
-    lock_path = db.with_name(db.name + ".lock")
     progress = _Progress(live=sys.stderr.isatty() and not as_json, quiet=quiet)
     try:
         with SweepLock(lock_path):
             try:
-                history = None if no_history else History.open(db)
+                history = None if no_history else History.open(target)
             except ClusteropsError as e:
                 raise sw.SweepCannotRun(f"sweep could not run: {e.message}") from None
             try:
@@ -282,6 +327,11 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
     except OSError as e:
         raise sw.SweepCannotRun(f"sweep could not run: lock {lock_path}: {e.strerror or e}") from None
     doc = report.to_dict()
+    if notifier.targets:
+        for event, summary, details in notify_events(doc, drain and not dry_run):
+            notifier.send(event, summary, details)
+        _close_notifier(notifier)
+        doc["notifications"] = [d.to_dict() for d in notifier.deliveries]
     write_errors = []
     for path, writer in ((prom_path, "write_prometheus"), (report_path, "write_html")):
         if not path:

@@ -460,36 +460,34 @@ _STATUS_NUM = {"pass": 0, "warn": 1, "fail": 2, "error": 3, "skip": -1}
 def prometheus_text(report: Dict[str, Any]) -> str:
     """The check as Prometheus text exposition. Every series appears once: a profile that
     runs one probe name twice gets ``probe="name"``, ``probe="name#2"``, ... in order."""
-    from clusterops.report import Exposition
+    return health_metrics(report).text()
 
-    prom = Exposition({
-        "clusterops_health_status": "Node health: 0 pass, 1 warn, 2 fail, 3 error.",
-        "clusterops_health_check_duration_seconds": "Wall time of the check.",
-        "clusterops_health_last_run_timestamp_seconds": "When the check ran.",
-        "clusterops_health_probe_status": "Probe status: -1 skip, 0 pass, 1 warn, 2 fail, 3 error.",
-        "clusterops_health_probe_value": "The probe's measured value (see unit).",
-    })
+
+def health_metrics(report: Dict[str, Any]):
+    """The check's metrics (:mod:`clusterops.metrics`); ``.text()`` or ``.write_textfile()``."""
+    from clusterops.metrics import Metrics
+
+    prom = Metrics()
     node, prof = report["node"], report["profile"]
     base = {"node": node, "profile": prof}
-    prom.add("clusterops_health_status", base, _STATUS_NUM.get(report["status"], 3))
-    prom.add("clusterops_health_check_duration_seconds", base, report["duration_s"])
+    prom.set("clusterops_health_status", base, _STATUS_NUM.get(report["status"], 3))
+    prom.set("clusterops_health_check_duration_seconds", base, report["duration_s"])
     t = report.get("time", time.time())
-    prom.add("clusterops_health_last_run_timestamp_seconds", base,
+    prom.set("clusterops_health_last_run_timestamp_seconds", base,
              round(t) if isinstance(t, (int, float)) and abs(t) < 1e15 else t)
+    if isinstance(report.get("exit_code"), int):
+        prom.set("clusterops_health_exit_code", base, report["exit_code"])
     seen: Dict[str, int] = {}
-    values = []
     for r in report["results"]:
         name = str(r["name"])
         seen[name] = seen.get(name, 0) + 1
         probe = name if seen[name] == 1 else f"{name}#{seen[name]}"
-        prom.add("clusterops_health_probe_status", {"node": node, "probe": probe},
+        prom.set("clusterops_health_probe_status", {"node": node, "probe": probe},
                  _STATUS_NUM.get(r["status"], 3))
         v = r.get("value")
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            values.append(({"node": node, "probe": probe, "unit": r.get("unit") or ""}, v))
-    for labels, v in values:
-        prom.add("clusterops_health_probe_value", labels, v)
-    return prom.text()
+            prom.set("clusterops_health_probe_value", {"node": node, "probe": probe, "unit": r.get("unit") or ""}, v)
+    return prom
 
 
 def format_table(report: Dict[str, Any]) -> str:

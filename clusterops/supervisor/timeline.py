@@ -211,6 +211,67 @@ def summary(records: Iterable[Mapping]) -> dict:
     return out
 
 
+def goodput(records: Iterable[Mapping]) -> Optional[float]:
+    """Share of the job's wall time (first launch to last record) in which the training
+    step advanced: the time between consecutive progress samples of one launch whose
+    step grew. None before the first launch."""
+    recs = sorted((r for r in records if _finite(r.get("t")) is not None), key=lambda r: r["t"])
+    launches = [r["t"] for r in recs if r.get("event") == "launch"]
+    if not launches:
+        return None
+    t0, t1 = launches[0], recs[-1]["t"]
+    if t1 <= t0:
+        return 0.0
+    useful = 0.0
+    last: Optional[Tuple[float, float]] = None
+    for r in recs:
+        if r["t"] < t0:
+            continue
+        e = r.get("event")
+        if e == "launch":
+            rs = _finite(r.get("resume_step"))
+            last = (r["t"], rs) if rs is not None else None
+        elif e == "progress" and _finite(r.get("step")) is not None:
+            step = _finite(r["step"])
+            if last is not None and step > last[1]:
+                useful += r["t"] - last[0]
+            last = (r["t"], step)
+        elif e in FAULT_KINDS or e in ("restart", "requeue", "give_up"):
+            last = None
+    return max(0.0, min(1.0, useful / (t1 - t0)))
+
+
+def prometheus_text(records: Iterable[Mapping], job: str) -> str:
+    return job_metrics(records, job).text()
+
+
+def job_metrics(records: Iterable[Mapping], job: str):
+    """The supervised job's metrics (:mod:`clusterops.metrics`), labelled ``job``."""
+    from clusterops.metrics import Metrics
+
+    recs = list(records)
+    s = summary(recs)
+    prom = Metrics()
+    lab = {"job": job}
+    prom.set("clusterops_job_restarts", lab, s["restarts"])
+    prom.set("clusterops_job_requeues", lab, s["requeues"])
+    prom.set("clusterops_job_launches", lab, s["launches"])
+    prom.set("clusterops_job_faults", lab, len(s["faults"]))
+    prom.set("clusterops_job_given_up", lab, 1 if s["outcome"] == "give_up" else 0)
+    prom.set("clusterops_job_finished", lab, 1 if s["outcome"] == "done" else 0)
+    if isinstance(s["exit_code"], int) and not isinstance(s["exit_code"], bool):
+        prom.set("clusterops_job_exit_code", lab, s["exit_code"])
+    if _finite(s["last_step"]) is not None:
+        prom.set("clusterops_job_last_step", lab, s["last_step"])
+    g = goodput(recs)
+    if g is not None:
+        prom.set("clusterops_job_goodput_ratio", lab, g)
+    times = [_finite(r.get("t")) for r in recs if _finite(r.get("t")) is not None]
+    if times:
+        prom.set("clusterops_job_last_event_timestamp_seconds", lab, max(times))
+    return prom
+
+
 # ------------------------------------------------------------------------------ chart
 def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 360, title: str = "") -> str:
     """Training step against wall time; faults (red) and decisions (blue) marked."""
@@ -267,12 +328,12 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
     for seg in segs:
         if len(seg) >= 2:
             d = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in seg)
-            parts.append(f'<polyline points="{d}" fill="none" stroke="#2a7" stroke-width="2"/>')
+            parts.append(f'<polyline class="step" points="{d}" fill="none" stroke="#2a7" stroke-width="2"/>')
         for t, s in seg:
             parts.append(f'<circle cx="{x(t):.1f}" cy="{y(s):.1f}" r="1.8" fill="#2a7"/>')
     for r in recs:
         if r.get("event") == "checkpoint" and _finite(r.get("step")) is not None:
-            parts.append(f'<rect x="{x(r["t"]) - 3:.1f}" y="{y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
+            parts.append(f'<rect class="checkpoint" x="{x(r["t"]) - 3:.1f}" y="{y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
                          f'fill="#fc3" stroke="#960"><title>checkpoint step {esc(str(r["step"]))}</title></rect>')
     row = 0
     for r in recs:
@@ -281,13 +342,14 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
             e = "done"
         if e in FAULT_KINDS or e in DECISION_KINDS:
             color = "#d22" if e in FAULT_KINDS else "#25c"
+            kind = "fault" if e in FAULT_KINDS else "decision"
             xx = x(r["t"])
             label = esc(describe(r))[:80]
-            parts.append(f'<line x1="{xx:.1f}" y1="{pad_t}" x2="{xx:.1f}" y2="{pad_t + h}" stroke="{color}" '
+            parts.append(f'<line class="{kind}" data-event="{esc(e)}" x1="{xx:.1f}" y1="{pad_t}" x2="{xx:.1f}" y2="{pad_t + h}" stroke="{color}" '
                          f'stroke-dasharray="4,3"><title>{label}</title></line>')
             short = esc(e.replace("_", " ") + (f": {r.get('cause')}" if r.get("cause") else ""))
             ly = pad_t + h + 46 + 12 * (row % 3)
-            parts.append(f'<text x="{xx + 2:.1f}" y="{ly}" fill="{color}">{short}</text>')
+            parts.append(f'<text class="{kind}-label" x="{xx + 2:.1f}" y="{ly}" fill="{color}">{short}</text>')
             row += 1
     parts.append(f'<g transform="translate({pad_l + w - 250},{pad_t - 14})">'
                  '<line x1="0" y1="0" x2="16" y2="0" stroke="#2a7" stroke-width="2"/><text x="20" y="4">step</text>'
