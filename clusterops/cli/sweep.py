@@ -283,15 +283,16 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
         raise sw.SweepCannotRun(f"sweep could not run: lock {lock_path}: {e.strerror or e}") from None
     doc = report.to_dict()
     write_errors = []
-    for path, writer in ((prom_path, "write_prometheus"), (report_path, "write_html")):
-        if not path:
-            continue
+    if prom_path or report_path:
         from clusterops import report as rep
 
-        try:
-            getattr(rep, writer)(path, doc)
-        except ClusteropsError as e:
-            write_errors.append(e.message)
+        for path, write in ((prom_path, rep.write_prometheus), (report_path, rep.write_html)):
+            if not path:
+                continue
+            try:
+                write(path, doc)
+            except ClusteropsError as e:
+                write_errors.append(e.message)
     if as_json:
         echo_json(doc)
     else:
