@@ -334,3 +334,46 @@ def test_pair_script_rendezvous_uses_the_node_address_and_runs_the_step(tmp_path
     assert out.strip() == ("srun --ntasks-per-node=1 --kill-on-bad-exit=1 clusterops health dist --size 16M "
                            f"--result-dir {pair_dir}/7.d --report {pair_dir}/7.json MASTER_ADDR=10.9.8.7")
     assert (pair_dir / "7.done").read_text().strip() == "3"
+
+
+def test_pairs_report_each_pair_and_cancel_a_silent_one(tmp_path):
+    """--pairs plumbing: healthy nodes paired in name order, one 2-node job per pair; a pair
+    that answers is read from its files, a silent one is unreachable and cancelled."""
+    from clusterops.sweep import NodeResult, run_pairs
+
+    clock = FakeClock()
+
+    class PairSlurm:
+        def __init__(self):
+            self.submitted, self.cancelled = {}, []
+
+        def submit(self, script, args=()):
+            jid = 500 + len(self.submitted)
+            nodes = next(a.split("=", 1)[1] for a in args if a.startswith("--nodelist="))
+            self.submitted[jid] = (Path(script), list(args))
+            if nodes == "node1,node2":       # answers at once, as pair.sh would leave it
+                pair_dir = Path(script).parent
+                (pair_dir / f"{jid}.json").write_text(json.dumps({"busbw_gbps": 1.5, "detail": "ok"}))
+                (pair_dir / f"{jid}.done").write_text("0\n")
+            return jid
+
+        def cancel(self, job_id, **_):
+            self.cancelled.append(job_id)
+
+    slurm = PairSlurm()
+    results = {n: NodeResult(n, "pass") for n in ("node10", "node2", "node1", "node3")}
+    results["node4"] = NodeResult("node4", "fail")
+    errors = []
+    out = run_pairs(slurm, results, SweepOptions(timeout_s=5, pairs=True), tmp_path, errors,
+                    clock=clock, sleep=clock.sleep)
+
+    by_nodes = {tuple(p["nodes"]): p for p in out}
+    assert set(by_nodes) == {("node1", "node2"), ("node3", "node10")}   # node4 failed: not paired
+    assert by_nodes[("node1", "node2")]["status"] == "pass" and by_nodes[("node1", "node2")]["busbw_gbps"] == 1.5
+    silent = by_nodes[("node3", "node10")]
+    assert silent["status"] == "unreachable" and slurm.cancelled == [silent["job_id"]]
+    assert errors == [] and 5.0 <= clock.now < 6.0
+    for script, args in slurm.submitted.values():
+        assert script == tmp_path / "pairs" / "pair.sh" and "--nodes=2" in args and "--exclusive" in args
+    text = (tmp_path / "pairs" / "pair.sh").read_text()
+    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 " in text and " health dist " in text
