@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
-from clusterops.errors import InputError, where
+from clusterops.errors import InputError
 
 FORMATS = ("json", "slack")
 EVENTS = ("node_drained", "node_resumed", "guard_tripped", "sweep_cannot_run", "job_given_up", "job_requeued")

@@ -376,7 +376,7 @@ def test_valid_settings_never_crash_a_probe(case):
     `probe raised ...` (a probe bug reported as an error)."""
     import json as _json
 
-    from clusterops.health import REGISTRY, _lazy, load_gpu_models
+    from clusterops.health import REGISTRY, load_gpu_models
     from clusterops.health.probes.base import ProbeContext
     from clusterops.health.probes.nvml_standin import StandinNVML
 
@@ -391,8 +391,7 @@ def test_valid_settings_never_crash_a_probe(case):
     ctx = ProbeContext(env={"PATH": "/nonexistent"}, node="prop1", state_dir=str(work), host_root=str(work),
                        nvml=StandinNVML(_json.loads((FIX / "h100_sxm_8gpu_idle.json").read_text())),
                        gpu_models=load_gpu_models({}), slurm_gpus=lambda node, t: 8)
-    module, fn_name, _ = REGISTRY[name]
-    results = _lazy(module, fn_name)(dict(cfg), ctx)
+    results = REGISTRY[name].fn(dict(cfg), ctx)
     assert results or (name == "host.mounts" and not cfg.get("mounts")), (name, cfg)
     for r in results:
         assert "probe raised" not in r.detail, (name, cfg, r.detail)

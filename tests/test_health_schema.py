@@ -92,8 +92,8 @@ def _cfg_keys(module_path: Path) -> set:
 
 def test_schema_lists_exactly_the_settings_each_probe_module_reads():
     modules = {}
-    for name, (module, _fn, _excl) in REGISTRY.items():
-        modules.setdefault(module, set()).add(name)
+    for name, entry in REGISTRY.items():
+        modules.setdefault(entry.fn.__module__, set()).add(name)
     for module, names in modules.items():
         path = REPO / (module.replace(".", "/") + ".py")
         read = _cfg_keys(path)

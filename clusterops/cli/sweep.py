@@ -333,15 +333,16 @@ def _run(sw, opts, target, lock_path, no_history, retention_days, as_json, quiet
         _close_notifier(notifier)
         doc["notifications"] = [d.to_dict() for d in notifier.deliveries]
     write_errors = []
-    for path, writer in ((prom_path, "write_prometheus"), (report_path, "write_html")):
-        if not path:
-            continue
+    if prom_path or report_path:
         from clusterops import report as rep
 
-        try:
-            getattr(rep, writer)(path, doc)
-        except ClusteropsError as e:
-            write_errors.append(e.message)
+        for path, write in ((prom_path, rep.write_prometheus), (report_path, rep.write_html)):
+            if not path:
+                continue
+            try:
+                write(path, doc)
+            except ClusteropsError as e:
+                write_errors.append(e.message)
     if as_json:
         echo_json(doc)
     else:

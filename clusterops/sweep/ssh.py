@@ -16,14 +16,19 @@
   (``Host``/``HostName``/``Port``/``User``/``IdentityFile``/``UserKnownHostsFile``/
   ``HostKeyAlias``), the way sysadmins already describe their fleet.
 
+``ssh_fanout`` is the sweep's use of it: the health check on every host, each answer
+turned into a node result as a Slurm check job's would be (``sweep --via ssh``).
+
 paramiko is imported only when a fan-out runs (the ``ssh`` extra).
 """
 
 from __future__ import annotations
 
 import getpass
+import json
 import logging
 import os
+import shlex
 import socket
 import threading
 import time
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from clusterops.errors import ClusteropsError, InputError
+from clusterops.sweep.results import NodeResult, one_line, parse_times, result_from_check
 
 log = logging.getLogger(__name__)
 
@@ -401,4 +407,40 @@ def fan_out(hosts: Sequence[str], command: str, opts: SSHOptions,
 
     with ThreadPoolExecutor(max_workers=min(opts.concurrency, max(1, len(confs)))) as pool:
         list(pool.map(one, confs))
+    return results
+
+
+# -- the sweep over SSH ------------------------------------------------------------------
+
+def ssh_fanout(targets: Sequence[str], argv: Sequence[str], opts,
+               on_result: Optional[Callable[[NodeResult], None]] = None) -> Dict[str, NodeResult]:
+    """The sweep over SSH: the check on every host (bounded by ``opts``, a SweepOptions),
+    each answer judged like a Slurm check job's; a host SSH cannot reach is ``unreachable``."""
+    results: Dict[str, NodeResult] = {}
+    lock = threading.Lock()
+    # bash's `times` gives the check's CPU time, as in Slurm jobs.
+    command = "{ " + shlex.join(list(argv)) + "; rc=$?; times >&2; exit $rc; }"
+    remote = shlex.join(["bash", "-c", command])
+
+    def one(res: RemoteResult) -> None:
+        if res.error:
+            r = NodeResult(res.host, "unreachable", detail=one_line(f"ssh: {res.error}"), probe="ssh",
+                           latency_s=round(res.duration_s, 3))
+        else:
+            try:
+                doc = json.loads(res.stdout)
+            except ValueError:
+                doc = None
+            r = result_from_check(res.host, doc, res.exit_code, stderr=res.stderr)
+            r.cpu_s = parse_times("\n".join(res.stderr.strip().splitlines()[-2:]))
+            r.latency_s = round(res.duration_s, 3)
+        with lock:
+            results[r.node] = r
+        if on_result:
+            on_result(r)
+
+    fan_out(list(targets), remote, SSHOptions(
+        concurrency=opts.concurrency, timeout_s=opts.timeout_s, connect_timeout_s=opts.connect_timeout_s,
+        accept_new_hosts=opts.accept_new_hosts, ssh_config=opts.ssh_config, known_hosts=opts.known_hosts,
+        key_filename=opts.ssh_key, user=opts.ssh_user, port=opts.ssh_port), on_result=one)
     return results

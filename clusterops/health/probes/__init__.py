@@ -4,6 +4,8 @@ Each probe module exposes functions that take a probe configuration (a plain dic
 from the resolved health profile) and a ProbeContext, and return a list of
 ProbeResult. ``clusterops.health.probes.base.run_probes`` runs them, each under its own
 deadline, so one hung probe becomes an ``error`` result instead of a hung check.
+The names a profile may use, and the function each one runs, are the explicit table
+``clusterops.health.check.REGISTRY``.
 
 Heavy libraries (torch, pynvml) are imported inside the functions that use them:
 the ``fast`` profile never imports torch.

@@ -85,10 +85,11 @@ def rank_info(env: Mapping[str, str]) -> Dict[str, Any]:
 
 
 def node_address(name: str) -> str:
-    """An address for a Slurm node (its name, or Slurm's NodeAddr when the name does not resolve)."""
-    from clusterops.slurm import Slurm
+    """The rendezvous address of a Slurm node: the Slurm layer's one rule (its name when it
+    resolves, else its NodeAddr), asked with a short bound."""
+    from clusterops.slurm.settings import connect
 
-    return Slurm(read_attempts=2, timeout_s=10).node_address(name)
+    return connect(read_attempts=2, timeout_s=10).node_address(name)
 
 
 def expected_hosts(env: Mapping[str, str], world: int) -> Dict[int, str]:

@@ -351,9 +351,9 @@ def probe_stray_processes(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeR
         return [ProbeResult("host.stray_processes", "pass", value=0, unit="processes",
                             detail="no processes of Slurm jobs on this node")]
     try:
-        from clusterops.slurm import Slurm
+        from clusterops.slurm.settings import connect
 
-        slurm = Slurm.from_environment(timeout_s=float(cfg.get("slurm_timeout_s", 3)), read_attempts=1)
+        slurm = connect(timeout_s=float(cfg.get("slurm_timeout_s", 3)), read_attempts=1)
         # Anything not finished counts as live (a completing job still owns its processes).
         # Ask about these jobs only (not the whole queue: thousands of nodes run this).
         ids = sorted({int(j) for j in procs.values() if j.isdigit()})

@@ -356,10 +356,10 @@ def local_gpu_evidence(host_root: str = "/") -> List[str]:
 
 def slurm_gpu_count(node: str, timeout_s: float) -> Optional[int]:
     """GPUs Slurm's gres gives ``node`` (one bounded query; None when Slurm cannot say)."""
-    from clusterops.slurm import Slurm
     from clusterops.slurm.gres import gpu_count
+    from clusterops.slurm.settings import connect
 
-    slurm = Slurm.from_environment(timeout_s=timeout_s, read_attempts=1)
+    slurm = connect(timeout_s=timeout_s, read_attempts=1)
     return gpu_count(slurm.node(node).gres)
 
 

@@ -1,0 +1,173 @@
+"""One node's sweep result, and the fleet comparison of the figures in them (pure).
+
+``result_from_check`` turns one ``clusterops health check --json`` document (plus its
+exit code) into a :class:`NodeResult`; ``parse_times`` reads the check's CPU time from
+bash's ``times``; ``mark_stragglers`` compares per-node figures (matmul TFLOPS,
+all-reduce busbw) with the sweep's median: a node below ``(1 - tolerance) x median`` is
+a straggler. Nothing here touches Slurm, SSH or the clock.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+
+from clusterops.errors import InputError
+
+HEALTHY = frozenset({"pass", "warn"})
+FAILING = frozenset({"fail", "unreachable"})
+# Every status a node can end a sweep with.
+STATUSES = ("pass", "warn", "fail", "error", "unreachable", "skipped")
+
+# Per-node figures compared across the fleet: metric name -> (probe name patterns, units).
+METRICS = {
+    "matmul_tflops": (("matmul",), ("tflops", "tflop/s")),
+    "busbw_gbps": (("allreduce", "all_reduce", "all-reduce", "busbw", "bandwidth"), ("gb/s", "gbps")),
+}
+
+
+@dataclass
+class NodeResult:
+    node: str
+    status: str                       # one of STATUSES
+    detail: str = ""                  # one line: the failing probe's detail, or why skipped
+    probe: str = ""                   # the probe that failed ("" when none)
+    exit_code: Optional[int] = None   # the check's exit code
+    duration_s: Optional[float] = None  # the check's own wall time
+    cpu_s: Optional[float] = None     # CPU time the check used (user + sys), when known
+    latency_s: Optional[float] = None  # from submission/connection to result
+    metrics: Dict[str, float] = field(default_factory=dict)
+    probes: List[dict] = field(default_factory=list)
+    stragglers: List[str] = field(default_factory=list)
+    job_id: Optional[int] = None
+    profile: str = ""                 # the health profile the check ran (from its report)
+
+    @property
+    def checked(self) -> bool:
+        """The node was really examined (its result says something about it)."""
+        return self.status not in ("skipped", "error")
+
+    @property
+    def healthy(self) -> bool:
+        return self.status in HEALTHY
+
+    @property
+    def failing(self) -> bool:
+        return self.status in FAILING
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["healthy"] = self.healthy
+        return d
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """``text`` on one line, whitespace folded, cut to ``limit`` characters."""
+    s = " ".join(str(text or "").split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def extract_metrics(probes: Sequence[Mapping]) -> Dict[str, float]:
+    """Per-node figures for the fleet comparison, from a check's probe results."""
+    found: Dict[str, float] = {}
+    for r in probes:
+        name = str(r.get("name", "")).lower()
+        unit = str(r.get("unit") or "").lower()
+        value = r.get("value")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        for metric, (names, units) in METRICS.items():
+            if metric in found:
+                continue
+            if any(n in name for n in names) and (not unit or unit in units):
+                found[metric] = float(value)
+    return found
+
+
+def result_from_check(node: str, doc: Optional[Mapping], exit_code: Optional[int], *,
+                      stderr: str = "") -> NodeResult:
+    """Judge one node from its check's JSON and exit code (pure).
+
+    Exit 0 is healthy, 1 unhealthy, 3 unhealthy (its own fleet guard kept it from
+    draining itself), 2 means the check itself was used wrongly (bad profile) and 4 that
+    it could not decide (a probe raised or timed out): both are an ``error`` of the
+    sweep, not the node's fault, so it is never drained for them. Output that is not the
+    contract's JSON is ``error`` too.
+    """
+    if not isinstance(doc, Mapping) or "status" not in doc:
+        why = one_line(stderr.strip().splitlines()[-1] if stderr.strip() else "no JSON on stdout")
+        status = "error" if exit_code in (2, 4, None) else "fail"
+        return NodeResult(node, status, detail=f"check exit {exit_code}: {why}", probe="check",
+                          exit_code=exit_code)
+    probes = list(doc.get("results") or [])
+    status = str(doc.get("status", "error"))
+    if exit_code in (2, 4):
+        status = "error"
+    elif exit_code in (1, 3) and status in HEALTHY | {"error"}:
+        # The exit code is the contract: 1 is unhealthy, whatever the label says (an
+        # ``error`` probe, e.g. a stat that hung on a dead mount, is the node's fault).
+        status = "fail"
+    elif exit_code == 0 and status not in HEALTHY:
+        status = "warn"
+    if status not in STATUSES:
+        status = "error"
+    bad = [r for r in probes if r.get("status") in ("fail", "error")]
+    worst = next((r for r in bad if r.get("status") == "fail"), bad[0] if bad else None)
+    detail, probe = "", ""
+    if worst is not None:
+        probe = str(worst.get("name", "check"))
+        detail = one_line(worst.get("detail") or worst.get("status"))
+    elif status not in HEALTHY:
+        probe, detail = "check", one_line(doc.get("detail") or f"check status {status}")
+    else:
+        warns = [r for r in probes if r.get("status") == "warn"]
+        if warns:
+            detail = one_line(f"{warns[0].get('name')}: {warns[0].get('detail', '')}")
+    dur = doc.get("duration_s")
+    return NodeResult(node, status, detail=detail, probe=probe, exit_code=exit_code,
+                      duration_s=float(dur) if isinstance(dur, (int, float)) else None,
+                      metrics=extract_metrics(probes), probes=probes, profile=str(doc.get("profile") or ""))
+
+
+def fleet_medians(results: Iterable[NodeResult]) -> Dict[str, float]:
+    values: Dict[str, List[float]] = {}
+    for r in results:
+        if r.status in HEALTHY or r.status == "fail":
+            for k, v in r.metrics.items():
+                values.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in values.items() if v}
+
+
+def mark_stragglers(results: Mapping[str, NodeResult], tolerance: float) -> Dict[str, float]:
+    """Flag nodes below ``(1 - tolerance) x`` the sweep's median; returns the medians.
+
+    A straggler may still pass its absolute thresholds: the point is the comparison
+    with its peers. Needs at least 3 nodes with the figure to say anything.
+    """
+    if not 0 <= tolerance < 1:
+        raise InputError(f"--straggler-tolerance: must be in [0, 1), got {tolerance}")
+    medians = fleet_medians(results.values())
+    counts = {k: sum(1 for r in results.values() if k in r.metrics) for k in medians}
+    for r in results.values():
+        r.stragglers = []
+        for k, med in medians.items():
+            if counts[k] >= 3 and k in r.metrics and med > 0 and r.metrics[k] < (1 - tolerance) * med:
+                r.stragglers.append(k)
+    return medians
+
+
+def parse_times(text: str) -> Optional[float]:
+    """CPU seconds (user + sys) of the children from bash's ``times`` output: its last line."""
+    pat = re.compile(r"(\d+)m([\d.]+)s\s+(\d+)m([\d.]+)s")
+    lines = [ln for ln in text.splitlines() if pat.fullmatch(ln.strip())]
+    if len(lines) < 2:
+        return None
+    m = pat.fullmatch(lines[-1].strip())
+    return int(m.group(1)) * 60 + float(m.group(2)) + int(m.group(3)) * 60 + float(m.group(4))
+
+
+def natural_key(name: str):
+    """Sort key that puts node2 before node10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]

@@ -1,0 +1,472 @@
+"""One sweep, end to end: select the nodes, check them, judge, (drain), record.
+
+``SweepOptions`` are the sweep's settings, validated before Slurm is asked anything
+(bad ones: ``InputError``, exit 2). ``run_sweep`` ties the pieces together: the targets
+and their Slurm states, busy/down/foreign-drained nodes skipped and listed, nodes that
+clusterops drained rechecked inside a short maintenance reservation, the checks run
+through ``SlurmFanout`` or ``ssh_fanout``, stragglers marked, optional node pairs,
+the drain plan made by ``policy.plan_drains`` from this sweep and the history, carried
+out by ``apply_sweep_plan`` (the only code here that changes node states), and the
+``SweepReport`` recorded. The exit codes (``EXIT_*``) are the ``clusterops sweep``
+contract. A Slurm client comes from ``clusterops.slurm.settings.connect`` unless one is
+passed in.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from clusterops import drains
+from clusterops.errors import ClusteropsError, InputError
+from clusterops.sweep.pairs import run_pairs
+from clusterops.sweep.policy import DrainPlan, NodeSnapshot, drain_reason, plan_drains
+from clusterops.sweep.results import STATUSES, NodeResult, mark_stragglers, natural_key
+from clusterops.sweep.scripts import check_argv
+from clusterops.sweep.slurm_fanout import Progress, SlurmFanout, Target
+from clusterops.sweep.ssh import ssh_fanout
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_UNHEALTHY = 1
+EXIT_GUARD = 3      # the safety guard refused to drain: too many nodes would go
+EXIT_LOCKED = 4     # another sweep holds the lock
+EXIT_CANNOT_RUN = 5  # no Slurm, no history database, nothing to sweep: nothing was judged
+
+
+class SweepCannotRun(ClusteropsError):
+    """The sweep could not run (or could not record what it found): exit 5, never
+    mistaken for "ran and found unhealthy nodes" (1)."""
+
+    exit_code = EXIT_CANNOT_RUN
+
+
+MAX_TARGETS = 100_000     # a hostlist typo like node[1-99999999] must not eat the memory
+MAX_TIMEOUT_S = 7 * 86400.0  # also keeps NaN and infinity out (they fail every comparison)
+
+
+# -- reservations (rechecking nodes we drained) --------------------------------------------
+
+def create_reservation(slurm, name: str, nodes: str, minutes: int) -> None:
+    """A maintenance reservation so a drained node can be resumed for its check without a
+    user's job landing on it in between."""
+    slurm.create_reservation(name, nodes, minutes=minutes, users=getpass.getuser(), flags="MAINT,IGNORE_JOBS")
+
+
+def delete_reservation(slurm, name: str) -> None:
+    slurm.delete_reservation(name)
+
+
+# -- the sweep ---------------------------------------------------------------------
+
+@dataclass
+class SweepOptions:
+    partition: Optional[str] = None
+    nodes: Optional[str] = None            # hostlist
+    profile: str = "fast"
+    via: str = "slurm"                     # slurm | ssh
+    concurrency: int = 32                  # ssh sessions / parallel sbatch calls
+    max_running: int = 0                   # Slurm: check jobs in flight at once (0: all)
+    drain: bool = False
+    max_drain_fraction: float = 0.1
+    dry_run: bool = False
+    timeout_s: float = 300.0               # per check (Slurm: from submission)
+    connect_timeout_s: float = 10.0
+    pairs: bool = False
+    flap_k: int = 3
+    flap_n: int = 5
+    straggler_tolerance: float = 0.10
+    drain_stragglers: bool = False
+    recheck_drained: bool = True           # resume-check nodes clusterops drained (Slurm, not dry-run)
+    check_cmd: Optional[List[str]] = None
+    work_dir: Optional[str] = None
+    keep_work_dir: bool = False
+    accept_new_hosts: bool = False
+    ssh_config: Optional[str] = None
+    known_hosts: Optional[str] = None
+    ssh_key: Optional[str] = None
+    ssh_user: Optional[str] = None
+    ssh_port: Optional[int] = None
+
+    def validate(self) -> None:
+        if self.partition and self.nodes:
+            raise InputError("--partition and --nodes: give one or the other")
+        if self.via not in ("slurm", "ssh"):
+            raise InputError(f"--via: must be slurm or ssh, got {self.via!r}")
+        if self.concurrency < 1:
+            raise InputError(f"--concurrency: must be at least 1, got {self.concurrency}")
+        if self.max_running < 0:
+            raise InputError(f"--max-running: must be 0 (no cap) or more, got {self.max_running}")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise InputError(f"--timeout: must be positive and at most {MAX_TIMEOUT_S:g} s, got {self.timeout_s}")
+        if not 0 <= self.max_drain_fraction <= 1:
+            raise InputError(f"--max-drain-fraction: must be between 0 and 1, got {self.max_drain_fraction}")
+        if not 1 <= self.flap_k <= self.flap_n:
+            raise InputError(f"--flap-k/--flap-n: need 1 <= k <= n, got k={self.flap_k} n={self.flap_n}")
+        if not 0 <= self.straggler_tolerance < 1:
+            raise InputError(f"--straggler-tolerance: must be in [0, 1), got {self.straggler_tolerance}")
+        if not 0 < self.connect_timeout_s <= MAX_TIMEOUT_S:
+            raise InputError(f"--connect-timeout: must be positive and at most {MAX_TIMEOUT_S:g} s, "
+                             f"got {self.connect_timeout_s}")
+        if self.flap_n > 1000:
+            raise InputError(f"--flap-n: at most 1000 sweeps, got {self.flap_n}")
+        if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
+            raise InputError(f"--ssh-port: must be 1..65535, got {self.ssh_port}")
+        if self.drain_stragglers and not self.drain:
+            raise InputError("--drain-stragglers: needs --drain")
+        if self.check_cmd is not None and not self.check_cmd:
+            raise InputError("--check-cmd: empty command")
+        if self.pairs and self.via != "slurm":
+            raise InputError("--pairs: needs --via slurm (pairs run as 2-node Slurm jobs)")
+        if self.work_dir is not None and Path(self.work_dir).exists() and not Path(self.work_dir).is_dir():
+            raise InputError(f"--work-dir: {self.work_dir} exists and is not a directory")
+        if self.via == "ssh":
+            for flag, value in (("--ssh-key", self.ssh_key), ("--ssh-config", self.ssh_config)):
+                if value is not None and not Path(os.path.expanduser(value)).is_file():
+                    raise InputError(f"{flag}: {value}: no such file")
+            if self.known_hosts is not None and Path(os.path.expanduser(self.known_hosts)).is_dir():
+                raise InputError(f"--known-hosts: {self.known_hosts} is a directory")
+        if self.nodes is not None:
+            expand_nodes(self.nodes)
+
+    def validate_profile(self) -> None:
+        """The profile must load here (name or file, with the site config) before any node
+        is asked to run it; a wrapped check (--check-cmd) is the site's own business."""
+        if self.check_cmd:
+            return
+        from clusterops.health import load_profile
+
+        load_profile(self.profile)
+
+
+def expand_nodes(text: str) -> List[str]:
+    import hostlist
+
+    try:
+        names = hostlist.expand_hostlist(text)
+    except hostlist.BadHostlist as e:
+        raise InputError(f"--nodes: bad hostlist {text!r}: {e}") from None
+    except (ValueError, MemoryError, OverflowError) as e:
+        raise InputError(f"--nodes: bad hostlist {text!r}: {e}") from None
+    if not names:
+        raise InputError("--nodes: empty hostlist")
+    if len(names) > MAX_TARGETS:
+        raise InputError(f"--nodes: {len(names)} nodes is more than one sweep takes ({MAX_TARGETS})")
+    return unique(names)
+
+
+def unique(names: Iterable[str]) -> List[str]:
+    """Names in first-seen order, each once (a node listed twice is checked once)."""
+    return list(dict.fromkeys(names))
+
+
+@dataclass
+class SweepReport:
+    sweep_id: str
+    started: float
+    finished: float
+    options: dict
+    targets: List[str]
+    results: Dict[str, NodeResult]
+    medians: Dict[str, float]
+    plan: Optional[DrainPlan]
+    applied: List[dict] = field(default_factory=list)
+    errors: List[str] = field(default_factory=list)
+    pairs: List[dict] = field(default_factory=list)
+    exit_code: int = 0
+
+    def counts(self) -> Dict[str, int]:
+        c = {s: 0 for s in STATUSES}
+        for r in self.results.values():
+            c[r.status] = c.get(r.status, 0) + 1
+        c["stragglers"] = sum(1 for r in self.results.values() if r.stragglers)
+        return c
+
+    def node_order(self) -> List[str]:
+        return sorted(self.results, key=natural_key)
+
+    def cpu_s(self) -> float:
+        return sum(r.cpu_s or 0.0 for r in self.results.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "sweep_id": self.sweep_id,
+            "started": self.started,
+            "finished": self.finished,
+            "duration_s": round(self.finished - self.started, 3),
+            "options": self.options,
+            "counts": self.counts(),
+            "medians": self.medians,
+            "check_cpu_s": round(self.cpu_s(), 3),
+            "nodes": [self.results[n].to_dict() for n in self.node_order()],
+            "plan": self.plan.to_dict() if self.plan else None,
+            "applied": self.applied,
+            "pairs": self.pairs,
+            "errors": self.errors,
+            "exit_code": self.exit_code,
+        }
+
+
+def _classify_targets(names: Sequence[str], infos: Mapping[str, object], opts: SweepOptions
+                      ) -> Tuple[List[str], List[str], Dict[str, NodeResult]]:
+    """-> (nodes to check now, clusterops-drained nodes to recheck, skipped results)."""
+    check, recheck, skipped = [], [], {}
+    for name in names:
+        info = infos.get(name)
+        if info is None:
+            if opts.via == "ssh":
+                check.append(name)
+            else:
+                skipped[name] = NodeResult(name, "error", detail="unknown to Slurm", probe="sweep")
+            continue
+        snap = NodeSnapshot.from_info(info)
+        if snap.busy:
+            skipped[name] = NodeResult(name, "skipped", detail=f"busy ({info.state}): running jobs, not disturbed")
+        elif snap.down:
+            why = f"down: {info.reason}" if info.reason else "down / not responding"
+            skipped[name] = NodeResult(name, "skipped", detail=why)
+        elif snap.drained and not snap.ours:
+            skipped[name] = NodeResult(name, "skipped", detail=f"drained by someone else: {info.reason}")
+        elif snap.drained and drains.parse_reason(info.reason).origin == drains.ADMIN:
+            # May not be lifted by a sweep (drains.may_resume): do not even resume it for a recheck.
+            skipped[name] = NodeResult(name, "skipped", detail=f"drained by an administrator: {info.reason}")
+        elif snap.drained:
+            if opts.via == "ssh":
+                check.append(name)       # ssh reaches a drained node without touching Slurm
+            elif opts.dry_run or not opts.recheck_drained:
+                skipped[name] = NodeResult(name, "skipped", detail=f"drained by clusterops ({info.reason}); "
+                                           "rechecked only by a real (not --dry-run) sweep")
+            else:
+                recheck.append(name)
+        elif info.is_idle or opts.via == "ssh":
+            check.append(name)
+        else:
+            skipped[name] = NodeResult(name, "skipped", detail=f"state {info.state} "
+                                       f"{'+'.join(sorted(info.flags))}".strip())
+    return check, recheck, skipped
+
+
+def apply_sweep_plan(slurm, plan: DrainPlan, rechecked: Sequence[str], infos: Mapping[str, object], *,
+                     drain: bool) -> Tuple[List[dict], List[str]]:
+    """Carry out the plan, one node at a time so one refusal does not stop the rest.
+
+    ``rechecked`` nodes were drained by clusterops and resumed (inside a maintenance
+    reservation) only for their check: each goes back to drained unless the plan
+    resumes it and ``drain`` (the --drain flag) allows changes. Without ``drain``
+    nothing else is touched.
+    """
+    applied, errors = [], []
+    by_node = {a.node: a for a in plan.actions}
+    for n in rechecked:
+        a = by_node.get(n)
+        try:
+            if drain and a is not None and a.action == "resume":
+                applied.append({"node": n, "action": "resume", "reason": ""})
+                continue
+            if drain and a is not None and a.action == "keep" and a.reason:
+                reason = a.reason
+            else:
+                reason = getattr(infos.get(n), "reason", None) or drain_reason("recheck", "drained")
+            slurm.drain([n], reason)
+            applied.append({"node": n, "action": "keep", "reason": reason})
+        except ClusteropsError as e:
+            errors.append(f"re-drain {n}: {e}")
+    if not drain:
+        return applied, errors
+    skip = set(rechecked)
+    for a in plan.actions:
+        if a.node in skip or a.action not in ("drain", "resume"):
+            continue
+        try:
+            if a.action == "drain":
+                slurm.drain([a.node], a.reason)
+            else:
+                slurm.resume([a.node])
+            applied.append({"node": a.node, "action": a.action, "reason": a.reason})
+        except ClusteropsError as e:
+            errors.append(f"{a.action} {a.node}: {e}")
+    return applied, errors
+
+
+def _setup(opts: SweepOptions, slurm, errors: List[str]):
+    """Slurm client, target names and their Slurm states, before any check runs."""
+    if slurm is None:
+        from clusterops.slurm.settings import connect
+
+        if opts.via == "slurm" or opts.partition or not opts.nodes:
+            slurm = connect()
+        else:
+            # SSH mode is also for when Slurm itself is broken: ask it once, briefly; without
+            # an answer the sweep still runs, it just cannot skip busy nodes or drain.
+            slurm = connect(timeout_s=10, read_attempts=1)
+    names = unique(resolve_targets(opts, slurm))
+    if not names:
+        raise ClusteropsError("nothing to sweep (no nodes found)")
+    infos: Dict[str, object] = {}
+    if slurm is not None:
+        try:
+            infos = {n.name: n for n in slurm.nodes(names)}
+        except ClusteropsError as e:
+            if opts.via == "slurm":
+                raise
+            if opts.drain:
+                errors.append(f"Slurm unavailable, node states unknown: nothing drained or resumed ({e})")
+            else:
+                log.info("Slurm unavailable; sweeping without node states: %s", e)
+            slurm = None
+    return slurm, names, infos
+
+
+def resolve_targets(opts: SweepOptions, slurm) -> List[str]:
+    if opts.nodes:
+        return expand_nodes(opts.nodes)
+    if slurm is None:
+        raise InputError("--via ssh without Slurm needs --nodes HOSTLIST")
+    if opts.partition:
+        return slurm.partition_nodes(opts.partition)
+    return [n.name for n in slurm.nodes()]
+
+
+def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Optional[Progress] = None,
+              on_targets: Optional[Callable[[int], None]] = None, clock: Callable[[], float] = time.time
+              ) -> SweepReport:
+    """One sweep: select, check, judge, (drain), record. Returns the report; never raises
+    for a node's failure, only for bad input or an unusable Slurm."""
+    opts.validate()
+    sweep_id = time.strftime("%Y%m%dT%H%M%S", time.gmtime(clock())) + "-" + uuid.uuid4().hex[:6]
+    started = clock()
+    errors: List[str] = []
+    try:
+        slurm, names, infos = _setup(opts, slurm, errors)
+    except InputError:
+        raise
+    except ClusteropsError as e:
+        # Nothing was checked: no Slurm, an unknown/empty partition, no node list.
+        raise SweepCannotRun(f"sweep could not run: {e.message}") from None
+    check, recheck, skipped = _classify_targets(names, infos, opts)
+    results: Dict[str, NodeResult] = dict(skipped)
+    if on_targets:
+        on_targets(len(names))
+    for r in skipped.values():
+        if on_result:
+            on_result(r)
+    argv = check_argv(opts.profile, opts.check_cmd)
+    reservation = None
+    # Slurm mode: the check jobs write their results here, so on a real cluster this must
+    # be on a filesystem the nodes share (--work-dir); the default suits one machine.
+    if opts.work_dir:
+        work = Path(opts.work_dir) / sweep_id
+    else:
+        work = Path(tempfile.mkdtemp(prefix=f"clusterops-sweep-{sweep_id}-"))
+    try:
+        if opts.via == "slurm":
+            targets = [Target(n, opts.partition or _first_partition(infos.get(n))) for n in check]
+            if recheck:
+                import hostlist
+
+                reservation = f"clusterops-sweep-{sweep_id}"
+                minutes = max(2, int(opts.timeout_s // 60) + 2)
+                try:
+                    create_reservation(slurm, reservation, hostlist.collect_hostlist(recheck), minutes)
+                    slurm.resume(recheck)
+                    targets += [Target(n, opts.partition or _first_partition(infos.get(n)), reservation)
+                                for n in recheck]
+                except ClusteropsError as e:
+                    errors.append(f"could not recheck drained nodes {','.join(recheck)}: {e}")
+                    _restore_drains(slurm, recheck, infos, errors)
+                    reservation_cleanup(slurm, reservation, errors)
+                    reservation = None
+                    for n in recheck:
+                        results[n] = NodeResult(n, "skipped", detail=f"drained by clusterops "
+                                                f"({infos[n].reason}); recheck failed")
+                    recheck = []
+            fan = SlurmFanout(slurm, argv, work, timeout_s=opts.timeout_s,
+                              submit_concurrency=min(opts.concurrency, 16), max_running=opts.max_running)
+            results.update(fan.run(targets, on_result))
+        else:
+            results.update(ssh_fanout(check, argv, opts, on_result))
+        medians = mark_stragglers(results, opts.straggler_tolerance)
+        pair_results: List[dict] = []
+        if opts.pairs and opts.via == "slurm":
+            # Rechecked nodes sit in the sweep's maintenance reservation: not paired.
+            pair_results = run_pairs(slurm, {n: r for n, r in results.items() if n not in recheck},
+                                     opts, work, errors)
+        snaps = {n: NodeSnapshot.from_info(i) for n, i in infos.items()}
+        try:
+            history_fail = history.fail_history([n for n, r in results.items() if r.checked], opts.flap_n) \
+                if history is not None else {}
+        except ClusteropsError as e:
+            # Without the history the flapping rule cannot be applied: change no node.
+            raise SweepCannotRun(f"sweep could not read its history: {e.message}; no node changed") from None
+        plan = plan_drains(snaps, results, history_fail, max_drain_fraction=opts.max_drain_fraction,
+                           flap_k=opts.flap_k, flap_n=opts.flap_n, drain_stragglers=opts.drain_stragglers)
+        applied: List[dict] = []
+        if slurm is not None and not opts.dry_run:
+            done_, errs = apply_sweep_plan(slurm, plan, recheck, infos, drain=opts.drain)
+            applied += done_
+            errors += errs
+        recheck = []      # restored: nothing left to undo
+        finished = clock()
+        report = SweepReport(sweep_id, started, finished, _opts_dict(opts), list(names), results, medians,
+                             plan, applied, errors, pair_results)
+        report.exit_code = _exit_code(report, opts)
+        if history is not None:
+            try:
+                history.record(report)
+            except ClusteropsError as e:
+                report.errors.append(f"history not recorded: {e.message}")
+                report.exit_code = EXIT_CANNOT_RUN
+        return report
+    except BaseException:
+        if recheck and slurm is not None and not opts.dry_run:
+            _restore_drains(slurm, recheck, infos, errors)
+        raise
+    finally:
+        if reservation:
+            reservation_cleanup(slurm, reservation, errors)
+        if not opts.keep_work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _restore_drains(slurm, nodes: Sequence[str], infos: Mapping[str, object], errors: List[str]) -> None:
+    for n in nodes:
+        try:
+            slurm.drain([n], infos[n].reason or drain_reason("recheck", "interrupted"))
+        except ClusteropsError as e:
+            errors.append(f"re-drain {n}: {e}")
+
+
+def reservation_cleanup(slurm, name: str, errors: List[str]) -> None:
+    try:
+        delete_reservation(slurm, name)
+    except ClusteropsError as e:
+        errors.append(f"delete reservation {name}: {e}")
+
+
+def _first_partition(info) -> Optional[str]:
+    parts = getattr(info, "partitions", ()) or ()
+    return parts[0] if parts else None
+
+
+def _opts_dict(opts: SweepOptions) -> dict:
+    d = asdict(opts)
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _exit_code(report: SweepReport, opts: SweepOptions) -> int:
+    if report.plan and report.plan.guard_tripped and opts.drain:
+        return EXIT_GUARD
+    if any(r.failing or r.status == "error" for r in report.results.values()):
+        return EXIT_UNHEALTHY
+    if report.errors or any(p["status"] != "pass" for p in report.pairs):
+        return EXIT_UNHEALTHY
+    return EXIT_OK
