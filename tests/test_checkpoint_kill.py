@@ -38,7 +38,7 @@ from clusterops import checkpoint as ck
 root, step = sys.argv[1], int(sys.argv[2])
 payload = os.urandom(4 << 20)
 pending = ck.PendingCheckpoint(root, step)
-half = len(payload) // 2 if os.environ.get(ck.FAULT_ENV, "").startswith("mid_write") else None
+half = len(payload) // 2 if ck.fault_armed("mid_write") else None
 w = pending.open_file("data.bin", fault_at_bytes=half)
 for i in range(0, len(payload), 1 << 20):
     w.write(payload[i:i + (1 << 20)])
