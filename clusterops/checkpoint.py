@@ -53,7 +53,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Collection, Dict, List, Optional
 
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import pid_alive
@@ -1022,11 +1022,17 @@ class Lookup:
 
 
 def find_latest_good(root: os.PathLike, *, deep: bool = False,
-                     on_bad: Optional[Callable[[CheckpointInfo], None]] = None) -> Lookup:
-    """Newest checkpoint under root that verifies, and the newer ones that did not."""
+                     on_bad: Optional[Callable[[CheckpointInfo], None]] = None,
+                     exclude: Collection = ()) -> Lookup:
+    """Newest checkpoint under root that verifies, and the newer ones that did not.
+
+    Paths in exclude (found unloadable by the caller) are passed over silently.
+    """
     skipped = []
     for step, name in reversed(_scan_steps(root)):
         path = Path(root, name)
+        if path in exclude:
+            continue
         info = verify(path, deep=deep)
         if info.ok:
             return Lookup(info, skipped)
@@ -1051,21 +1057,32 @@ class UnsafeLoadRefused(CheckpointError):
 
 
 def load_torch(path: os.PathLike, relname: str, *, weights_only: bool = True, map_location="cpu") -> Any:
-    """torch.load one file of a checkpoint; weights_only=True (tensors and plain
-    containers only: no code from the checkpoint runs) unless the caller opts out."""
+    """torch.load one file of a checkpoint.
+
+    weights_only=True (the default) loads tensors and plain containers only: no code
+    from the checkpoint runs. A file that needs pickled code raises UnsafeLoadRefused;
+    weights_only=False is the caller's explicit opt-in for a trusted checkpoint. Any
+    other failure (damaged content) is a CheckpointError with a one-line message.
+    """
     import pickle
 
     import torch
 
+    target = Path(path) / relname
     try:
-        return torch.load(Path(path) / relname, map_location=map_location, weights_only=weights_only)
+        return torch.load(target, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as e:
-        if not weights_only:
-            raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UnsafeLoadRefused(
-            f"{Path(path) / relname}: loading it would run pickled code ({first[:160]}); "
-            f"refused (weights_only=True); opt in only for a checkpoint you trust") from None
+        text = str(e)
+        m = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\n\n|$)", text, re.S)
+        detail = " ".join((m.group(1) if m else text).split())[:200]
+        if weights_only and "global" in detail.lower():
+            raise UnsafeLoadRefused(
+                f"{target}: loading it would run pickled code ({detail}); refused (weights_only=True); "
+                f"opt in only for a checkpoint you trust") from None
+        raise CheckpointError(f"{target}: cannot be loaded ({detail or type(e).__name__})") from None
+    except Exception as e:  # zip, storage and pickle errors on damaged content
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise CheckpointError(f"{target}: cannot be loaded ({type(e).__name__}: {_show(first)})") from None
 
 
 # ----------------------------------------------------------------------------- retention
@@ -1333,11 +1350,6 @@ def shrink(path: os.PathLike, *, unsafe_load: bool = False) -> ShrinkReport:
                     obj = load_torch(path, name, weights_only=not unsafe_load)
                 except UnsafeLoadRefused as e:
                     raise UnsafeLoadRefused(f"{e.message}; not shrinking it (--unsafe-load to allow)") from None
-                except CheckpointError:
-                    raise
-                except Exception as e:  # a file torch cannot read: one line, nothing changed
-                    raise CheckpointError(f"{path / name}: cannot be loaded ({type(e).__name__}: "
-                                          f"{_show(str(e).strip().splitlines()[0] if str(e).strip() else '')[:160]})") from None
                 obj, n = shrink_object(obj)
             if n:
                 shrunk += n
