@@ -5,8 +5,13 @@ checkpoint root. It is written into a temporary sibling (``.tmp.step_<N>.<host>.
 every file is fsynced, a manifest (``manifest.json``: step, time, world size, each
 file's size and hash) is written last and fsynced, and then the temporary directory
 is renamed to ``step_<N>`` in one atomic ``rename(2)``; finally the root directory is
-fsynced so the rename itself is durable. Anything without a valid manifest is not a
-checkpoint.
+fsynced so the rename itself is durable (and the parent of a root the save created).
+A step that already exists is swapped with ``renameat2(RENAME_EXCHANGE)``, or where
+the filesystem refuses that, replaced in two renames whose gap lookups bridge with the
+``.prev.`` copy. A writer holds ``flock`` on ``.lock.<suffix>`` for the whole save; that
+lock, not the pid in a name, tells a live writer's temporary from a dead one's.
+Anything without a valid manifest is not a checkpoint, and reading a malformed one
+(odd paths, FIFOs, symlinks, deep JSON) is a reported problem, never a hang or a crash.
 
 The lookup never trusts a pointer file: it scans the committed directories newest
 first, checks each manifest and the file sizes (and the hashes with ``deep=True``),
@@ -278,15 +283,18 @@ class WriterLock:
         self.held = False
         self.fd: Optional[int] = None
         body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
-        for _ in range(10):
+        for _ in range(50):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 self.held = True
             except OSError as e:
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    # A prune probing this (random, so ours alone) name holds it for an
+                    # instant; try again.
                     os.close(fd)
-                    raise CheckpointError(f"{self.path}: held by another writer") from None
+                    time.sleep(0.01)
+                    continue
                 log.warning("no flock on %s (%s): temporaries there are judged by age only", root, e.strerror)
             # A prune may have removed the file between our open and flock (it saw it
             # unlocked): then lock a fresh one.

@@ -40,7 +40,7 @@ from clusterops.cli import main as cli_main
 
 # No shrink phase: replaying a hanging example while shrinking takes minutes; the
 # generated failing example is reported as it is.
-PROPS = settings(max_examples=60, deadline=5000, database=None, derandomize=False,
+PROPS = settings(max_examples=100, deadline=5000, database=None, derandomize=False,
                  phases=[Phase.explicit, Phase.reuse, Phase.generate],
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 # Each example must end within this (a hang, e.g. a FIFO opened for reading, fails it).
