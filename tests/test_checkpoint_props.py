@@ -39,14 +39,17 @@ from clusterops import sdk
 from clusterops.cli import main as cli_main
 
 # No shrink phase: replaying a hanging example while shrinking takes minutes; the
-# generated failing example is reported as it is.
-PROPS = settings(max_examples=100, deadline=5000, database=None, derandomize=False,
+# generated failing example is reported as it is. An example takes ~30 ms here (a few
+# fsyncs); the deadline leaves room for a loaded machine. CKPT_PROP_EXAMPLES=1000
+# runs a longer search.
+PROPS = settings(max_examples=int(os.environ.get("CKPT_PROP_EXAMPLES", "100")), deadline=10_000, database=None,
                  phases=[Phase.explicit, Phase.reuse, Phase.generate],
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-# Each example must end within this (a hang, e.g. a FIFO opened for reading, fails it).
+# Each example must end within this (a hang, e.g. a FIFO opened for reading, fails it
+# with Hang instead of blocking the run).
 # pytest-timeout alone is not enough: hypothesis would catch its one-shot failure and
 # then replay the hanging example while shrinking.
-EXAMPLE_LIMIT_S = 10.0
+EXAMPLE_LIMIT_S = 30.0
 
 
 class Hang(Exception):
