@@ -576,21 +576,21 @@ def _save_distributed(state, step, extra, root: Path, meta, algo) -> Path:
 # ----------------------------------------------------------------------------- resume
 
 
-def _choose_checkpoint(root: Optional[os.PathLike], deep: bool) -> Optional[Path]:
+def _choose_checkpoint(root: Optional[os.PathLike], deep: bool, exclude=()) -> Optional[Path]:
     explicit = os.environ.get(ENV_RESUME_FROM)
-    if explicit:
+    if explicit and Path(explicit) not in exclude:
         info = ck.verify(explicit, deep=deep)
         if info.ok:
             return Path(explicit)
         log.warning("%s=%s is not a good checkpoint (%s); looking for the latest good one",
                     ENV_RESUME_FROM, explicit, "; ".join(info.problems))
-        if root is None and not os.environ.get(ENV_CKPT_DIR):
-            root = Path(explicit).parent
+    if explicit and root is None and not os.environ.get(ENV_CKPT_DIR):
+        root = Path(explicit).parent
     try:
         r = ckpt_root(root)
     except ClusteropsError:
         return None
-    found = ck.find_latest_good(r, deep=deep)
+    found = ck.find_latest_good(r, deep=deep, exclude=exclude)
     for bad in found.skipped:
         log.warning("skipped bad checkpoint %s: %s", bad.path, "; ".join(bad.problems))
     return found.latest.path if found.latest else None
@@ -606,6 +606,13 @@ def resume(*, root: Optional[os.PathLike] = None, template: Optional[dict] = Non
     ``template`` when given (each rank reads what it needs), otherwise in full.
     RNG states are restored (restore_rng=True) when this rank's file is present;
     call resume() after building the model so nothing consumes randomness afterwards.
+
+    Files are loaded with ``weights_only=True``: nothing in a checkpoint can run code.
+    A state holding objects that need pickled code raises ``UnsafeLoadRefused``;
+    ``weights_only=False`` is the explicit opt-in for checkpoints you trust. One
+    process: a checkpoint that verifies but cannot be loaded (corrupt content with
+    a consistent manifest) is skipped like a bad one; with many ranks it raises
+    ``CheckpointError`` on every rank.
     """
     d = _ensure_runtime()
     if d.distributed:
@@ -623,27 +630,49 @@ def resume(*, root: Optional[os.PathLike] = None, template: Optional[dict] = Non
         if status != "ok":
             raise ck.CheckpointError(f"choosing the checkpoint to resume from failed on rank 0: {chosen}")
         path = Path(chosen) if chosen else None
-    else:
-        path = _choose_checkpoint(root, deep)
-    if path is None:
-        return None
-    manifest = ck.read_manifest(path)
-    step = manifest["step"]
-    if manifest.get("kind") == "dcp":
-        state = _load_dcp(path / DCP_DIR, template)
-    else:
-        state = ck.load_torch(path, STATE_FILE, weights_only=weights_only)
-    extra = None
-    rf = rank_file(d.rank)
-    if rf in manifest["files"] and manifest.get("world_size", 1) == d.world_size:
-        extra = ck.load_torch(path, rf, weights_only=weights_only)
-    else:
-        log.warning("checkpoint %s has no rank file for rank %d of %d (saved by %s ranks); RNG not restored",
-                    path, d.rank, d.world_size, manifest.get("world_size"))
-    rng_restored = False
-    if extra is not None and restore_rng:
-        set_rng_state(extra["rng"])
-        rng_restored = True
+        if path is None:
+            return None
+        return _load_resumed(path, d, template, restore_rng, weights_only)
+    tried: set = set()
+    while True:
+        path = _choose_checkpoint(root, deep, exclude=tried)
+        if path is None:
+            return None
+        try:
+            return _load_resumed(path, d, template, restore_rng, weights_only)
+        except ck.UnsafeLoadRefused:
+            raise  # not corrupt: falling back to an older one would hide it
+        except ck.CheckpointError as e:
+            log.warning("skipped checkpoint %s: %s", path, e.message)
+            tried.add(path)
+
+
+def _load_resumed(path: Path, d, template, restore_rng: bool, weights_only: bool) -> Resumed:
+    try:
+        manifest = ck.read_manifest(path)
+        step = manifest["step"]
+        if manifest.get("kind") == "dcp":
+            state = _load_dcp(path / DCP_DIR, template)
+        else:
+            state = ck.load_torch(path, STATE_FILE, weights_only=weights_only)
+        extra = None
+        rf = rank_file(d.rank)
+        if rf in manifest["files"] and manifest.get("world_size", 1) == d.world_size:
+            extra = ck.load_torch(path, rf, weights_only=weights_only)
+            if not isinstance(extra, dict):
+                raise ck.CheckpointError(f"{path / rf}: not a rank file (a {type(extra).__name__})")
+        else:
+            log.warning("checkpoint %s has no rank file for rank %d of %d (saved by %s ranks); RNG not restored",
+                        path, d.rank, d.world_size, manifest.get("world_size"))
+        rng_restored = False
+        if extra is not None and restore_rng:
+            set_rng_state(extra["rng"])
+            rng_restored = True
+    except ck.CheckpointError:
+        raise
+    except Exception as e:  # torch/pickle/zip errors on damaged content: one line
+        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise ck.CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {msg})") from None
     return Resumed(step=step, state=state, rank_state=extra.get("rank_state") if extra else None,
                    path=path, manifest=manifest, rng_restored=rng_restored)
 

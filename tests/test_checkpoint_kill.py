@@ -38,7 +38,7 @@ from clusterops import checkpoint as ck
 root, step = sys.argv[1], int(sys.argv[2])
 payload = os.urandom(4 << 20)
 pending = ck.PendingCheckpoint(root, step)
-half = len(payload) // 2 if os.environ.get(ck.FAULT_ENV, "").startswith("mid_write") else None
+half = len(payload) // 2 if ck.fault_armed("mid_write") else None
 w = pending.open_file("data.bin", fault_at_bytes=half)
 for i in range(0, len(payload), 1 << 20):
     w.write(payload[i:i + (1 << 20)])
@@ -135,3 +135,143 @@ def test_kill9_during_multi_rank_save(tmp_path, point):
     assert found.latest is not None and found.latest.step == expected and found.skipped == []
     m = found.latest.manifest
     assert m["kind"] == "dcp" and m["world_size"] == 2 and {"rank_0.pt", "rank_1.pt"} <= set(m["files"])
+
+
+# ----------------------------------------------------------------------------- re-saving an existing step
+
+# Re-saves step 1 (which already exists) with payload generation GEN; with --loop it
+# re-saves over and over (gen 1, 2, ...) so a kill from outside lands at any instant.
+RESAVE_WRITER = r"""
+import os, sys
+from clusterops import checkpoint as ck
+root, loop = sys.argv[1], sys.argv[2] == "loop"
+def save(gen):
+    pending = ck.PendingCheckpoint(root, 1)
+    half = 32768 if ck.fault_armed("mid_write") else None
+    w = pending.open_file("data.bin", fault_at_bytes=half)
+    w.write(gen.to_bytes(8, "little") * 8192)
+    pending.finish_file("data.bin", w)
+    w = pending.open_file("sub/gen.txt")
+    w.write(str(gen).encode())
+    pending.finish_file("sub/gen.txt", w)
+    pending.commit()
+print("ready", flush=True)
+gen = 1
+while True:
+    save(gen)
+    print(f"saved {gen}", flush=True)
+    if not loop:
+        break
+    gen += 1
+"""
+
+
+def _gen_of(path) -> int:
+    return int((path / "sub" / "gen.txt").read_text())
+
+
+def _seed_old(root):
+    pending = ck.PendingCheckpoint(root, 1)
+    w = pending.open_file("data.bin")
+    w.write((0).to_bytes(8, "little") * 8192)
+    pending.finish_file("data.bin", w)
+    w = pending.open_file("sub/gen.txt")
+    w.write(b"0")
+    pending.finish_file("sub/gen.txt", w)
+    return pending.commit()
+
+
+def _check_resave_invariant(root, *, fallback: bool) -> int:
+    """After a kill: step 1 is the old (gen g) or the new (gen g+1) complete copy."""
+    final = root / "step_00000001"
+    found = ck.find_latest_good(root, deep=True)
+    assert found.latest is not None and found.latest.step == 1 and found.skipped == [], found
+    if not fallback:
+        # rename-exchange: the name is never missing, whatever the instant
+        assert found.latest.path == final
+    else:
+        assert found.latest.path == final or found.latest.path.name.startswith(ck.PREV_PREFIX)
+    data = (found.latest.path / "data.bin").read_bytes()
+    gen = _gen_of(found.latest.path)
+    assert data == gen.to_bytes(8, "little") * 8192
+    return gen
+
+
+RESAVE_POINTS_OLD = ["begin", "mid_write", "files_written", "mid_manifest", "manifest_written", "exchange"]
+RESAVE_POINTS_NEW = ["renamed", "committed"]
+
+
+RESAVE_CASES = ([(p, False) for p in RESAVE_POINTS_OLD + RESAVE_POINTS_NEW]
+                + [(p, True) for p in RESAVE_POINTS_OLD + ["prev_moved"] + RESAVE_POINTS_NEW])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("point,fallback", RESAVE_CASES,
+                         ids=[f"{p}-{'two-phase' if f else 'exchange'}" for p, f in RESAVE_CASES])
+def test_kill9_during_resave_of_existing_step(tmp_path, point, fallback):
+    _seed_old(tmp_path)
+    fault = f"{point}:stop"
+    if fallback:  # the filesystem refuses RENAME_EXCHANGE as NFS does (EINVAL)
+        fault += ",exchange:einval"
+    env = dict(os.environ, CLUSTEROPS_CKPT_FAULT=fault)
+    p = subprocess.Popen([sys.executable, "-c", RESAVE_WRITER, str(tmp_path), "once"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while _proc_state(p.pid) != "T":
+        assert p.poll() is None, p.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # While the writer is stopped (alive), its lock keeps prune off its temporaries.
+    live = ck.scan_leftovers(tmp_path).live
+    if point not in ("committed",):
+        assert live, os.listdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    ck.prune(tmp_path, keep_last=5)
+    assert sorted(os.listdir(tmp_path)) == before
+    os.kill(p.pid, signal.SIGKILL)
+    p.communicate(timeout=60)
+
+    gen = _check_resave_invariant(tmp_path, fallback=fallback)
+    assert gen == (1 if point in RESAVE_POINTS_NEW else 0), (point, gen)
+    if point == "prev_moved":
+        assert not (tmp_path / "step_00000001").exists()  # the gap the fallback has ...
+    # ... which the next prune (or save) closes: the old copy is put back, leftovers go.
+    plan = ck.prune(tmp_path, keep_last=5)
+    if point == "prev_moved":
+        assert [b.name for _, b in plan.restore] == ["step_00000001"]
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001"]
+    assert _gen_of(tmp_path / "step_00000001") == gen and ck.verify(tmp_path / "step_00000001", deep=True).ok
+    # and a re-save after all that works
+    env = dict(os.environ)
+    env.pop(ck.FAULT_ENV, None)
+    subprocess.run([sys.executable, "-c", RESAVE_WRITER, str(tmp_path), "once"], env=env, check=True, timeout=60)
+    assert _gen_of(tmp_path / "step_00000001") == 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fallback", [False, True], ids=["exchange", "two-phase"])
+def test_kill9_at_random_instants_of_repeated_resaves(tmp_path, fallback):
+    """A writer re-saves step 1 in a loop; kill -9 lands at 25 random instants."""
+    import random
+
+    rng = random.Random(1234 + fallback)
+    _seed_old(tmp_path)
+    env = dict(os.environ)
+    env.pop(ck.FAULT_ENV, None)
+    if fallback:
+        env[ck.FAULT_ENV] = "exchange:einval"
+    gens, mid_save = [], 0
+    for _ in range(25):
+        p = subprocess.Popen([sys.executable, "-c", RESAVE_WRITER, str(tmp_path), "loop"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert p.stdout.readline() == b"ready\n", p.stderr.read().decode()
+        time.sleep(rng.uniform(0.0, 0.15))
+        os.kill(p.pid, signal.SIGKILL)
+        p.communicate(timeout=60)
+        gens.append(_check_resave_invariant(tmp_path, fallback=fallback))
+        mid_save += len(os.listdir(tmp_path)) > 1
+        ck.prune(tmp_path, keep_last=5)
+        assert sorted(os.listdir(tmp_path)) == ["step_00000001"]
+        assert ck.verify(tmp_path / "step_00000001", deep=True).ok
+    print(f"kills that left a save in progress: {mid_save}/25; generations reached: {gens}")
+    assert max(gens) > 0 and mid_save > 0  # the kills did land after commits and inside saves

@@ -5,8 +5,13 @@ checkpoint root. It is written into a temporary sibling (``.tmp.step_<N>.<host>.
 every file is fsynced, a manifest (``manifest.json``: step, time, world size, each
 file's size and hash) is written last and fsynced, and then the temporary directory
 is renamed to ``step_<N>`` in one atomic ``rename(2)``; finally the root directory is
-fsynced so the rename itself is durable. Anything without a valid manifest is not a
-checkpoint.
+fsynced so the rename itself is durable (and the parent of a root the save created).
+A step that already exists is swapped with ``renameat2(RENAME_EXCHANGE)``, or where
+the filesystem refuses that, replaced in two renames whose gap lookups bridge with the
+``.prev.`` copy. A writer holds ``flock`` on ``.lock.<suffix>`` for the whole save; that
+lock, not the pid in a name, tells a live writer's temporary from a dead one's.
+Anything without a valid manifest is not a checkpoint, and reading a malformed one
+(odd paths, FIFOs, symlinks, deep JSON) is a reported problem, never a hang or a crash.
 
 The lookup never trusts a pointer file: it scans the committed directories newest
 first, checks each manifest and the file sizes (and the hashes with ``deep=True``),
@@ -23,30 +28,37 @@ SIGKILL), ``enospc`` raises ENOSPC, ``raise`` raises RuntimeError, ``sleep<S>`` 
 S seconds (a slow disk). Points, in order: ``begin`` (temporary directory
 created), ``mid_write`` (half of the first large file written), ``files_written``
 (data files fsynced, no manifest), ``mid_manifest`` (manifest half written),
-``manifest_written`` (manifest fsynced, before the rename), ``renamed`` (after the
-rename, before the directory fsync), ``committed`` (all done).
+``manifest_written`` (manifest fsynced, before the rename), ``exchange`` (a step that
+already exists is about to be replaced: action ``einval`` makes the rename-exchange
+fail as on a filesystem that refuses it, so the two-phase fallback runs),
+``prev_moved`` (fallback only: the old directory moved aside, the new one not yet in
+place), ``renamed`` (after the rename, before the directory fsync), ``committed`` (all
+done). Several ``point:action`` specs may be given, separated by commas.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import posixpath
 import secrets
 import re
 import shutil
 import signal
 import socket
+import stat
 import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Collection, Dict, List, Optional
 
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import pid_alive
@@ -59,6 +71,16 @@ FORMAT_VERSION = 1
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp."
 TRASH_PREFIX = ".trash."
+# The old copy of a step being replaced on a filesystem without rename-exchange: found
+# by lookups while step_<N> is missing, restored by the next save or prune.
+PREV_PREFIX = ".prev."
+# A writer's lock file, held with flock(2) for the whole save; same suffix as its
+# temporary directory.
+LOCK_PREFIX = ".lock."
+# A manifest larger than this is not one of ours (10,000 DCP files take about 1 MB).
+MAX_MANIFEST_BYTES = 64 << 20
+# Steps are int64 in practice; longer digit strings are not checkpoint names.
+MAX_STEP_DIGITS = 19
 HASH_ALGOS = ("crc32", "sha256", "blake2b")
 # crc32 (zlib, ~2 GB/s on one core) by default: it catches truncation, flipped bytes
 # and torn writes, and hashing while writing costs little next to the write itself.
@@ -72,7 +94,8 @@ FAULT_ENV = "CLUSTEROPS_CKPT_FAULT"
 # treated as dead after this long.
 STALE_TMP_S = 6 * 3600.0
 
-_TMP_RE = re.compile(r"^\.(?:tmp|trash)\.(?:step_\d+)\.(?P<host>[^.]*)\.(?P<pid>\d+)\.[0-9a-f]+$")
+_TMP_RE = re.compile(r"^\.(?P<kind>tmp|trash|prev|lock)\.(?P<suffix>step_(?P<step>\d{1,19})\.(?P<host>[^.]*)"
+                     r"\.(?P<pid>\d{1,10})\.[0-9a-f]+)$")
 
 # Large writes are hashed on a worker thread while the main thread copies them to the
 # file (both release the GIL), and a flusher thread starts writeback every
@@ -103,14 +126,22 @@ def parse_step(name: str) -> Optional[int]:
     # str methods, not a regex: the lookup runs this over every entry of the root.
     if name.startswith(STEP_PREFIX):
         digits = name[5:]
-        if digits.isdigit() and digits.isascii():
+        if digits.isdigit() and digits.isascii() and len(digits) <= MAX_STEP_DIGITS:
             return int(digits)
     return None
 
 
+def _host() -> str:
+    return socket.gethostname().split(".")[0].replace(".", "_") or "host"
+
+
+def _suffix(step: int) -> str:
+    """``step_<N>.<host>.<pid>.<random>``: shared by a writer's lock, temporary and old copy."""
+    return f"{step_dir_name(step)}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
 def _tmp_name(kind: str, step: int) -> str:
-    host = socket.gethostname().split(".")[0].replace(".", "_") or "host"
-    return f"{kind}{step_dir_name(step)}.{host}.{os.getpid()}.{secrets.token_hex(4)}"
+    return f"{kind}{_suffix(step)}"
 
 
 # ----------------------------------------------------------------------------- faults
@@ -121,10 +152,18 @@ def fault_point(name: str) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
-    point, _, action = spec.partition(":")
-    if point != name:
-        return
-    action = action or "kill"
+    for one in spec.split(","):
+        point, _, action = one.partition(":")
+        if point == name:
+            _fault_act(name, action or "kill")
+
+
+def fault_armed(name: str) -> bool:
+    """True when CLUSTEROPS_CKPT_FAULT names this point."""
+    return any(one.partition(":")[0] == name for one in os.environ.get(FAULT_ENV, "").split(","))
+
+
+def _fault_act(name: str, action: str) -> None:
     log.warning("checkpoint fault injection at %s: %s", name, action)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -132,6 +171,8 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    elif action == "einval":
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
     elif action == "raise":
         raise RuntimeError(f"injected fault at {name}")
     elif action.startswith("sleep"):
@@ -181,6 +222,124 @@ def _fsync_dir(path: os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _make_root(root: Path) -> None:
+    """mkdir -p root, fsyncing the parent of every directory it creates.
+
+    Without the parent's fsync a crash can lose the new root's directory entry, and
+    with it every checkpoint committed under it.
+    """
+    if root.is_dir():
+        return
+    created = []
+    p = root
+    while not os.path.lexists(p) and p != p.parent:
+        created.append(p)
+        p = p.parent
+    root.mkdir(parents=True, exist_ok=True)
+    for d in reversed(created):
+        _fsync_dir(d.parent)
+
+
+# Linux renameat2(2) flags (include/uapi/linux/fs.h).
+_AT_FDCWD = -100
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+# errnos with which a filesystem (or an old kernel/libc) says "no rename-exchange here".
+_NO_EXCHANGE_ERRNOS = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)
+_renameat2_fn = None
+
+
+def renameat2(src: os.PathLike, dst: os.PathLike, flags: int) -> None:
+    """Linux renameat2(2) through ctypes; OSError(ENOSYS) where libc lacks it."""
+    global _renameat2_fn
+    import ctypes
+
+    if _renameat2_fn is None:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+        if fn is None:
+            raise OSError(errno.ENOSYS, "renameat2 not available in this libc")
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        _renameat2_fn = fn
+    if _renameat2_fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), str(src), None, str(dst))
+
+
+class WriterLock:
+    """A lock file ``.lock.<suffix>`` held with flock(2) by a writer for a whole save.
+
+    A live writer is recognised by its held lock, not by its pid: a pid recorded in a
+    name means nothing across PID namespaces (containers) or hosts. The lock is
+    released by the kernel when the writer dies, however it dies. Where the
+    filesystem has no flock (some Lustre mounts) the file still exists and the
+    temporaries are then judged by age only.
+    """
+
+    def __init__(self, root: Path, suffix: str):
+        self.path = root / f"{LOCK_PREFIX}{suffix}"
+        self.held = False
+        self.fd: Optional[int] = None
+        body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+        for _ in range(50):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.held = True
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    # A prune probing this (random, so ours alone) name holds it for an
+                    # instant; try again.
+                    os.close(fd)
+                    time.sleep(0.01)
+                    continue
+                log.warning("no flock on %s (%s): temporaries there are judged by age only", root, e.strerror)
+            # A prune may have removed the file between our open and flock (it saw it
+            # unlocked): then lock a fresh one.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.lstat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same or not self.held:
+                os.write(fd, body)
+                self.fd = fd
+                return
+            os.close(fd)
+            self.held = False
+        raise CheckpointError(f"{self.path}: could not take the writer lock")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+def lock_state(root: os.PathLike, suffix: str) -> str:
+    """The state of the writer lock of suffix: "live" (a running writer holds it),
+    "free" (the lock file exists and nobody holds it: its writer is gone), "absent"
+    (no lock file) or "unknown" (it cannot be probed: no flock on this filesystem)."""
+    path = os.path.join(root, f"{LOCK_PREFIX}{suffix}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return "absent"
+    except OSError:
+        return "unknown"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "unknown"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            return "live" if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else "unknown"
+        return "free"
+    finally:
+        os.close(fd)  # also drops the probe's lock
 
 
 def _is_disk_full(exc: BaseException) -> bool:
@@ -330,10 +489,22 @@ class PendingCheckpoint:
         self.final_path = self.root / step_dir_name(self.step)
         self.files: Dict[str, Dict[str, Any]] = {}
         self.committed = False
+        self.lock: Optional[WriterLock] = None
         if tmp_path is None:
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp_path = self.root / _tmp_name(TMP_PREFIX, self.step)
-            os.mkdir(tmp_path)
+            _make_root(self.root)
+            # Put back what a writer killed mid-replace left aside (it holds no lock now).
+            with contextlib.suppress(OSError, CheckpointError):
+                restore_interrupted(self.root)
+            self.suffix = _suffix(self.step)
+            # The lock exists (and is held) before the temporary does, so a prune never
+            # sees our temporary without a live lock.
+            self.lock = WriterLock(self.root, self.suffix)
+            tmp_path = self.root / f"{TMP_PREFIX}{self.suffix}"
+            try:
+                os.mkdir(tmp_path)
+            except BaseException:
+                self.lock.release()
+                raise
         self.path = Path(tmp_path)
         fault_point("begin")
 
@@ -366,7 +537,7 @@ class PendingCheckpoint:
         import torch
 
         fault_bytes = None
-        if os.environ.get(FAULT_ENV, "").startswith("mid_write") and not self.files:
+        if fault_armed("mid_write") and not self.files:
             fault_bytes = max(1, _estimate_tensor_bytes(obj) // 2)
         w = self.open_file(relname, fault_at_bytes=fault_bytes)
         try:
@@ -411,25 +582,69 @@ class PendingCheckpoint:
             os.close(fd)
         _fsync_dir(self.path)
         fault_point("manifest_written")
-        trash = None
-        if os.path.lexists(self.final_path):
-            # A directory for this step exists (a broken one, or the same step saved
-            # again after a resume): move it aside first; until the next rename the
-            # previous step is the latest good one.
-            trash = self.root / _tmp_name(TRASH_PREFIX, self.step)
-            os.rename(self.final_path, trash)
-        os.rename(self.path, self.final_path)
+        old = self._install()
         fault_point("renamed")
         _fsync_dir(self.root)
         self.committed = True
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        if old is not None:
+            _remove_tree(old, self.root)
+        if self.lock is not None:
+            self.lock.release()
         fault_point("committed")
         return self.final_path
+
+    def _install(self) -> Optional[Path]:
+        """Put the temporary in place as step_<N>; returns where the old copy went.
+
+        A new step is one rename(2). A step that already exists (the same step saved
+        again after a resume, a shrink, a broken leftover) is swapped with
+        renameat2(RENAME_EXCHANGE): at every instant step_<N> is the old or the new
+        directory, and the old one ends up under the temporary's name. Where the
+        filesystem refuses the exchange (EINVAL, ENOSYS, EOPNOTSUPP), two renames:
+        the old directory to ``.prev.<suffix>`` (which lookups use while step_<N> is
+        missing and the next save or prune puts back if we die here), then the new
+        one into place.
+        """
+        final = self.final_path
+        try:
+            st = os.lstat(final)
+        except FileNotFoundError:
+            st = None
+        if st is None:
+            try:
+                os.rename(self.path, final)
+                return None
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                    raise
+            st = os.lstat(final)  # another writer committed this step meanwhile
+        if not stat.S_ISDIR(st.st_mode):
+            # A file, FIFO or symlink under a checkpoint's name is not a checkpoint.
+            aside = self.root / _tmp_name(TRASH_PREFIX, self.step)
+            os.rename(final, aside)
+            os.rename(self.path, final)
+            return aside
+        try:
+            fault_point("exchange")
+            renameat2(self.path, final, RENAME_EXCHANGE)
+            return self.path
+        except OSError as e:
+            if e.errno not in _NO_EXCHANGE_ERRNOS:
+                raise
+            log.info("rename-exchange refused under %s (%s); replacing step %d in two renames",
+                     self.root, e.strerror, self.step)
+        suffix = getattr(self, "suffix", None) or self.path.name[len(TMP_PREFIX):]
+        prev = self.root / f"{PREV_PREFIX}{suffix}"
+        os.rename(final, prev)
+        fault_point("prev_moved")
+        os.rename(self.path, final)
+        return prev
 
     def abort(self) -> None:
         if not self.committed:
             shutil.rmtree(self.path, ignore_errors=True)
+            if self.lock is not None:
+                self.lock.release()
 
 
 _crc_option_lock = threading.Lock()
@@ -535,79 +750,249 @@ class CheckpointInfo:
         }
 
 
-def read_manifest(path: os.PathLike) -> dict:
-    """Parse and validate the manifest of a checkpoint directory (CheckpointError if bad)."""
-    p = Path(path) / MANIFEST_NAME
+def _show(name: str) -> str:
+    """A name from disk or a manifest, safe for a one-line message."""
+    return name if name.isprintable() and name.strip() == name and name else repr(name)
+
+
+def _hidden_step(name: str) -> Optional[int]:
+    m = _TMP_RE.match(name)
+    return int(m.group("step")) if m else None
+
+
+def _reject_constant(c: str):
+    raise ValueError(f"{c} is not allowed")
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _relname_problem(name: str) -> Optional[str]:
+    """Why a manifest's file name is not a plain relative path inside the checkpoint."""
+    if not name or len(name) > 4096:
+        return "empty or too long"
+    if "\x00" in name:
+        return "contains a NUL byte"
     try:
-        raw = p.read_bytes()
+        encoded = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return "not encodable as a file name"
+    if name.startswith("/"):
+        return "absolute path"
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts) or posixpath.normpath(name) != name:
+        return "not a normalized relative path ('..', '.', '//' or a trailing '/')"
+    if any(len(p.encode("utf-8", "surrogateescape")) > 255 for p in parts) or len(encoded) > 4096:
+        return "path component too long"
+    if name == MANIFEST_NAME:
+        return "names the manifest itself"
+    return None
+
+
+def _read_regular(path: str, limit: int) -> bytes:
+    """Read a regular file without following a symlink or blocking on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError("is a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError("not a regular file")
+        if st.st_size > limit:
+            raise CheckpointError(f"too large ({st.st_size} bytes > {limit})")
+        chunks, total = [], 0
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            total += len(b)
+            if total > limit:
+                raise CheckpointError(f"too large (> {limit} bytes)")
+            chunks.append(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(path: os.PathLike) -> dict:
+    """Parse and validate the manifest of a checkpoint directory (CheckpointError if bad).
+
+    Bounded and strict: a regular file (no symlink, FIFO or device) of at most
+    MAX_MANIFEST_BYTES, strict JSON (no NaN/Infinity; nesting too deep is refused),
+    every field of the right type, every file name a normalized relative path.
+    """
+    p = os.path.join(os.fspath(path), MANIFEST_NAME)
+    try:
+        raw = _read_regular(p, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointError("no manifest (incomplete or not a checkpoint)") from None
-    except OSError as e:
-        raise CheckpointError(f"manifest unreadable: {e.strerror}") from None
+    except CheckpointError as e:
+        raise CheckpointError(f"manifest {e.message}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"manifest unreadable: {getattr(e, 'strerror', None) or e}") from None
     try:
-        m = json.loads(raw)
+        m = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise CheckpointError("manifest is not valid JSON (nested too deep)") from None
     except ValueError as e:
-        raise CheckpointError(f"manifest is not valid JSON ({e})") from None
+        raise CheckpointError(f"manifest is not valid JSON ({_show(str(e))[:200]})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointError("manifest has the wrong format marker")
-    if m.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"manifest version {m.get('version')!r} not supported")
+    version = m.get("version")
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise CheckpointError(f"manifest version {_show(repr(version))[:40]} not supported")
+    if m.get("hash_algo") not in HASH_ALGOS or not isinstance(m.get("hash_algo"), str):
+        raise CheckpointError(f"manifest names unknown hash algorithm {_show(repr(m.get('hash_algo')))[:40]}")
+    step = m.get("step")
+    if type(step) is not int or step < 0:
+        raise CheckpointError("manifest has no valid step")
+    ws = m.get("world_size")
+    if type(ws) is not int or ws < 1:
+        raise CheckpointError("manifest has no valid world_size")
+    t = m.get("time")
+    if type(t) not in (int, float) or t != t or t in (float("inf"), float("-inf")):
+        raise CheckpointError("manifest has no valid time")
+    if not isinstance(m.get("kind"), str) or not isinstance(m.get("meta", {}), dict):
+        raise CheckpointError("manifest has a malformed kind or meta")
     files = m.get("files")
     if not isinstance(files, dict) or not files:
         raise CheckpointError("manifest lists no files")
     for name, entry in files.items():
-        if (not isinstance(entry, dict) or not isinstance(entry.get("size"), int)
-                or not isinstance(entry.get("hash"), str) or name.startswith("/") or ".." in Path(name).parts):
-            raise CheckpointError(f"manifest entry for {name!r} is malformed")
-    if m.get("hash_algo") not in HASH_ALGOS:
-        raise CheckpointError(f"manifest names unknown hash algorithm {m.get('hash_algo')!r}")
-    if not isinstance(m.get("step"), int):
-        raise CheckpointError("manifest has no step")
+        why = _relname_problem(name)
+        if why is None and not (isinstance(entry, dict) and type(entry.get("size")) is int
+                                and entry["size"] >= 0 and isinstance(entry.get("hash"), str)
+                                and 0 < len(entry["hash"]) <= 128 and set(entry["hash"]) <= _HEX):
+            why = "size or hash missing or malformed"
+        if why is not None:
+            raise CheckpointError(f"manifest entry {_show(name)[:200]} is malformed: {why}")
     return m
 
 
+class _Bad(Exception):
+    pass
+
+
+def _member_stat(base: str, name: str) -> os.stat_result:
+    """lstat of a checkpoint member, refusing symlinks, non-directories on the way and
+    anything but a regular file at the end (no following a link out of the checkpoint,
+    no hanging on a FIFO)."""
+    parts = name.split("/")
+    cur = base
+    for i, part in enumerate(parts):
+        cur = os.path.join(cur, part)
+        last = i == len(parts) - 1
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            raise _Bad("missing") from None
+        except OSError as e:
+            raise _Bad(f"unreadable ({e.strerror})") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise _Bad("is a symlink" if last else f"path goes through a symlink ({_show(part)})")
+        if not last and not stat.S_ISDIR(st.st_mode):
+            raise _Bad(f"path goes through a non-directory ({_show(part)})")
+        if last and not stat.S_ISREG(st.st_mode):
+            raise _Bad("not a regular file")
+    return st
+
+
+def _hash_member(path: str, algo: str, chunk_bytes: int = 8 << 20) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _Bad("not a regular file")
+        h = new_hasher(algo)
+        buf = bytearray(chunk_bytes)
+        view = memoryview(buf)
+        with open(fd, "rb", buffering=0, closefd=False) as f:
+            while True:
+                n = f.readinto(buf)
+                if not n:
+                    break
+                h.update(view[:n])
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
 def verify(path: os.PathLike, *, deep: bool = False) -> CheckpointInfo:
-    """Check one checkpoint directory: manifest, sizes, and with deep=True hashes."""
+    """Check one checkpoint directory: manifest, sizes, and with deep=True hashes.
+
+    Never raises for what is on disk: anything malformed is a problem in the result.
+    """
     path = Path(path)
     step = parse_step(path.name)
+    if step is None:
+        step = _hidden_step(path.name)  # a .prev. copy found while step_<N> is missing
     info = CheckpointInfo(path=path, step=step if step is not None else -1, ok=False, deep=deep)
-    if not path.is_dir():
-        info.problems.append("not a directory" if path.exists() else "does not exist")
-        return info
+    try:
+        _verify_into(info, path, step, deep)
+    except (OSError, ValueError, RecursionError, CheckpointError, _Bad) as e:
+        info.problems.append(f"unreadable: {_show(str(e))[:200]}")
+    info.ok = not info.problems
+    return info
+
+
+def _verify_into(info: CheckpointInfo, path: Path, step: Optional[int], deep: bool) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        info.problems.append("does not exist")
+        return
+    except (OSError, ValueError) as e:
+        info.problems.append(f"cannot stat ({getattr(e, 'strerror', None) or e})")
+        return
+    if stat.S_ISLNK(st.st_mode):
+        info.problems.append("is a symlink (a committed checkpoint is a real directory)")
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        info.problems.append("not a directory")
+        return
     try:
         m = read_manifest(path)
     except CheckpointError as e:
         info.problems.append(e.message)
-        return info
+        return
     info.manifest = m
     if step is not None and m["step"] != step:
         info.problems.append(f"manifest says step {m['step']} but directory is {path.name}")
     if step is None:
         info.step = m["step"]
+    base = os.fspath(path)
     for name, entry in m["files"].items():
-        fp = path / name
+        shown = _show(name)
         try:
-            st = os.stat(fp)
-        except FileNotFoundError:
-            info.problems.append(f"{name}: missing")
+            st = _member_stat(base, name)
+        except _Bad as e:
+            info.problems.append(f"{shown}: {e}")
             continue
         if st.st_size != entry["size"]:
-            info.problems.append(f"{name}: size {st.st_size} != {entry['size']} in manifest (truncated or changed)")
+            info.problems.append(f"{shown}: size {st.st_size} != {entry['size']} in manifest (truncated or changed)")
             continue
         if deep:
             try:
-                got = hash_file(fp, m["hash_algo"])
+                got = _hash_member(os.path.join(base, name), m["hash_algo"])
+            except _Bad as e:
+                info.problems.append(f"{shown}: {e}")
+                continue
             except OSError as e:
-                info.problems.append(f"{name}: unreadable ({e.strerror})")
+                info.problems.append(f"{shown}: unreadable ({e.strerror})")
                 continue
             if got != entry["hash"]:
-                info.problems.append(f"{name}: {m['hash_algo']} {got} != {entry['hash']} in manifest (corrupt)")
-    info.ok = not info.problems
-    return info
+                info.problems.append(f"{shown}: {m['hash_algo']} {got} != {entry['hash']} in manifest (corrupt)")
 
 
 def committed_steps(root: os.PathLike) -> List[tuple]:
-    """[(step, path)] of the step_<N> directories under root, oldest first (not verified)."""
+    """[(step, path)] of the step_<N> directories under root, oldest first (not verified).
+
+    A ``.prev.`` copy left by a replace interrupted on a filesystem without
+    rename-exchange stands in for its step while step_<N> itself is missing.
+    """
     return [(s, Path(root, name)) for s, name in _scan_steps(root)]
 
 
@@ -619,11 +1004,21 @@ def _scan_steps(root: os.PathLike) -> List[tuple]:
         return []
     except NotADirectoryError:
         raise CheckpointError(f"{root}: not a directory") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{root}: cannot list ({getattr(e, 'strerror', None) or e})") from None
     out = []
+    prevs = {}
+    seen = set()
     for name in names:
         s = parse_step(name)
         if s is not None:
             out.append((s, name))
+            seen.add(s)
+        elif name.startswith(PREV_PREFIX):
+            ps = _hidden_step(name)
+            if ps is not None and (ps not in prevs or name < prevs[ps]):
+                prevs[ps] = name
+    out.extend((s, name) for s, name in prevs.items() if s not in seen)
     out.sort()
     return out
 
@@ -635,11 +1030,17 @@ class Lookup:
 
 
 def find_latest_good(root: os.PathLike, *, deep: bool = False,
-                     on_bad: Optional[Callable[[CheckpointInfo], None]] = None) -> Lookup:
-    """Newest checkpoint under root that verifies, and the newer ones that did not."""
+                     on_bad: Optional[Callable[[CheckpointInfo], None]] = None,
+                     exclude: Collection = ()) -> Lookup:
+    """Newest checkpoint under root that verifies, and the newer ones that did not.
+
+    Paths in exclude (found unloadable by the caller) are passed over silently.
+    """
     skipped = []
     for step, name in reversed(_scan_steps(root)):
         path = Path(root, name)
+        if path in exclude:
+            continue
         info = verify(path, deep=deep)
         if info.ok:
             return Lookup(info, skipped)
@@ -659,10 +1060,37 @@ def list_checkpoints(root: os.PathLike, *, deep: bool = False) -> List[Checkpoin
     return [verify(p, deep=deep) for _, p in committed_steps(root)]
 
 
+class UnsafeLoadRefused(CheckpointError):
+    """A file needs pickled code to load and weights_only loading refused it."""
+
+
 def load_torch(path: os.PathLike, relname: str, *, weights_only: bool = True, map_location="cpu") -> Any:
+    """torch.load one file of a checkpoint.
+
+    weights_only=True (the default) loads tensors and plain containers only: no code
+    from the checkpoint runs. A file that needs pickled code raises UnsafeLoadRefused;
+    weights_only=False is the caller's explicit opt-in for a trusted checkpoint. Any
+    other failure (damaged content) is a CheckpointError with a one-line message.
+    """
+    import pickle
+
     import torch
 
-    return torch.load(Path(path) / relname, map_location=map_location, weights_only=weights_only)
+    target = Path(path) / relname
+    try:
+        return torch.load(target, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        m = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\n\n|$)", text, re.S)
+        detail = " ".join((m.group(1) if m else text).split())[:200]
+        if weights_only and "global" in detail.lower():
+            raise UnsafeLoadRefused(
+                f"{target}: loading it would run pickled code ({detail}); refused (weights_only=True); "
+                f"opt in only for a checkpoint you trust") from None
+        raise CheckpointError(f"{target}: cannot be loaded ({detail or type(e).__name__})") from None
+    except Exception as e:  # zip, storage and pickle errors on damaged content
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise CheckpointError(f"{target}: cannot be loaded ({type(e).__name__}: {_show(first)})") from None
 
 
 # ----------------------------------------------------------------------------- retention
@@ -674,47 +1102,146 @@ class PrunePlan:
     remove: List[Path]
     temporaries: List[Path]
     latest_good: Optional[Path]
+    restore: List[tuple] = field(default_factory=list)   # [(from, to)]: interrupted replaces put back
+    note: str = ""
 
     def to_dict(self) -> dict:
         return {"keep": [str(p) for p in self.keep], "remove": [str(p) for p in self.remove],
                 "temporaries": [str(p) for p in self.temporaries],
-                "latest_good": str(self.latest_good) if self.latest_good else None}
+                "restore": [[str(a), str(b)] for a, b in self.restore],
+                "latest_good": str(self.latest_good) if self.latest_good else None,
+                "note": self.note}
+
+
+@dataclass
+class Leftovers:
+    remove: List[Path]          # dead temporaries, trash, free lock files
+    restore: List[tuple]        # [(from, to step_<N>)]: the only copy of a step, put back in place
+    live: List[Path]            # temporaries of writers that are still running
+
+
+def _writer_dead(root: str, m, age_s: float, stale_s: float) -> bool:
+    """Is the writer of a hidden entry (matched by _TMP_RE) gone?"""
+    st = lock_state(root, m.group("suffix"))
+    if st == "live":
+        return False
+    if st == "free":
+        return True
+    if st == "unknown":  # a lock file we cannot probe (no flock here): age only
+        return age_s > stale_s
+    # No lock file: an entry of an older clusterops. Its pid is only meaningful on
+    # this host and in this PID namespace, so age decides unless the pid is gone here.
+    if age_s > stale_s:
+        return True
+    return m.group("host") == _host() and not pid_alive(int(m.group("pid")))
+
+
+def scan_leftovers(root: os.PathLike, *, stale_s: float = STALE_TMP_S, now: Optional[float] = None) -> Leftovers:
+    """Sort the hidden entries of a root: what a prune removes, restores, or leaves alone.
+
+    A ``.tmp.``/``.prev.`` entry whose writer holds its lock is live. A dead
+    ``.prev.`` (an interrupted two-phase replace) is put back as step_<N> when that
+    name is missing; so is a dead ``.tmp.`` that is complete (its manifest verifies
+    with hashes) when its step has no directory: the only copy of a step is never
+    deleted. Everything else dead is removed.
+    """
+    now = time.time() if now is None else now
+    rootp = os.fspath(root)
+    out = Leftovers([], [], [])
+    try:
+        entries = list(os.scandir(rootp))
+    except (OSError, ValueError):
+        return out
+    present = {parse_step(e.name) for e in entries} - {None}
+    hidden = []
+    for e in entries:
+        if not e.name.startswith((TMP_PREFIX, TRASH_PREFIX, PREV_PREFIX, LOCK_PREFIX)):
+            continue
+        try:
+            age = now - e.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        hidden.append((e, _TMP_RE.match(e.name), age))
+    # .prev. first (they restore the old copy), then .tmp., then the rest.
+    order = {"prev": 0, "tmp": 1, "trash": 2, "lock": 3}
+    hidden.sort(key=lambda x: (order.get(x[1].group("kind"), 4) if x[1] else 4, x[0].name))
+    for e, m, age in hidden:
+        p = Path(e.path)
+        if m is None:  # not a name we make: only age can tell
+            if age > stale_s:
+                out.remove.append(p)
+            continue
+        kind, step = m.group("kind"), int(m.group("step"))
+        if kind == "lock":
+            st = lock_state(rootp, m.group("suffix"))
+            if st == "free" or (st == "unknown" and age > stale_s):
+                out.remove.append(p)
+            continue
+        if not _writer_dead(rootp, m, age, stale_s):
+            out.live.append(p)
+            continue
+        if kind in ("prev", "tmp") and step not in present and e.is_dir(follow_symlinks=False):
+            if kind == "prev" or verify(p, deep=True).ok:
+                out.restore.append((p, Path(rootp, step_dir_name(step))))
+                present.add(step)
+                continue
+        out.remove.append(p)
+    out.remove.sort()
+    return out
 
 
 def dead_temporaries(root: os.PathLike, *, stale_s: float = STALE_TMP_S, now: Optional[float] = None) -> List[Path]:
-    """Temporary/trash directories whose writer is gone.
+    """Temporary, trash and lock entries whose writer is gone (what prune removes)."""
+    return scan_leftovers(root, stale_s=stale_s, now=now).remove
 
-    Dead means: written on this host by a pid that no longer runs, or not touched for
-    stale_s (writers on other hosts, whose pids we cannot check).
-    """
-    now = time.time() if now is None else now
-    me = socket.gethostname().split(".")[0].replace(".", "_")
-    out = []
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return []
-    for e in entries:
-        if not (e.name.startswith(TMP_PREFIX) or e.name.startswith(TRASH_PREFIX)):
-            continue
-        m = _TMP_RE.match(e.name)
+
+def restore_interrupted(root: os.PathLike, *, stale_s: float = STALE_TMP_S) -> List[tuple]:
+    """Put back the only copies of steps that a dead writer left under hidden names."""
+    done = []
+    for src, dst in scan_leftovers(root, stale_s=stale_s).restore:
         try:
-            age = now - e.stat(follow_symlinks=False).st_mtime
-        except FileNotFoundError:
+            os.rename(src, dst)  # fails if step_<N> appeared meanwhile (non-empty)
+        except OSError as e:
+            log.warning("could not restore %s as %s: %s", src, dst, e.strerror)
             continue
-        if m and m.group("host") == me and int(m.group("pid")) != os.getpid():
-            if not pid_alive(int(m.group("pid"))):
-                out.append(Path(e.path))
-                continue
-        if age > stale_s:
-            out.append(Path(e.path))
-    return sorted(out)
+        log.warning("restored %s as %s (left by a writer that died while replacing it)", src, dst)
+        done.append((src, dst))
+    if done:
+        _fsync_dir(root)
+    return done
+
+
+def _remove_tree(p: Path, root: os.PathLike) -> None:
+    """Remove a directory by renaming it to a trash name first (a half-deleted
+    directory never keeps a checkpoint's name); files, FIFOs and symlinks are unlinked."""
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+        return
+    doomed = p
+    if not p.name.startswith(TRASH_PREFIX):
+        step = parse_step(p.name)
+        if step is None:
+            step = _hidden_step(p.name) or 0
+        doomed = Path(root) / _tmp_name(TRASH_PREFIX, step)
+        try:
+            os.rename(p, doomed)
+        except FileNotFoundError:
+            return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def plan_prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = None, *,
                stale_s: float = STALE_TMP_S) -> PrunePlan:
     """Decide what to remove. The latest good checkpoint is always kept.
 
+    "Latest good" is decided with every hash checked (deep), so a newest checkpoint
+    whose bytes flipped can never make an older, really good one look removable.
+    When no checkpoint passes the hash check, no checkpoint is removed at all.
     keep_last counts committed directories from the newest (good or not); keep_every
     keeps steps that are multiples of K. Broken directories older than the latest good
     one are removed unless kept by those rules; broken ones newer than it are kept
@@ -725,35 +1252,35 @@ def plan_prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = No
     if keep_every is not None and keep_every < 1:
         raise InputError(f"--keep-every must be >= 1, got {keep_every}")
     steps = committed_steps(root)
-    good = find_latest_good(root).latest
+    good = find_latest_good(root, deep=True).latest
+    leftovers = scan_leftovers(root, stale_s=stale_s)
     keep, remove = [], []
     newest = {p for _, p in steps[-keep_last:]}
     for step, path in steps:
-        if (path in newest or (good is not None and path == good.path)
+        if (good is None or path in newest or path == good.path
                 or (keep_every and step % keep_every == 0)):
             keep.append(path)
         else:
             remove.append(path)
-    return PrunePlan(keep=keep, remove=remove, temporaries=dead_temporaries(root, stale_s=stale_s),
-                     latest_good=good.path if good else None)
+    note = "" if good is not None or not steps else "no checkpoint passed the hash check; none removed"
+    return PrunePlan(keep=keep, remove=remove, temporaries=leftovers.remove,
+                     latest_good=good.path if good else None, restore=leftovers.restore, note=note)
 
 
 def prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = None, *, dry_run: bool = False,
           stale_s: float = STALE_TMP_S) -> PrunePlan:
+    if not dry_run:
+        if keep_last < 1 or (keep_every is not None and keep_every < 1):
+            return plan_prune(root, keep_last, keep_every, stale_s=stale_s)  # raises InputError
+        restored = restore_interrupted(root, stale_s=stale_s)
     plan = plan_prune(root, keep_last, keep_every, stale_s=stale_s)
     if dry_run:
         return plan
+    plan.restore = restored
     for p in plan.remove:
-        # Rename first so a half-deleted directory is never mistaken for a checkpoint;
-        # a trash name carries our pid, so a prune killed midway is cleaned next time.
-        doomed = Path(root) / _tmp_name(TRASH_PREFIX, parse_step(p.name))
-        try:
-            os.rename(p, doomed)
-        except FileNotFoundError:
-            continue
-        shutil.rmtree(doomed, ignore_errors=True)
+        _remove_tree(p, root)
     for p in plan.temporaries:
-        shutil.rmtree(p, ignore_errors=True)
+        _remove_tree(p, root)
     return plan
 
 
@@ -802,11 +1329,14 @@ def shrink_object(obj: Any) -> tuple:
     return walk(obj), count
 
 
-def shrink(path: os.PathLike) -> ShrinkReport:
+def shrink(path: os.PathLike, *, unsafe_load: bool = False) -> ShrinkReport:
     """Re-save the torch files of a committed checkpoint without oversized storages.
 
     The new version is written and committed like any checkpoint (temporary sibling,
-    manifest, rename), replacing the old directory only when it is complete.
+    manifest, rename-exchange with the old directory), replacing it only when complete.
+    Files are loaded with weights_only=True: a file that needs pickled code (custom
+    classes) is refused with UnsafeLoadRefused unless unsafe_load=True, which runs
+    that code and is only for checkpoints from a trusted source.
     """
     path = Path(path)
     info = verify(path, deep=True)
@@ -824,7 +1354,10 @@ def shrink(path: os.PathLike) -> ShrinkReport:
             src = path / name
             obj, n = None, 0
             if name.endswith(".pt"):
-                obj = load_torch(path, name, weights_only=False)
+                try:
+                    obj = load_torch(path, name, weights_only=not unsafe_load)
+                except UnsafeLoadRefused as e:
+                    raise UnsafeLoadRefused(f"{e.message}; not shrinking it (--unsafe-load to allow)") from None
                 obj, n = shrink_object(obj)
             if n:
                 shrunk += n

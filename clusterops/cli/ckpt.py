@@ -25,6 +25,8 @@ def _human(n: int) -> str:
 def _root_arg(root: str) -> Path:
     from clusterops.errors import InputError
 
+    if "\x00" in root:
+        raise InputError(f"{root!r}: not a valid path")
     p = Path(root)
     if not p.exists():
         raise InputError(f"{root}: checkpoint root does not exist")
@@ -37,9 +39,16 @@ def _root_arg(root: str) -> Path:
 def ckpt() -> None:
     """List, verify, prune and shrink checkpoints.
 
+    Malformed step directories are reported as BAD with the reason and skipped;
+    no file in a checkpoint is ever loaded with code execution unless
+    `shrink --unsafe-load` is given.
+
     \b
-    Exit codes: 0 ok; 1 no good checkpoint (latest) / checkpoint bad (verify);
-    2 usage error (missing root, bad flag value).
+    Exit codes:
+      0  ok (list, prune, shrink done; latest found; verify good)
+      1  no good checkpoint (latest); checkpoint bad (verify); shrink refused
+         (bad checkpoint, or a file that needs pickled code without --unsafe-load)
+      2  usage error: missing root, root not a directory, bad flag value
     """
 
 
@@ -102,7 +111,10 @@ def verify_cmd(path: str, deep: bool, as_json: bool) -> int:
     Exit 0 when good, 1 when bad (each problem printed).
     """
     from clusterops import checkpoint as ck
+    from clusterops.errors import InputError
 
+    if "\x00" in path:
+        raise InputError(f"{path!r}: not a valid path")
     info = ck.verify(path, deep=deep)
     if as_json:
         echo_json(info.to_dict())
@@ -127,7 +139,10 @@ def verify_cmd(path: str, deep: bool, as_json: bool) -> int:
 def prune_cmd(root: str, keep_last: int, keep_every, dry_run: bool, as_json: bool) -> None:
     """Remove old checkpoints and temporaries of dead saves under ROOT.
 
-    The latest good checkpoint is always kept, even when newer ones are broken.
+    The latest good checkpoint, decided with every hash checked, is always kept,
+    even when newer ones are broken; when none passes the hash check, no checkpoint
+    is removed. Temporaries of live writers (their lock is held) are left alone;
+    the only copy of a step left under a hidden name by a dead writer is put back.
     """
     from clusterops import checkpoint as ck
 
@@ -136,6 +151,10 @@ def prune_cmd(root: str, keep_last: int, keep_every, dry_run: bool, as_json: boo
         echo_json(dict(plan.to_dict(), dry_run=dry_run))
         return
     verb = "would remove" if dry_run else "removed"
+    for a, b in plan.restore:
+        click.echo(f"{'would restore' if dry_run else 'restored'} {a} as {b} (left by a writer that died replacing it)")
+    if plan.note:
+        click.echo(plan.note)
     for p in plan.remove:
         click.echo(f"{verb} {p}")
     for p in plan.temporaries:
@@ -145,15 +164,22 @@ def prune_cmd(root: str, keep_last: int, keep_every, dry_run: bool, as_json: boo
 
 @ckpt.command("shrink")
 @click.argument("path")
+@click.option("--unsafe-load", is_flag=True,
+              help="Allow files that need pickled code to load (runs code from the checkpoint: "
+                   "only for checkpoints you trust). Default: weights_only loading, such files refused.")
 @json_option
-def shrink_cmd(path: str, as_json: bool) -> None:
-    """Re-save tensors whose storage is larger than their view (recommits PATH)."""
+def shrink_cmd(path: str, unsafe_load: bool, as_json: bool) -> None:
+    """Re-save tensors whose storage is larger than their view (recommits PATH).
+
+    Exit 1 when PATH is not a good checkpoint or a file needs pickled code to load
+    (refused unless --unsafe-load).
+    """
     from clusterops import checkpoint as ck
     from clusterops.errors import InputError
 
-    if not os.path.isdir(path):
-        raise InputError(f"{path}: not a checkpoint directory")
-    rep = ck.shrink(path)
+    if "\x00" in path or not os.path.isdir(path) or os.path.islink(path):
+        raise InputError(f"{path!r}: not a checkpoint directory")
+    rep = ck.shrink(path, unsafe_load=unsafe_load)
     if as_json:
         echo_json(rep.to_dict())
         return

@@ -385,7 +385,11 @@ class SupervisorRun:
         # Resume from a checkpoint verified now (hashes too): a newest checkpoint that was
         # damaged since it was written is skipped and said so, not loaded.
         resume = ""
-        lookup = ck.find_latest_good(cfg.ckpt_dir, deep=cfg.deep_verify)
+        try:
+            lookup = ck.find_latest_good(cfg.ckpt_dir, deep=cfg.deep_verify)
+        except ClusteropsError as e:  # the root itself unreadable: start without one, say why
+            self._record("checkpoint_bad", {"step": None, "path": str(cfg.ckpt_dir), "problems": [e.message]})
+            lookup = ck.Lookup(None, [])
         for bad in lookup.skipped:
             self._record("checkpoint_bad", {"step": bad.step, "path": str(bad.path), "problems": bad.problems[:3]})
         if lookup.latest is not None:

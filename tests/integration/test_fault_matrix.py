@@ -11,6 +11,7 @@ Runs are short (60 steps, 0.1 s a step) so the whole matrix fits in minutes on 2
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -210,10 +211,21 @@ def test_g_corrupted_latest_checkpoint_is_skipped_on_restart(cluster, slurm, ref
     job.signal_rank(3, signal.SIGSTOP)          # freeze training so "latest" stays latest
     time.sleep(0.5)
     broken = fk.corrupt_latest_checkpoint(job.ckpt_dir)
+    # Malformed step directories newer than everything: the supervisor and the ranks'
+    # resume() must skip them with a reason, never hang on the FIFO or follow the '..'.
+    odd = [job.ckpt_dir / f"step_9000000{i}" for i in range(3)]
+    odd[0].mkdir()
+    os.mkfifo(odd[0] / "manifest.json")
+    os.mkfifo(odd[1])
+    odd[2].mkdir()
+    (odd[2] / "manifest.json").write_text(json.dumps({
+        "format": "clusterops-checkpoint", "version": 1, "step": 90000002, "time": 1.0, "world_size": 4,
+        "kind": "dcp", "hash_algo": "crc32", "files": {"../" + broken.name + "/manifest.json": {"size": 1, "hash": "0"}}}))
     job.signal_rank(3, signal.SIGKILL)
-    info, story = assert_healed(job, slurm, reference, 4, ignore_ckpts=[broken])
+    info, story = assert_healed(job, slurm, reference, 4, ignore_ckpts=[broken] + odd)
     bad = events(job, "checkpoint_bad")
-    assert bad and Path(bad[0]["path"]).name == broken.name, story
+    assert bad and broken.name in [Path(b["path"]).name for b in bad], story
+    assert {p.name for p in odd} <= {Path(b["path"]).name for b in bad}, story
     from clusterops.checkpoint import parse_step
 
     broken_step = parse_step(broken.name)
