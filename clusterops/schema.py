@@ -439,7 +439,7 @@ def problems(obj: Any, fields: Sequence[Field]) -> List[str]:
     bad = []
     for f in fields:
         v = getattr(obj, f.name)
-        if v is None and f.default is None:
+        if v is None and (f.default is None or f.kind == "profile"):   # a profile: None is off
             continue
         if f.kind == "bool":
             if not isinstance(v, bool):
