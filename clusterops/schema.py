@@ -309,7 +309,7 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
     _budget("no_progress_restarts", "restarts in a row without a newer checkpoint before giving up (exit 3); "
             "0: give up at the first failure that saved nothing new", 3),
     _policy("preflight", "profile", "health profile (name or YAML path) run on every node before the first "
-            "launch; `false` skips it", "preflight"),
+            "launch; `false` skips it", "preflight", default_text="`preflight`"),
     _timeout("preflight_timeout_s", "time limit of the preflight check", 180.0),
     _policy("postmortem", "profile", "health profile run on the step's nodes after a failure (else the "
             "liveness check)", default_text="off"),
@@ -395,7 +395,8 @@ JOB_SPEC = Field("job spec", "map", fields=(
        default_text="derived from the job id"),
     _f("srun_wait_s", "int", "`srun --wait`: seconds the other tasks get once one has ended; 0 = no limit",
        default=60, min=0, max=86400),
-    _f("python", "str", "interpreter for `.py` scripts under the `srun` launcher", default="python3"),
+    _f("python", "str", "interpreter for `.py` scripts under the `srun` launcher", default="python3",
+       default_text="`python3`"),
     _text_list("launcher_args", "extra arguments for torchrun/accelerate/deepspeed, before the script"),
     _text_list("srun_args", "extra srun arguments for the training step"),
     _text_list("sbatch_args", "extra `#SBATCH` lines, one long option each (`--mail-type=END`)"),
@@ -676,7 +677,8 @@ def docs_tables() -> Dict[str, str]:
     return tables
 
 
-def _default_cell(x: Field) -> str:
+def default_doc(x: Field) -> str:
+    """A field's default as the docs and the --help texts show it."""
     if x.required:
         return "required"
     if x.default_text:
@@ -709,8 +711,8 @@ def _flag_cell(f: Field) -> str:
 def launch_docs_tables() -> Dict[str, str]:
     """The key tables of docs/launch.md: the job spec and its supervise: section."""
     return {
-        "job-spec": markdown_table([(x.name, _spec_type(x), _default_cell(x), x.doc) for x in JOB_SPEC.fields]),
-        "supervise": markdown_table([(x.name, x.type_text(), _default_cell(x), x.doc) for x in SUPERVISE.fields]),
+        "job-spec": markdown_table([(x.name, _spec_type(x), default_doc(x), x.doc) for x in JOB_SPEC.fields]),
+        "supervise": markdown_table([(x.name, x.type_text(), default_doc(x), x.doc) for x in SUPERVISE.fields]),
     }
 
 
@@ -720,7 +722,7 @@ def supervisor_docs_tables() -> Dict[str, str]:
     cell = lambda s: str(s).replace("|", "\\|")  # noqa: E731
     for x in SUPERVISE.fields + POLICY_ONLY:
         key = f"`{x.name}`" if x in SUPERVISE.fields else "(not a key)"
-        out.append(f"| {key} | {_flag_cell(x)} | {cell(x.type_text())} | {cell(_default_cell(x))} | {cell(x.doc)} |")
+        out.append(f"| {key} | {_flag_cell(x)} | {cell(x.type_text())} | {cell(default_doc(x))} | {cell(x.doc)} |")
     return {"supervise-settings": "\n".join(out)}
 
 
