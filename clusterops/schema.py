@@ -1,12 +1,23 @@
-"""Declarative schemas for the health inputs: one field table per input.
+"""Declarative schemas for the inputs: one field table per input.
 
-A :class:`Field` says a key's name, type, bounds or choices, default and meaning. From
-the tables come the validation of health profiles and the health site config (every
-level, list items, types, ranges, choices, unknown keys with a suggestion) and the key
-tables in docs/health.md (``python -m clusterops.schema`` prints them; a test keeps the
-docs in step).
+A :class:`Field` says a key's name, type, bounds or choices, default and meaning. The
+tables here:
 
-The probe settings below are what each probe's code reads (``clusterops/probes/*``):
+- health profiles and the health site config (``PROFILE``, ``SITE``, ``PROBE_SETTINGS``):
+  ``validate()`` checks them (every level, list items, types, ranges, choices, unknown keys
+  with a suggestion);
+- the job spec of ``clusterops launch`` (``JOB_SPEC``) with its ``supervise:`` section
+  (``SUPERVISE``, the one table of the supervise keys) and the supervisor's own settings
+  (``POLICY_ONLY``). ``clusterops.launch.spec`` validates a spec by them; the supervisor's
+  ``Policy`` is made from them (``dataclass_of``, ``problems``); the flags of
+  ``clusterops supervise`` are generated from them.
+
+The key tables in docs/health.md, docs/launch.md and docs/supervisor.md are generated too
+(between ``<!-- schema:NAME -->`` marks): ``python -m clusterops.schema`` prints the health
+tables, ``--check ROOT`` compares every generated table with the docs, ``--write ROOT``
+rewrites them; a test keeps the docs in step.
+
+The probe settings below are what each probe's code reads (``clusterops/health/probes/*``):
 when a probe learns a setting, its row is added here, or profiles using it are refused.
 """
 
