@@ -239,66 +239,50 @@ def _is_text(f: schema.Field) -> bool:
     return f.kind in schema.TEXT_KINDS
 
 
-def _walk(node, path: Tuple, loader, locs: _Locations, line_of: Callable[[Any], str]) -> Any:
-    """YAML node -> plain value, recording each mapping key's location."""
-    yaml = _yaml()
-    if isinstance(node, yaml.MappingNode):
-        out: Dict[str, Any] = {}
-        for key_node, value_node in node.value:
-            if not isinstance(key_node, yaml.ScalarNode):
-                raise InputError(f"{line_of(key_node)}: {'.'.join(map(str, path)) or 'spec'}: "
-                                 f"keys must be plain names")
-            key = key_node.value
-            if key == "<<":
-                raise InputError(f"{line_of(key_node)}: YAML merge keys (<<) are not supported in job specs")
-            if key in out:
-                raise InputError(f"{line_of(key_node)}: {'.'.join(map(str, path + (key,)))}: "
-                                 f"duplicate key (first given at {locs.by_path.get(path + (key,))})")
-            locs.by_path[path + (key,)] = line_of(key_node)
-            out[key] = _walk(value_node, path + (key,), loader, locs, line_of)
-        return out
-    if isinstance(node, yaml.SequenceNode):
-        items = []
-        for i, item in enumerate(node.value):
-            locs.by_path[path + (i,)] = line_of(item)
-            items.append(_walk(item, path + (i,), loader, locs, line_of))
-        return items
-    # Scalar
+def _scalar(node, path: Tuple, construct: Callable[[], Any]) -> Any:
+    """A scalar's value: null is None, a text key's scalar is the text written, and YAML 1.1
+    sexagesimal numbers (1:30:00 -> 5400) stay text: nobody means them."""
     if node.tag == _NULL_TAG and node.style is None:
         return None
     if _is_literal(path):
         return node.value
-    value = loader.construct_object(node, deep=True)
+    value = construct()
     if isinstance(value, (int, float)) and not isinstance(value, bool) and ":" in node.value:
-        # YAML 1.1 sexagesimal (1:30:00 -> 5400): nobody means that; keep the text.
         return node.value
     return value
 
 
-def _compose(text: str, where: str):
-    """YAML text -> (node tree, a loader to construct scalars) through the one input loader
-    (clusterops.yamlio): no anchors/aliases/merge keys, bounded size and depth."""
+def _load(node, where: str, locs: _Locations, path: Tuple = (), at: Optional[str] = None) -> Any:
+    """A node tree from the one input loader (clusterops.yamlio: no anchors, aliases or merge
+    keys, bounded size and depth) -> plain values, each key's place recorded in ``locs``."""
     from clusterops import yamlio
 
-    node = yamlio.compose(text, where)
-    return node, yamlio.scalar_loader(where)
+    lines: Dict[Tuple, int] = {}
+    value = yamlio.to_python(node, where, lines, path, scalar=_scalar)
+    for p, line in lines.items():
+        locs.by_path[p] = at or f"{where}:{line}"
+    return value
 
 
 def parse_spec_text(text: str, source: str = "spec") -> Tuple[Dict[str, Any], _Locations]:
     """YAML text -> (plain dict, locations). Pure; raises InputError."""
-    node, loader = _compose(text, source)
+    from clusterops import yamlio
+
+    node = yamlio.compose(text, source)
     locs = _Locations(source)
     if node is None:
         raise InputError(f"{source}: empty job spec (required keys: {', '.join(REQUIRED_KEYS)})")
     yaml = _yaml()
     if not isinstance(node, yaml.MappingNode):
         raise InputError(f"{source}:{node.start_mark.line + 1}: a job spec must be a mapping of keys")
-    data = _walk(node, (), loader, locs, lambda n: f"{source}:{n.start_mark.line + 1}")
+    data = _load(node, source, locs)
     return data, locs
 
 
 def apply_overrides(data: Dict[str, Any], locs: _Locations, overrides: Sequence[str]) -> None:
     """Apply ``key=value`` overrides (values parsed as YAML; dotted keys reach nested maps)."""
+    from clusterops import yamlio
+
     for item in overrides:
         if "=" not in item:
             raise InputError(f"--set {item}: expected key=value")
@@ -308,8 +292,8 @@ def apply_overrides(data: Dict[str, Any], locs: _Locations, overrides: Sequence[
         if not key or any(not p for p in path):
             raise InputError(f"--set {item}: expected key=value")
         where = "--set"
-        node, loader = _compose(text if text.strip() else '""', where)
-        value = _walk(node, path, loader, locs, lambda n: where) if node is not None else None
+        node = yamlio.compose(text if text.strip() else '""', where)
+        value = _load(node, where, locs, path, at=where) if node is not None else None
         target = data
         for i, part in enumerate(path[:-1]):
             nxt = target.get(part)
@@ -446,7 +430,9 @@ class _Checker:
         return value
 
     def number(self, path: Tuple, value: Any, f: schema.Field) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.err(path, f"must be a number, got {value!r}")
+        if not math.isfinite(value):   # JSON (--spec-json) cannot carry it
             raise self.err(path, f"must be a finite number, got {value!r}")
         lo, hi = f.min, f.max
         if (lo is not None and (value <= lo if f.gt else value < lo)) or (hi is not None and value > hi):
@@ -603,6 +589,8 @@ def _build_supervise(c: _Checker, value: Any, kw: Dict[str, Any], workdir: Path)
             raise c.err(("supervise", key), f"unknown key{schema.suggest(str(key), _SUPERVISE)}")
     out: Dict[str, Any] = {"ckpt_dir": os.path.join(str(workdir), "checkpoints")}
     for f in schema.SUPERVISE.fields:
+        if f.name == "min_nodes":   # continue on fewer nodes: at most the nodes there are
+            f = dataclasses.replace(f, max=kw["nodes"])
         # A profile's null means off; any other null means "the default".
         if f.name in value and (value[f.name] is not None or f.kind == "profile"):
             out[f.name] = c.check(f, value[f.name], ("supervise", f.name), workdir)
@@ -610,8 +598,6 @@ def _build_supervise(c: _Checker, value: Any, kw: Dict[str, Any], workdir: Path)
     def p(key):
         return ("supervise", key)
 
-    if out.get("min_nodes", 1) > kw["nodes"]:
-        raise c.err(p("min_nodes"), f"must be an integer from 1 to {kw['nodes']}, got {out['min_nodes']}")
     lead = kw.get("signal_lead_s", DEFAULT_SIGNAL_LEAD_S)
     stop = out.get("stop_timeout_s")
     if lead and stop is not None and stop >= lead:
