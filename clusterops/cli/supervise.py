@@ -1,8 +1,14 @@
-"""``clusterops supervise``: run and heal a training step inside a Slurm allocation."""
+"""``clusterops supervise``: run and heal a training step inside a Slurm allocation.
+
+Its settings come from ``--spec-json`` (the resolved job spec) and from flags that override
+it; there is one flag per ``supervise:`` key and Policy field, made from the table in
+``clusterops.schema`` (names, types, bounds, defaults and help text).
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -40,6 +46,8 @@ def _coerce(f: schema.Field, value, where: str):
         return _profile(value)
     ok = (isinstance(value, bool) if f.kind == "bool" else
           isinstance(value, (int, float)) and not isinstance(value, bool))
+    if ok and not isinstance(value, bool) and not math.isfinite(value):
+        ok = False
     if not ok or (f.kind == "int" and value != int(value)):
         raise InputError(f"{where}: must be {f.type_text()}, got {value!r}")
     return {"int": int, "number": float, "bool": bool}[f.kind](value)
