@@ -39,10 +39,10 @@ def script_filename(spec: JobSpec, now: Optional[float] = None) -> str:
 def submit(spec: JobSpec, slurm=None, *, dry_run: bool = False,
            template_dirs: Sequence[str | os.PathLike] = ()) -> Submitted:
     """Render, write the script into log_dir, submit it. Nothing is written on a dry run."""
+    from clusterops.slurm.steps import sbatch_argv   # here: `import clusterops.launch` stays light
+
     text = render(spec, template_dirs)
     path = os.path.join(spec.log_dir, script_filename(spec))
-    from clusterops.slurm.steps import sbatch_argv
-
     argv = tuple(sbatch_argv(path))
     if dry_run:
         return Submitted(None, None, text, argv)
