@@ -1,10 +1,21 @@
-"""Declarative schemas for the health inputs: one field table per input.
+"""Declarative schemas for the inputs: one field table per input.
 
-A :class:`Field` says a key's name, type, bounds or choices, default and meaning. From
-the tables come the validation of health profiles and the health site config (every
-level, list items, types, ranges, choices, unknown keys with a suggestion) and the key
-tables in docs/health.md (``python -m clusterops.schema`` prints them; a test keeps the
-docs in step).
+A :class:`Field` says a key's name, type, bounds or choices, default and meaning. The
+tables here:
+
+- health profiles and the health site config (``PROFILE``, ``SITE``, ``PROBE_SETTINGS``):
+  ``validate()`` checks them (every level, list items, types, ranges, choices, unknown keys
+  with a suggestion);
+- the job spec of ``clusterops launch`` (``JOB_SPEC``) with its ``supervise:`` section
+  (``SUPERVISE``, the one table of the supervise keys) and the supervisor's own settings
+  (``POLICY_ONLY``). ``clusterops.launch.spec`` validates a spec by them; the supervisor's
+  ``Policy`` is made from them (``dataclass_of``, ``problems``); the flags of
+  ``clusterops supervise`` are generated from them.
+
+The key tables in docs/health.md, docs/launch.md and docs/supervisor.md are generated too
+(between ``<!-- schema:NAME -->`` marks): ``python -m clusterops.schema`` prints the health
+tables, ``--check ROOT`` compares every generated table with the docs, ``--write ROOT``
+rewrites them; a test keeps the docs in step.
 
 The probe settings below are what each probe's code reads (``clusterops/health/probes/*``):
 when a probe learns a setting, its row is added here, or profiles using it are refused.
@@ -12,11 +23,12 @@ when a probe learns a setting, its row is added here, or profiles using it are r
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from clusterops.errors import InputError
 
@@ -41,6 +53,9 @@ class Field:
     required: bool = False               # the key must be present in its map
     min_len: int = 0
     max_len: Optional[int] = None
+    default_text: str = ""               # docs: a default that is worked out, not a value
+    flags: Tuple[str, ...] = ()          # extra command-line names (`clusterops supervise`)
+    policy: bool = False                 # a field of the supervisor's Policy
 
     def type_text(self) -> str:
         if self.kind == "enum":
@@ -59,6 +74,8 @@ class Field:
             t = "version"
         elif self.kind == "regex":
             t = "regular expression"
+        elif self.kind in _KIND_NAMES:
+            t = _KIND_NAMES[self.kind]
         else:
             t = self.kind
         rng = self.range_text()
@@ -79,6 +96,13 @@ class Field:
         if hi is not None:
             return f"<= {hi:g}"
         return ""
+
+
+# Kinds of the job spec, as the docs name them. "text" may span lines, "str" may not.
+_KIND_NAMES = {"text": "text", "path": "path", "hostlist": "hostlist", "time": "Slurm time",
+               "mem": "size", "lines": "lines", "profile": "profile or false"}
+# Kinds whose YAML scalars are taken as written (no 1.1 booleans, octal, floats).
+TEXT_KINDS = frozenset({"str", "text", "path", "hostlist", "time", "mem", "lines"})
 
 
 def _f(name, kind, doc="", **kw) -> Field:
@@ -270,6 +294,199 @@ SITE = Field("site", "map", fields=(
     HISTORY,
     NOTIFY,
 ))
+
+
+# -- the job spec (`clusterops launch`) and its supervise: section ---------------------------
+#
+# The one table of the supervise keys: the job-spec validation (clusterops.launch.spec), the
+# supervisor's Policy (clusterops.supervisor.machine), the flags of `clusterops supervise`
+# and the tables in docs/launch.md and docs/supervisor.md all come from it.
+
+MAX_COUNT = 100000
+
+
+def _policy(name: str, kind: str, doc: str, default: Any = None, **kw) -> Field:
+    """A key the supervisor's state machine reads (a field of Policy)."""
+    return Field(name, kind, doc, default=default, policy=True, **kw)
+
+
+def _timeout(name: str, doc: str, default: float) -> Field:
+    return _policy(name, "number", doc, default, min=0, gt=True)
+
+
+def _budget(name: str, doc: str, default: int, lo: int = 0, **kw) -> Field:
+    return _policy(name, "int", doc, default, min=lo, max=MAX_COUNT, **kw)
+
+
+SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-healing); a mapping of the "
+                  "keys below, or `true` for the defaults", fields=(
+    _f("ckpt_dir", "path", "checkpoint root (`CLUSTEROPS_CKPT_DIR`); relative to `workdir`",
+       default_text="`<workdir>/checkpoints`"),
+    _f("job_dir", "path", "the supervisor's timeline and state; relative to `workdir`",
+       default_text="`<log_dir>/<name>-<job id>`"),
+    _budget("spare_nodes", "extra nodes allocated to replace bad ones", 0, flags=("--spares",)),
+    _policy("min_nodes", "int", "continue on fewer nodes, down to this many (at most `nodes`), instead of "
+            "requeueing", min=1, max=MAX_COUNT, default_text="`nodes`", flags=("--nodes-min",)),
+    _timeout("hang_timeout_s", "no heartbeat progress from a rank for this long is a hang (make it longer "
+             "than a save)", 300.0),
+    _timeout("startup_timeout_s", "time a rank gets to its first heartbeat", 600.0),
+    _timeout("stop_timeout_s", "seconds the ranks get to checkpoint and stop; shorter than `signal_lead_s`",
+             120.0),
+    _timeout("kill_timeout_s", "time a killed step gets to go away before it is killed harder", 30.0),
+    _budget("max_restarts", "restarts inside the allocation (per incarnation) before requeueing or giving up",
+            5),
+    _budget("max_requeues", "requeues (`SLURM_RESTART_COUNT`) before giving up", 3),
+    _budget("no_progress_restarts", "restarts in a row without a newer checkpoint before giving up (exit 3); "
+            "0: give up at the first failure that saved nothing new", 3),
+    _policy("preflight", "profile", "health profile (name or YAML path) run on every node before the first "
+            "launch; `false` skips it", "preflight", default_text="`preflight`"),
+    _timeout("preflight_timeout_s", "time limit of the preflight check", 180.0),
+    _policy("postmortem", "profile", "health profile run on the step's nodes after a failure (else the "
+            "liveness check)", default_text="off"),
+    _policy("liveness_check", "bool", "after a failure without a `postmortem` profile, check that every node "
+            "still answers", True),
+    _timeout("liveness_timeout_s", "time limit of that liveness check", 10.0),
+    _policy("hang_blame_margin_s", "number", "blame a hung rank only when it fell silent this long before the "
+            "others", 5.0, min=0),
+    _policy("drain_bad_nodes", "bool", "drain nodes judged bad, with a `clusterops:` reason", False),
+    _budget("node_fail_threshold", "failures blamed on one node before it is dropped", 2, lo=1),
+    _f("verify_deep", "bool", "hash-check the checkpoint a restart resumes from, not only sizes (a flipped "
+       "byte is caught, not loaded)", default=True),
+    _f("step_wait_s", "int", "`srun --wait` for the supervisor's training steps", min=1, max=86400,
+       default_text="`srun_wait_s`"),
+))
+
+# Policy fields that are not `supervise:` keys: a job spec sets them elsewhere (its node
+# count, ranks per node, `requeue`), or they are the supervisor's own.
+POLICY_ONLY: Tuple[Field, ...] = (
+    _policy("nodes", "int", "training nodes (the spec's `nodes`; else the allocation minus the spares)", 1,
+            min=1, max=MAX_COUNT),
+    _policy("ranks_per_node", "int", "training processes per node (the spec's ranks per node)", 1, min=1,
+            max=4096),
+    _policy("requeue", "bool", "may the supervisor requeue the job at all (the spec's `requeue`)", True),
+    _timeout("progress_interval_s", "how often progress samples go to the timeline", 2.0),
+)
+
+
+def policy_fields() -> Tuple[Field, ...]:
+    """The supervisor's Policy, field by field (the dataclass is made from this)."""
+    return POLICY_ONLY + tuple(f for f in SUPERVISE.fields if f.policy)
+
+
+def supervise_field(name: str) -> Optional[Field]:
+    return next((f for f in SUPERVISE.fields if f.name == name), None)
+
+
+def _text_list(name: str, doc: str, item: str = "str") -> Field:
+    return Field(name, "list", doc, default_text="none", item=Field("item", item))
+
+
+JOB_SPEC = Field("job spec", "map", fields=(
+    _f("name", "str", "job name (`--job-name`); no control characters, `/`, `%` or `\\`", required=True),
+    _f("nodes", "int", "nodes the training runs on", required=True, min=1, max=MAX_COUNT),
+    _f("launcher", "str", "`torchrun` | `accelerate` | `deepspeed` | `srun`, or the name of a site template",
+       required=True),
+    _f("script", "path", "the training script, relative to `workdir`; must exist and be readable on the submit "
+       "host (not checked with `container_image`); not a `.py`: executable, for `srun`", required=True),
+    _text_list("args", "arguments for the script, passed literally", item="text"),
+    Field("env", "dict", "environment variables, exported (quoted) before `setup`", default_text="none",
+          item=Field("value", "text")),
+    _f("gpus_per_node", "int", "GPUs per node (`--gpus-per-node`)", default=0, min=0, max=1024),
+    _f("nproc_per_node", "int", "ranks per node", min=1, max=4096,
+       default_text="`gpus_per_node`, else `cpus_per_task` for torchrun/accelerate/deepspeed, else 1"),
+    _f("cpus_per_task", "int", "CPUs per task (`--cpus-per-task`): per node for the launchers (one task per "
+       "node), per rank for `srun`", min=1, max=4096),
+    _f("mem", "mem", "memory per node (`--mem`), e.g. `200G`, `64000M`; `0` = all of it"),
+    _f("time", "time", "time limit: `M`, `M:S`, `H:M:S`, `D-H`, `D-H:M`, `D-H:M:S` or `UNLIMITED`"),
+    _f("partition", "str", "`--partition`"),
+    _f("account", "str", "`--account`"),
+    _f("qos", "str", "`--qos`"),
+    _f("exclusive", "bool", "whole nodes (`--exclusive`)", default=False),
+    _f("exclude", "hostlist", "nodes never to use (`--exclude`); a string or a list"),
+    _f("nodelist", "hostlist", "nodes to use (`--nodelist`); a string or a list"),
+    _f("constraint", "str", "node features (`--constraint`)"),
+    _f("workdir", "path", "the job's working directory (`--chdir`); relative to the spec file's directory",
+       default_text="the spec file's directory"),
+    _f("log_dir", "path", "batch log, per-node logs and the submitted script (created by `submit`)",
+       default_text="`<workdir>/logs`"),
+    _f("container_image", "str", "pyxis/enroot image: `srun --container-image`"),
+    _f("container_mounts", "str", "pyxis `--container-mounts`"),
+    _f("setup", "lines", "shell lines run in the batch shell before the launch (module loads, venv "
+       "activation); a list or a block; verbatim. The environment they set reaches every node through srun",
+       default_text="none"),
+    _f("signal_lead_s", "int", "seconds before the time limit to send SIGUSR1 (`--signal=B:USR1@N`), forwarded "
+       "to the training processes; 0 = off; below the time limit", default=600, min=0, max=65535,
+       default_text="600, or half the time limit when that is shorter"),
+    _f("requeue", "bool", "`--requeue` / `--no-requeue`", default=False,
+       default_text="false; true with `supervise`"),
+    _f("chain", "int", "run as a chain of N jobs one after another (`--array=1-N%1`)", default=1, min=1,
+       max=1000),
+    _f("master_port", "int", "fixed rendezvous port", min=1024, max=65535,
+       default_text="derived from the job id"),
+    _f("srun_wait_s", "int", "`srun --wait`: seconds the other tasks get once one has ended; 0 = no limit",
+       default=60, min=0, max=86400),
+    _f("python", "str", "interpreter for `.py` scripts under the `srun` launcher", default="python3",
+       default_text="`python3`"),
+    _text_list("launcher_args", "extra arguments for torchrun/accelerate/deepspeed, before the script"),
+    _text_list("srun_args", "extra srun arguments for the training step"),
+    _text_list("sbatch_args", "extra `#SBATCH` lines, one long option each (`--mail-type=END`)"),
+    SUPERVISE,
+))
+
+
+def job_spec_field(name: str) -> Optional[Field]:
+    return next((f for f in JOB_SPEC.fields if f.name == name), None)
+
+
+# -- dataclasses from a table (the supervisor's Policy) -------------------------------------
+
+_PY_TYPES = {"int": int, "number": float, "bool": bool, "str": str, "path": str, "profile": str}
+
+
+def dataclass_of(fields: Sequence[Field], **options: Any):
+    """Class decorator: make ``cls`` a dataclass whose fields, types and defaults are
+    ``fields`` (in order), ahead of any the class declares itself."""
+    def make(cls):
+        annotations: Dict[str, Any] = {}
+        for f in fields:
+            t = _PY_TYPES[f.kind]
+            annotations[f.name] = t if f.default is not None else Optional[t]
+            setattr(cls, f.name, f.default)
+        annotations.update(cls.__dict__.get("__annotations__", {}))
+        cls.__annotations__ = annotations
+        return dataclasses.dataclass(**options)(cls)
+    return make
+
+
+def _want(f: Field) -> str:
+    rng = f.range_text()
+    return ("a whole number" if f.kind == "int" else "a number") + (
+        (" in " if rng.startswith(("[", "(")) else " ") + rng if rng else "")
+
+
+def problems(obj: Any, fields: Sequence[Field]) -> List[str]:
+    """``name: must be ...`` for each attribute of ``obj`` that breaks its field's type or
+    bounds (None is fine where the field has no default)."""
+    bad = []
+    for f in fields:
+        v = getattr(obj, f.name)
+        if v is None and (f.default is None or f.kind == "profile"):   # a profile: None is off
+            continue
+        if f.kind == "bool":
+            if not isinstance(v, bool):
+                bad.append(f"{f.name}: must be true or false, got {_name(v)}")
+        elif f.kind in ("int", "number"):
+            ok = not isinstance(v, bool) and isinstance(v, int if f.kind == "int" else (int, float))
+            if ok and isinstance(v, float) and not math.isfinite(v):
+                ok = False
+            if ok:
+                lo, hi = f.min, f.max
+                ok = not ((lo is not None and (v <= lo if f.gt else v < lo)) or (hi is not None and v > hi))
+            if not ok:
+                bad.append(f"{f.name}: must be {_want(f)}, got {_name(v)}")
+        elif f.kind in ("str", "path", "profile") and not (isinstance(v, str) and v.strip()):
+            bad.append(f"{f.name}: must be a non-empty string, got {_name(v)}")
+    return bad
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -486,16 +703,117 @@ def docs_tables() -> Dict[str, str]:
         + _rows(GPU_MODEL, "gpu_models.<MODEL>.")
         + [("defaults", "mapping (gpus, probes)", "", "merged into every profile"),
            ("profiles.<NAME>", "mapping (description, gpus, probes)", "", "overrides for one profile")]
-        + [("drain", "mapping", "", DRAIN.doc)] + _rows(DRAIN, "drain."))
+        + [("drain", "mapping", "", DRAIN.doc)] + _rows(DRAIN, "drain.")
+        + [("history", "mapping", "", HISTORY.doc)] + _rows(HISTORY, "history.")
+        + [("notify", "list of URL or webhook", "", NOTIFY.doc)] + _rows(WEBHOOK, "notify[].")
+    )
     return tables
 
 
-def render_docs() -> str:
-    parts = []
-    for name, table in docs_tables().items():
-        parts.append(f"<!-- schema:{name} -->\n{table}\n<!-- /schema:{name} -->")
-    return "\n\n".join(parts)
+def default_doc(x: Field) -> str:
+    """A field's default as the docs and the --help texts show it."""
+    if x.required:
+        return "required"
+    if x.default_text:
+        return x.default_text
+    if isinstance(x.default, float):
+        return f"{x.default:g}"
+    return _default_text(x)
 
 
-if __name__ == "__main__":  # python -m clusterops.schema: the tables for docs/health.md
-    print(render_docs())
+def _spec_type(x: Field) -> str:
+    if x.kind == "map":
+        return "mapping or true"
+    if x.kind == "hostlist":
+        return "hostlist"
+    return x.type_text()
+
+
+def cli_flags(f: Field) -> Tuple[str, ...]:
+    """The command-line names of a Policy or supervise field: ``--name-with-dashes`` first."""
+    return ("--" + f.name.replace("_", "-"),) + f.flags
+
+
+def _flag_cell(f: Field) -> str:
+    names = cli_flags(f)
+    if f.kind == "bool":
+        names = tuple(f"{n}/--no-{n[2:]}" for n in names[:1]) + names[1:]
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def launch_docs_tables() -> Dict[str, str]:
+    """The key tables of docs/launch.md: the job spec and its supervise: section."""
+    return {
+        "job-spec": markdown_table([(x.name, _spec_type(x), default_doc(x), x.doc) for x in JOB_SPEC.fields]),
+        "supervise": markdown_table([(x.name, x.type_text(), default_doc(x), x.doc) for x in SUPERVISE.fields]),
+    }
+
+
+def supervisor_docs_tables() -> Dict[str, str]:
+    """The settings table of docs/supervisor.md: every supervise key and Policy field, with its flag."""
+    out = ["| key | flag of `clusterops supervise` | type | default | meaning |", "|---|---|---|---|---|"]
+    cell = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+    for x in SUPERVISE.fields + POLICY_ONLY:
+        key = f"`{x.name}`" if x in SUPERVISE.fields else "(not a key)"
+        out.append(f"| {key} | {_flag_cell(x)} | {cell(x.type_text())} | {cell(default_doc(x))} | {cell(x.doc)} |")
+    return {"supervise-settings": "\n".join(out)}
+
+
+# docs file (relative to the project root) -> its generated tables
+DOC_TABLES = {
+    "docs/health.md": docs_tables,
+    "docs/launch.md": launch_docs_tables,
+    "docs/supervisor.md": supervisor_docs_tables,
+}
+
+
+def _block(name: str, table: str) -> str:
+    return f"<!-- schema:{name} -->\n{table}\n<!-- /schema:{name} -->"
+
+
+def render_docs(tables: Optional[Dict[str, str]] = None) -> str:
+    tables = docs_tables() if tables is None else tables
+    return "\n\n".join(_block(name, table) for name, table in tables.items())
+
+
+def sync_docs(root: Any, write: bool = False) -> List[str]:
+    """Compare (or, with ``write``, rewrite) the generated tables in the docs under ``root``.
+    Returns ``file: schema:NAME`` for each table that is missing or differs."""
+    from pathlib import Path
+
+    drift = []
+    for rel, make in DOC_TABLES.items():
+        path = Path(root) / rel
+        text = original = path.read_text()
+        for name, table in make().items():
+            m = re.search(rf"<!-- schema:{re.escape(name)} -->\n.*?\n<!-- /schema:{re.escape(name)} -->",
+                          text, re.S)
+            if m is None:
+                drift.append(f"{rel}: schema:{name} (no such block)")
+                continue
+            if m.group(0) != _block(name, table):
+                drift.append(f"{rel}: schema:{name}")
+                text = text[:m.start()] + _block(name, table) + text[m.end():]
+        if write and text != original:
+            path.write_text(text)
+    return drift
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m clusterops.schema [--check|--write] [ROOT]``: print the health tables, or
+    check / rewrite every generated table in ROOT's docs (default: the current directory)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    mode = args.pop(0) if args and args[0] in ("--check", "--write") else None
+    if mode is None:
+        print(render_docs())
+        return 0
+    drift = sync_docs(args[0] if args else ".", write=mode == "--write")
+    for d in drift:
+        print(("rewrote " if mode == "--write" else "differs: ") + d)
+    return 1 if drift and mode == "--check" else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

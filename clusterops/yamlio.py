@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from clusterops.errors import InputError
 
@@ -167,34 +167,12 @@ def compose(text: str, source: str, *, max_depth: int = MAX_DEPTH, max_nodes: in
             loader.dispose()
 
 
-class _ScalarLoader:
-    """``construct_object(node)`` for scalar nodes with SafeLoader's rules; a value PyYAML
-    cannot build (``!!int x``, a timestamp 2024-13-45) is an InputError naming the line."""
+def to_python(node, source: str, lines: Optional[Lines] = None, path: Tuple[Any, ...] = (),
+              scalar: Optional[Callable[[Any, Tuple[Any, ...], Callable[[], Any]], Any]] = None) -> Any:
+    """Node tree -> plain dict/list/scalars, recording each key's and item's line in ``lines``.
 
-    def __init__(self, source: str = "input"):
-        self.loader = _loader_class()("")
-        self.source = source
-
-    def construct_object(self, node, deep: bool = True) -> Any:
-        yaml = _yaml()
-        try:
-            return self.loader.construct_object(node, deep=deep)
-        except yaml.YAMLError as e:
-            raise InputError(f"{_at(self.source, node.start_mark)}: "
-                             f"{_one_line(getattr(e, 'problem', None) or e)}") from None
-        except (ValueError, OverflowError, TypeError, AttributeError) as e:
-            # PyYAML's constructors trip on e.g. a timestamp 2024-13-45 or `!!timestamp x`
-            raise InputError(f"{_at(self.source, node.start_mark)}: bad value {str(node.value)[:40]!r}: "
-                             f"{_one_line(e)}") from None
-
-
-def scalar_loader(source: str = "input") -> _ScalarLoader:
-    """A loader whose ``construct_object`` turns scalar nodes into values (SafeLoader's rules)."""
-    return _ScalarLoader(source)
-
-
-def to_python(node, source: str, lines: Optional[Lines] = None, path: Tuple[Any, ...] = ()) -> Any:
-    """Node tree -> plain dict/list/scalars, recording each key's and item's line in ``lines``."""
+    ``scalar(node, path, construct)``, when given, makes each scalar's value; ``construct()``
+    is the default (SafeLoader's rules). The job spec uses it to take text keys as written."""
     yaml = _yaml()
     loader = _loader_class()("")
     lines = {} if lines is None else lines
@@ -221,6 +199,11 @@ def to_python(node, source: str, lines: Optional[Lines] = None, path: Tuple[Any,
                 lines[p + (i,)] = item.start_mark.line + 1
                 items.append(walk(item, p + (i,)))
             return items
+        if scalar is not None:
+            return scalar(n, p, lambda: construct(n, p))
+        return construct(n, p)
+
+    def construct(n, p):
         try:
             return loader.construct_object(n, deep=True)
         except yaml.YAMLError as e:

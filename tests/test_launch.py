@@ -481,10 +481,43 @@ def test_help_documents_commands(capsys):
         assert code == 0 and "Usage:" in out
 
 
-def test_docs_list_every_key():
+def test_docs_tables_are_generated_from_the_schema():
+    # docs/launch.md and docs/supervisor.md carry the key tables made from the one table in
+    # clusterops/schema.py; `python -m clusterops.schema --write .` regenerates them.
+    from clusterops import schema
+
+    assert schema.sync_docs(REPO) == []
     doc = (REPO / "docs" / "launch.md").read_text()
-    for key in list(launch.KEY_DOCS) + list(launch.SUPERVISE_DOCS):
-        assert f"`{key}`" in doc, key
+    for f in schema.JOB_SPEC.fields + schema.SUPERVISE.fields:
+        assert f"| `{f.name}` |" in doc, f.name
+
+
+def test_docs_drift_is_caught(tmp_path):
+    from clusterops import schema
+
+    for rel in schema.DOC_TABLES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text((REPO / rel).read_text())
+    doc = tmp_path / "docs" / "launch.md"
+    doc.write_text(doc.read_text().replace("| `max_restarts` | int [0, 100000] | 5 |",
+                                           "| `max_restarts` | int [0, 100000] | 7 |"))
+    assert schema.sync_docs(tmp_path) == ["docs/launch.md: schema:supervise"]
+    assert schema.sync_docs(tmp_path, write=True) == ["docs/launch.md: schema:supervise"]
+    assert schema.sync_docs(tmp_path) == []
+
+
+def test_job_spec_dataclass_matches_the_table():
+    # JobSpec holds one attribute per key of the table, with the table's plain defaults.
+    import dataclasses
+
+    from clusterops import schema
+
+    fields = {f.name: f for f in dataclasses.fields(launch.JobSpec) if f.name != "source"}
+    assert list(fields) == [f.name for f in schema.JOB_SPEC.fields]
+    for f in schema.JOB_SPEC.fields:
+        if f.default is not None:
+            assert fields[f.name].default == f.default, f.name
+    assert launch.REQUIRED_KEYS == ("name", "nodes", "launcher", "script")
 
 
 @pytest.mark.parametrize("extra,multi_gpu", [

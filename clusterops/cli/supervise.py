@@ -1,14 +1,21 @@
-"""``clusterops supervise``: run and heal a training step inside a Slurm allocation."""
+"""``clusterops supervise``: run and heal a training step inside a Slurm allocation.
+
+Its settings come from ``--spec-json`` (the resolved job spec) and from flags that override
+it; there is one flag per ``supervise:`` key and Policy field, made from the table in
+``clusterops.schema`` (names, types, bounds, defaults and help text).
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
 import click
 
+from clusterops import schema
 from clusterops.errors import InputError
 
 EXIT_HELP = """\b
@@ -23,20 +30,27 @@ Exit codes:
   7  stopped (time limit / preemption) with checkpoint saved, requeue not allowed
 """
 
-# Keys of the spec's `supervise:` mapping -> (Policy field, type).
-SUPERVISE_KEYS = {
-    "ckpt_dir": None, "job_dir": None, "verify_deep": None, "step_wait_s": None,
-    "hang_timeout_s": ("hang_timeout_s", float), "startup_timeout_s": ("startup_timeout_s", float),
-    "stop_timeout_s": ("stop_timeout_s", float), "kill_timeout_s": ("kill_timeout_s", float),
-    "max_restarts": ("max_restarts", int), "max_requeues": ("max_requeues", int),
-    "no_progress_restarts": ("no_progress_restarts", int), "spare_nodes": ("spare_nodes", int),
-    "min_nodes": ("min_nodes", int), "preflight": ("preflight", str),
-    "preflight_timeout_s": ("preflight_timeout_s", float), "postmortem": ("postmortem", str),
-    "drain_bad_nodes": ("drain_bad_nodes", bool), "node_fail_threshold": ("node_fail_threshold", int),
-    "ranks_per_node": ("ranks_per_node", int), "requeue": ("requeue", bool),
-    "liveness_check": ("liveness_check", bool), "liveness_timeout_s": ("liveness_timeout_s", float),
-    "hang_blame_margin_s": ("hang_blame_margin_s", float),
-}
+_OFF = ("none", "false", "no", "")
+
+
+def _profile(value):
+    """A health profile setting: a name, or off (None)."""
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in _OFF):
+        return None
+    return str(value)
+
+
+def _coerce(f: schema.Field, value, where: str):
+    """A policy value from a resolved spec, as the Policy field's type."""
+    if f.kind == "profile":
+        return _profile(value)
+    ok = (isinstance(value, bool) if f.kind == "bool" else
+          isinstance(value, (int, float)) and not isinstance(value, bool))
+    if ok and not isinstance(value, bool) and not math.isfinite(value):
+        ok = False
+    if not ok or (f.kind == "int" and value != int(value)):
+        raise InputError(f"{where}: must be {f.type_text()}, got {value!r}")
+    return {"int": int, "number": float, "bool": bool}[f.kind](value)
 
 
 def policy_kwargs_from_spec(spec: dict) -> dict:
@@ -47,23 +61,13 @@ def policy_kwargs_from_spec(spec: dict) -> dict:
     kw = {"nodes": int(spec.get("nodes") or 1)}
     gpus = spec.get("gpus_per_node") or 0
     kw["ranks_per_node"] = int(spec.get("nproc_per_node") or gpus or 1)
+    fields = {f.name: f for f in schema.SUPERVISE.fields}
     for key, value in sup.items():
-        if key not in SUPERVISE_KEYS:
-            import difflib
-
-            near = difflib.get_close_matches(key, list(SUPERVISE_KEYS), n=1)
-            raise InputError(f"spec: supervise.{key}: unknown key" + (f" (did you mean {near[0]}?)" if near else ""))
-        target = SUPERVISE_KEYS[key]
-        if target is None:
-            continue
-        name, typ = target
-        if key in ("preflight", "postmortem"):
-            kw[name] = None if value in (False, None, "", "false", "none") else str(value)
-        elif value is not None:
-            try:
-                kw[name] = typ(value)
-            except (TypeError, ValueError):
-                raise InputError(f"spec: supervise.{key}: expected {typ.__name__}, got {value!r}") from None
+        f = fields.get(key)
+        if f is None:
+            raise InputError(f"spec: supervise.{key}: unknown key{schema.suggest(key, fields)}")
+        if f.policy and (value is not None or f.kind == "profile"):
+            kw[key] = _coerce(f, value, f"spec: supervise.{key}")
     # Spec semantics: `requeue: false` at the top also forbids the supervisor's requeue.
     if spec.get("requeue") is False:
         kw["requeue"] = False
@@ -80,28 +84,34 @@ def command_from_spec(spec: dict) -> list:
     return ([python, script] if script.endswith(".py") else [script]) + args
 
 
+def _setting_option(f: schema.Field):
+    """The click option of one supervise key / Policy field, from the table."""
+    names = schema.cli_flags(f)
+    default = schema.default_doc(f)
+    text = (f.doc + (f" (default {default})" if default else "")).replace("`", "")
+    if f.kind == "bool":
+        return click.option(f"{names[0]}/--no-{names[0][2:]}", f.name, default=None, help=text)
+    types = {
+        "int": lambda: click.IntRange(None if f.min is None else int(f.min), None if f.max is None else int(f.max)),
+        "number": lambda: click.FloatRange(f.min, f.max, min_open=f.gt),
+        "path": lambda: click.Path(file_okay=False),
+        "profile": lambda: click.STRING,
+    }
+    return click.option(*names, f.name, type=types[f.kind](), default=None, help=text)
+
+
+def _settings_options(command):
+    """Every supervise key and Policy field becomes a flag (the table's order, top down)."""
+    for f in reversed(schema.SUPERVISE.fields + schema.POLICY_ONLY):
+        command = _setting_option(f)(command)
+    return command
+
+
 @click.command(context_settings={"ignore_unknown_options": False}, epilog=EXIT_HELP)
 @click.option("--spec-json", help="The resolved job spec as JSON (what `clusterops launch` renders).")
-@click.option("--job-dir", type=click.Path(file_okay=False), help="Where the timeline and attempt logs go.")
-@click.option("--ckpt-dir", type=click.Path(file_okay=False), help="Checkpoint root (default JOB_DIR/ckpt).")
-@click.option("--nodes", type=int, help="Training nodes (default: the allocation minus --spares).")
-@click.option("--nodes-min", type=int, help="Continue on this many nodes when some are lost.")
-@click.option("--spares", type=int, help="Allocated nodes kept as spares.")
-@click.option("--ranks-per-node", type=int, help="Training processes per node (default 1).")
-@click.option("--hang-timeout-s", type=float, help="No heartbeat progress for this long is a hang (default 300).")
-@click.option("--startup-timeout-s", type=float, help="Time a rank gets to its first heartbeat (default 600).")
-@click.option("--stop-timeout-s", type=float, help="Time the ranks get to save after a stop (default 120).")
-@click.option("--max-restarts", type=int, help="In-allocation restarts (default 5).")
-@click.option("--max-requeues", type=int, help="Requeues, against SLURM_RESTART_COUNT (default 3).")
-@click.option("--no-progress-restarts", type=int, help="Give up after K restarts without a new checkpoint (default 3).")
-@click.option("--preflight", help="Health profile run on every node first ('none' to skip; default preflight).")
-@click.option("--postmortem", help="Health profile run on the step's nodes after a failure (default: a liveness check).")
-@click.option("--drain-bad-nodes/--no-drain-bad-nodes", default=None, help="Drain nodes judged bad.")
-@click.option("--no-requeue", is_flag=True, help="Never requeue the job; give up instead.")
+@_settings_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def supervise(spec_json, job_dir, ckpt_dir, nodes, nodes_min, spares, ranks_per_node, hang_timeout_s,
-              startup_timeout_s, stop_timeout_s, max_restarts, max_requeues, no_progress_restarts, preflight,
-              postmortem, drain_bad_nodes, no_requeue, command):
+def supervise(spec_json, command, **settings):
     """Run the training COMMAND (after --) on the allocation's nodes and heal it.
 
     Runs inside a Slurm batch job (the script rendered by `clusterops launch` with a
@@ -127,18 +137,13 @@ def supervise(spec_json, job_dir, ckpt_dir, nodes, nodes_min, spares, ranks_per_
         spec = job_spec.to_dict()
         spec["nproc_per_node"] = job_spec.procs_per_node
     kw = policy_kwargs_from_spec(spec) if spec else {}
-    overrides = {"nodes": nodes, "min_nodes": nodes_min, "spare_nodes": spares, "ranks_per_node": ranks_per_node,
-                 "hang_timeout_s": hang_timeout_s, "startup_timeout_s": startup_timeout_s,
-                 "stop_timeout_s": stop_timeout_s, "max_restarts": max_restarts, "max_requeues": max_requeues,
-                 "no_progress_restarts": no_progress_restarts, "drain_bad_nodes": drain_bad_nodes}
-    kw.update({k: v for k, v in overrides.items() if v is not None})
-    if preflight is not None:
-        kw["preflight"] = None if preflight.lower() in ("none", "false", "no", "") else preflight
-    if postmortem is not None:
-        kw["postmortem"] = None if postmortem.lower() in ("none", "false", "no", "") else postmortem
-    if no_requeue:
-        kw["requeue"] = False
+    # Flags override the spec; supervise keys that are not Policy fields go to the run below.
+    for f in schema.policy_fields():
+        value = settings.get(f.name)
+        if value is not None:
+            kw[f.name] = _profile(value) if f.kind == "profile" else value
 
+    sup_keys = {f.name for f in schema.SUPERVISE.fields if not f.policy}
     cmd = list(command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -146,11 +151,12 @@ def supervise(spec_json, job_dir, ckpt_dir, nodes, nodes_min, spares, ranks_per_
         if not spec:
             raise InputError("COMMAND: give the training command after --, or --spec-json")
         cmd = command_from_spec(spec)
-    sup = spec.get("supervise") or {}
+    sup = dict(spec.get("supervise") or {})
+    sup.update({k: v for k, v in settings.items() if v is not None and k in sup_keys})
     job_id = os.environ.get("SLURM_JOB_ID", "local")
     base = spec.get("log_dir") or spec.get("workdir") or os.getcwd()
-    jd = Path(job_dir or sup.get("job_dir") or Path(base) / f"{spec.get('name') or 'job'}-{job_id}")
-    cd = Path(ckpt_dir or sup.get("ckpt_dir") or jd / "ckpt")
+    jd = Path(sup.get("job_dir") or Path(base) / f"{spec.get('name') or 'job'}-{job_id}")
+    cd = Path(sup.get("ckpt_dir") or jd / "ckpt")
     if "nodes" not in kw:
         alloc = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
         if alloc:

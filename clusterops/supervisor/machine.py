@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from clusterops import drains
+from clusterops import drains, schema
 
 __all__ = [
     "EXIT_DONE",
@@ -94,31 +94,13 @@ EXIT_CODES = {
 # --------------------------------------------------------------------------------------
 # Policy
 # --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@schema.dataclass_of(schema.policy_fields(), frozen=True)
 class Policy:
-    """What the job asked for (the ``supervise:`` mapping plus the node count)."""
+    """What the job asked for: the ``supervise:`` mapping plus the node count.
 
-    nodes: int = 1                     # training nodes wanted
-    spare_nodes: int = 0               # extra nodes allocated to replace bad ones
-    min_nodes: Optional[int] = None    # continue on fewer nodes down to this (None: = nodes)
-    max_restarts: int = 5              # in-allocation restarts per incarnation
-    max_requeues: int = 3              # compared with SLURM_RESTART_COUNT
-    requeue: bool = True               # may the supervisor requeue the job at all
-    no_progress_restarts: int = 3      # give up when K restarts in a row saw no new checkpoint
-    hang_timeout_s: float = 300.0      # no heartbeat progress for this long is a hang
-    startup_timeout_s: float = 600.0   # time a rank gets to its first heartbeat
-    hang_blame_margin_s: float = 5.0   # a hung rank is blamed when it fell silent this much before the rest
-    stop_timeout_s: float = 120.0      # time the ranks get to save after a stop request
-    kill_timeout_s: float = 30.0       # time a killed step gets to go away before escalation
-    preflight: Optional[str] = "preflight"   # health profile run before the first launch
-    preflight_timeout_s: float = 180.0
-    postmortem: Optional[str] = None   # health profile run on the step's nodes after a failure
-    liveness_check: bool = True        # without a postmortem profile: check every node still answers
-    liveness_timeout_s: float = 10.0
-    drain_bad_nodes: bool = False      # drain nodes judged bad (reason "clusterops:supervisor: ...")
-    node_fail_threshold: int = 2       # failures blamed on one node before it is dropped
-    progress_interval_s: float = 2.0   # how often progress samples go to the timeline
-    ranks_per_node: int = 1            # training processes per node (GPUs per node, or 1)
+    The fields, their types, defaults and bounds are ``clusterops.schema.policy_fields()``
+    (the one table of the supervise keys); ``min_nodes`` None means ``nodes``.
+    """
 
     def __post_init__(self):
         if self.min_nodes is None:
@@ -126,26 +108,9 @@ class Policy:
 
     def validate(self) -> List[str]:
         """Problems as ``field: message`` strings (empty when fine)."""
-        bad = []
-        if self.nodes < 1:
-            bad.append(f"nodes: must be at least 1, got {self.nodes}")
-        if self.spare_nodes < 0:
-            bad.append(f"spare_nodes: must be >= 0, got {self.spare_nodes}")
-        if not 1 <= (self.min_nodes or 0) <= max(self.nodes, 1):
+        bad = schema.problems(self, schema.policy_fields())
+        if isinstance(self.min_nodes, int) and isinstance(self.nodes, int) and self.min_nodes > self.nodes:
             bad.append(f"min_nodes: must be from 1 to nodes ({self.nodes}), got {self.min_nodes}")
-        for name in ("max_restarts", "max_requeues", "no_progress_restarts"):
-            if getattr(self, name) < 0:
-                bad.append(f"{name}: must be >= 0, got {getattr(self, name)}")
-        for name in ("hang_timeout_s", "startup_timeout_s", "stop_timeout_s", "kill_timeout_s",
-                     "preflight_timeout_s", "liveness_timeout_s", "progress_interval_s"):
-            if getattr(self, name) <= 0:
-                bad.append(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.ranks_per_node < 1:
-            bad.append(f"ranks_per_node: must be >= 1, got {self.ranks_per_node}")
-        if self.hang_blame_margin_s < 0:
-            bad.append(f"hang_blame_margin_s: must be >= 0, got {self.hang_blame_margin_s}")
-        if self.node_fail_threshold < 1:
-            bad.append(f"node_fail_threshold: must be >= 1, got {self.node_fail_threshold}")
         return bad
 
 

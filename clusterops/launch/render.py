@@ -1,0 +1,190 @@
+"""Rendering: a JobSpec -> the text of its sbatch script (pure: reads templates, writes nothing).
+
+Templates are Jinja2 files (``<launcher>.sh.j2`` extending ``base.sh.j2``) searched in the
+``--templates`` directories, then ``$CLUSTEROPS_TEMPLATES``, then the built-in ``templates/``
+(found through ``clusterops.resources``). The environment uses StrictUndefined (a name a
+template does not get is an error, not an empty string), and every value that reaches the
+shell goes through a quoting filter: ``q`` (bash), ``sbatch_q`` (an ``#SBATCH`` line),
+``slurm_filename`` (``%`` in paths) and ``one_line`` (comments). A template failure is one
+line naming the template file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from clusterops import schema
+from clusterops.errors import InputError
+from clusterops.launch.spec import JobSpec
+
+TEMPLATE_SUFFIX = ".sh.j2"
+BASE_TEMPLATE = "base" + TEMPLATE_SUFFIX
+TEMPLATES_ENV = "CLUSTEROPS_TEMPLATES"
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def builtin_template_dir() -> Path:
+    from clusterops.resources import data_dir
+
+    return data_dir("templates")
+
+
+def template_search_path(site_dirs: Sequence[str | os.PathLike] = (), *,
+                         environ: Optional[Mapping[str, str]] = None) -> List[Tuple[Path, str]]:
+    """Directories searched for templates, first match wins: [(dir, origin)].
+
+    Order: ``--templates`` directories, then ``$CLUSTEROPS_TEMPLATES`` (os.pathsep
+    separated), then the built-in templates.
+    """
+    environ = os.environ if environ is None else environ
+    dirs: List[Tuple[Path, str]] = []
+    for d in site_dirs:
+        dirs.append((Path(d), "--templates"))
+    for d in (environ.get(TEMPLATES_ENV) or "").split(os.pathsep):
+        if d.strip():
+            dirs.append((Path(d), TEMPLATES_ENV))
+    for d, origin in dirs:
+        if not d.is_dir():
+            raise InputError(f"{origin} {d}: no such templates directory")
+    dirs.append((builtin_template_dir(), "built-in"))
+    return dirs
+
+
+def list_templates(site_dirs: Sequence[str | os.PathLike] = (), *,
+                   environ: Optional[Mapping[str, str]] = None) -> List[Dict[str, Any]]:
+    """Every template name, where it is used from, and what it shadows."""
+    seen: Dict[str, Dict[str, Any]] = {}
+    for d, origin in template_search_path(site_dirs, environ=environ):
+        for p in sorted(d.glob("*" + TEMPLATE_SUFFIX)):
+            name = p.name[: -len(TEMPLATE_SUFFIX)]
+            if name in seen:
+                seen[name]["shadows"].append(str(p))
+            else:
+                seen[name] = {"name": name, "path": str(p), "origin": origin, "shadows": [],
+                              "launcher": name != "base"}
+    return sorted(seen.values(), key=lambda t: (t["name"] != "base", t["name"]))
+
+
+def shell_quote(value: Any) -> str:
+    """Quote one value for bash (single quotes; safe for every byte but NUL)."""
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    s = str(value)
+    if "\x00" in s:
+        raise ValueError("a NUL byte cannot be passed to a program")
+    return shlex.quote(s)
+
+
+def sbatch_quote(value: Any) -> str:
+    """Quote a value for an ``#SBATCH`` line.
+
+    sbatch reads directives with its own small parser, not bash: double quotes group
+    words, a backslash escapes the next character, and an unquoted ``#`` starts a
+    comment. Single quotes mean nothing to it. Newlines cannot be carried at all.
+    """
+    s = str(value)
+    if _CONTROL.search(s):
+        raise ValueError(f"control characters cannot go into an #SBATCH line: {s!r}")
+    if re.fullmatch(r"[A-Za-z0-9_@%+=:,./\[\]-]+", s):
+        return s
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def slurm_filename(value: Any) -> str:
+    """Escape '%' so Slurm's filename patterns (%j, %N...) leave a path alone."""
+    return str(value).replace("%", "%%")
+
+
+def one_line(value: Any) -> str:
+    """Printable one-line form for comments: a newline must never end a comment early."""
+    return _CONTROL.sub("?", str(value))
+
+
+def _environment(site_dirs: Sequence[str | os.PathLike] = ()):
+    import jinja2
+
+    search = [str(d) for d, _ in template_search_path(site_dirs)]
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(search),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["q"] = shell_quote
+    env.filters["sbatch_q"] = sbatch_quote
+    env.filters["slurm_filename"] = slurm_filename
+    env.filters["one_line"] = one_line
+    return env
+
+
+def render_context(spec: JobSpec) -> Dict[str, Any]:
+    """Everything a template sees (plain values)."""
+    from clusterops import __version__
+
+    return {
+        "spec": spec,
+        "version": __version__,
+        "nproc_per_node": spec.procs_per_node,
+        "world_size": spec.world_size,
+        "tasks_per_node": spec.tasks_per_node,
+        "alloc_nodes": spec.alloc_nodes,
+        "env": list(spec.env),
+        "supervise": spec.supervise_dict,
+        "spec_json": json.dumps(spec.to_dict(), sort_keys=True, separators=(",", ":")),
+        "python_script": spec.script.endswith(".py"),
+    }
+
+
+def _template_error(e: Exception, search: List[Path]) -> InputError:
+    """One line naming the template file and line of a Jinja failure."""
+    import jinja2
+
+    filename = getattr(e, "filename", None)
+    lineno = getattr(e, "lineno", None)
+    if not filename:
+        tb = e.__traceback__
+        while tb is not None:
+            fn = tb.tb_frame.f_code.co_filename
+            if fn.endswith(TEMPLATE_SUFFIX):
+                filename, lineno = fn, tb.tb_lineno
+            tb = tb.tb_next
+    where = f"{filename}:{lineno}" if filename and lineno else (filename or "template")
+    kind = "template syntax error" if isinstance(e, jinja2.TemplateSyntaxError) else "template error"
+    message = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return InputError(f"{where}: {kind}: {message}")
+
+
+def render(spec: JobSpec, template_dirs: Sequence[str | os.PathLike] = ()) -> str:
+    """The sbatch script for ``spec`` (pure: reads templates, writes nothing)."""
+    import jinja2
+
+    env = _environment(template_dirs)
+    name = spec.launcher + TEMPLATE_SUFFIX
+    search = [d for d, _ in template_search_path(template_dirs)]
+    try:
+        template = env.get_template(name)
+    except jinja2.TemplateNotFound as e:
+        if e.name != name:
+            raise _template_error(e, search) from None
+        known = sorted(t["name"] for t in list_templates(template_dirs) if t["launcher"])
+        where = spec.source or "spec"
+        raise InputError(f"{where}: launcher: unknown launcher {spec.launcher!r} "
+                         f"(one of {', '.join(known)}){schema.suggest(spec.launcher, known)}") from None
+    except jinja2.TemplateError as e:
+        raise _template_error(e, search) from None
+    try:
+        text = template.render(render_context(spec))
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        raise _template_error(e, search) from None
+    if not text.startswith("#!"):
+        raise InputError(f"{template.filename}: rendered script does not start with #!")
+    return text
+
