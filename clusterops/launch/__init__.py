@@ -927,7 +927,9 @@ def submit(spec: JobSpec, slurm=None, *, dry_run: bool = False,
     """Render, write the script into log_dir, submit it. Nothing is written on a dry run."""
     text = render(spec, template_dirs)
     path = os.path.join(spec.log_dir, script_filename(spec))
-    argv = ("sbatch", "--parsable", path)
+    from clusterops.slurm.steps import sbatch_argv
+
+    argv = tuple(sbatch_argv(path))
     if dry_run:
         return Submitted(None, None, text, argv)
     try:
