@@ -428,3 +428,18 @@ def test_requeue_budget_spent_gives_up_without_requeue(world, tmp_path):
     assert run.run() == sv.EXIT_REQUEUE_BUDGET
     assert not any(c[0] == "requeue" for c in world.slurm.calls)
     assert kinds(tmp_path)[-1] == "give_up"
+
+
+def test_ranks_stopped_behind_our_back_is_not_finished(world, tmp_path):
+    # Someone signalled the tasks (no PreemptTime): the ranks save, print "stopped step=N"
+    # and exit 0. That is a stop to requeue from, not the end of training.
+    def term(proc, now, step):
+        if proc.attempt == 0 and step == 14:
+            proc.usr2 = True
+    world.fault = term
+    run = make_run(world, tmp_path, preflight=None)
+    with pytest.raises(EndedBySlurm):
+        run.run()
+    assert [r["reason"] for r in events(tmp_path, "stop_requested")] == ["signal"]
+    assert events(tmp_path, "stopped")[0]["ckpt_step"] == 14
+    assert ("requeue", JOB) in world.slurm.calls and "done" not in kinds(tmp_path)
