@@ -21,7 +21,7 @@ from support.wait import wait_for
 from clusterops import checkpoint as ck
 from clusterops.runner import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "examples" / "train.py")
 ARGS = ["--steps", "60", "--ckpt-every", "10", "--samples", "256", "--batch-size", "8"]
 
