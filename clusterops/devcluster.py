@@ -10,6 +10,10 @@ and ``AuthInfo=cred_expire=10`` so a requeued job restarts in ~25 s, not ~2 min.
 Every process the cluster starts, and every task of every job (through the
 TaskProlog), carries ``CLUSTEROPS_DEVCLUSTER_DIR=<state dir>`` in its
 environment; ``down`` uses that marker to leave nothing behind.
+
+The daemons (``munged``, ``slurmctld``, ``slurmd``) are started here, by path through
+``SlurmTools`` (starting a cluster is this module's job); every query of the running
+cluster (node states) goes through the Slurm client, ``clusterops.slurm``.
 """
 
 from __future__ import annotations
@@ -26,9 +30,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from clusterops.errors import ClusteropsError, InputError
-from clusterops.runner import CommandError, Runner, pid_alive
-from clusterops.slurm.parse import parse_sinfo_node_states
-from clusterops.slurm.settings import DEFAULT_DEVCLUSTER_DIR, DEVCLUSTER_INFO
+from clusterops.runner import Runner, pid_alive
+from clusterops.slurm.settings import DEFAULT_DEVCLUSTER_DIR, DEVCLUSTER_INFO, SlurmSettings, connect
 from clusterops.slurm.tools import SlurmTools, check_prefix
 
 MARKER_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
@@ -429,11 +432,19 @@ class DevCluster:
         self.down()
         raise DevClusterError(f"{what} did not become ready in {timeout_s:g}s: {_tail(log)}")
 
+    def slurm(self, **overrides):
+        """A Slurm client for this cluster (its slurm.conf, the Slurm prefix it was started
+        with), through ``clusterops.slurm.settings.connect``; one attempt, 15 s unless
+        ``overrides`` say otherwise."""
+        cfg = self.config()
+        prefix = cfg.slurm_prefix if cfg else None
+        kw = {"timeout_s": 15.0, "read_attempts": 1, **overrides}
+        return connect(SlurmSettings(prefix=str(prefix) if prefix else None),
+                       runner=Runner(env=self.env()), **kw)
+
     def node_states(self) -> Dict[str, str]:
-        tools = self.tools()
-        out = self.runner.run(tools.argv(["sinfo", "--noheader", "--Node", "--format=%N %T"]),
-                              env=self.env(), timeout_s=15).stdout
-        return parse_sinfo_node_states(out)
+        """Node name -> sinfo's state word (``idle``, ``drained``, ``down*``...)."""
+        return self.slurm().node_states()
 
     def wait_idle(self, nodes: List[str], timeout_s: float, procs: Optional[dict] = None) -> None:
         deadline = self.clock() + timeout_s
@@ -446,7 +457,7 @@ class DevCluster:
                         f"{_tail(self.state / 'log' / f'slurmd-{name}.log')}")
             try:
                 last = self.node_states()
-            except CommandError:
+            except ClusteropsError:   # slurmctld still starting: ask again
                 last = {}
             if last and all(last.get(n, "").rstrip("*") in ("idle", "mixed", "allocated") for n in nodes):
                 return
@@ -526,7 +537,7 @@ class DevCluster:
         if daemons.get("slurmctld", {}).get("alive"):
             try:
                 nodes = self.node_states()
-            except CommandError:
+            except ClusteropsError:
                 nodes = {}
         return {
             "state_dir": str(self.state),

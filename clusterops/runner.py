@@ -1,8 +1,12 @@
-"""The one place that runs external programs.
+"""The one place that runs external programs: nothing else in clusterops imports
+``subprocess`` (tests/test_layout.py reads the source tree to keep it so).
 
 Every command is an argv list (never a shell string), runs in its own process
 group under a timeout, and on timeout the whole group is killed so that no
-grandchild outlives the call. Each call is logged at debug level.
+grandchild outlives the call. A child's environment is the inherited one, plus the
+runner's and the call's ``env`` entries, minus the names in ``unset``. Long-running
+programs are started with ``spawn``; ``kill_group`` and ``wait_exit`` end and await
+them. Each call is logged at debug level.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from clusterops.errors import ClusteropsError
 
@@ -77,16 +81,61 @@ def pid_alive(pid: Optional[int]) -> bool:
         return False
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+#: What ``Runner.spawn`` returns: a started program (``poll``, ``wait``, ``pid``, ``returncode``).
+Process = subprocess.Popen
+
+
+def kill_group(proc, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the process group a spawned program leads (its children too).
+    Gone already is fine."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
+def wait_exit(proc, timeout_s: Optional[float]) -> Optional[int]:
+    """Wait up to ``timeout_s`` for a spawned program; its exit code, or None if it still runs."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free on this machine now (the kernel's pick), e.g. for a rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _child_env(base: Mapping[str, str], env: Optional[Mapping[str, str]],
+               unset: Iterable[str]) -> dict:
+    full_env = dict(os.environ)
+    full_env.update(base)
+    for name in unset:
+        full_env.pop(name, None)
+    if env:
+        full_env.update(env)
+    return full_env
+
+
+def _check_argv(argv, what: str) -> tuple:
+    if isinstance(argv, (str, bytes)) or not all(isinstance(a, str) for a in argv):
+        raise TypeError(f"Runner.{what} takes a list of str arguments, never a shell string")
+    if not argv:
+        raise TypeError(f"Runner.{what}: empty command")
+    return tuple(argv)
+
+
 @dataclass
 class Runner:
-    """Runs argv lists. ``env`` entries are added to the inherited environment."""
+    """Runs argv lists. ``env`` entries are added to the inherited environment.
+
+    Per call, ``env`` adds entries and ``unset`` removes names from the inherited and
+    the runner's environment (a call's own ``env`` entries are kept)."""
 
     env: Mapping[str, str] = field(default_factory=dict)
     default_timeout_s: float = 60.0
@@ -100,15 +149,11 @@ class Runner:
         input: Optional[str] = None,
         env: Optional[Mapping[str, str]] = None,
         cwd: Optional[str] = None,
+        unset: Iterable[str] = (),
     ) -> Completed:
-        if isinstance(argv, (str, bytes)) or not all(isinstance(a, str) for a in argv):
-            raise TypeError("Runner.run takes a list of str arguments, never a shell string")
-        argv = tuple(argv)
+        argv = _check_argv(argv, "run")
         timeout_s = self.default_timeout_s if timeout_s is None else timeout_s
-        full_env = dict(os.environ)
-        full_env.update(self.env)
-        if env:
-            full_env.update(env)
+        full_env = _child_env(self.env, env, unset)
         log.debug("run: %s (timeout %ss)", shlex.join(argv), timeout_s)
         start = time.monotonic()
         try:
@@ -127,17 +172,17 @@ class Runner:
         try:
             out, err = proc.communicate(input=input, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             out, err = proc.communicate()
             log.debug("timeout after %ss: %s", timeout_s, shlex.join(argv))
             raise CommandTimeout(argv, timeout_s, err or "") from None
         except BaseException:
-            _kill_group(proc)
+            kill_group(proc)
             proc.wait()
             raise
         # The leader exited; reap anything it left behind in its group too.
         # (Daemons detach with setsid and are not touched.)
-        _kill_group(proc)
+        kill_group(proc)
         done = Completed(argv, proc.returncode, out or "", err or "", time.monotonic() - start)
         log.debug("exit %s in %.3fs: %s", done.returncode, done.duration_s, argv[0])
         if check and done.returncode != 0:
@@ -151,14 +196,12 @@ class Runner:
         log_path: str,
         env: Optional[Mapping[str, str]] = None,
         cwd: Optional[str] = None,
-    ) -> subprocess.Popen:
-        """Start a long-running program in its own session, output appended to log_path."""
-        if isinstance(argv, (str, bytes)):
-            raise TypeError("Runner.spawn takes a list of str arguments, never a shell string")
-        full_env = dict(os.environ)
-        full_env.update(self.env)
-        if env:
-            full_env.update(env)
+        unset: Iterable[str] = (),
+    ) -> Process:
+        """Start a long-running program in its own session, output appended to log_path.
+        End it with ``kill_group``; await it with ``wait_exit`` (or its ``poll``)."""
+        argv = _check_argv(argv, "spawn")
+        full_env = _child_env(self.env, env, unset)
         log.debug("spawn: %s > %s", shlex.join(argv), log_path)
         with open(log_path, "ab") as out:
             try:

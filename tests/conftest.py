@@ -13,10 +13,8 @@ import os
 import random
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -79,27 +77,31 @@ def devcluster():
 
 def _restore(dc) -> None:
     """Put the shared cluster back to 4 idle nodes with no jobs."""
-    from clusterops.runner import pid_alive
+    from clusterops.errors import ClusteropsError
+    from clusterops.runner import Runner, pid_alive
+    from support.wait import wait_for
 
-    env = dict(os.environ, SLURM_CONF=str(dc.conf_path))
-    subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30)
+    run = Runner(env=dc.env()).run
+    run(["scancel", "--full", "--user=root"], timeout_s=30, check=False)
     cfg = dc.config()
     for name in cfg.node_names:
         if not pid_alive(dc.daemon_pids().get(f"slurmd:{name}")):
             dc.start_node(name)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        states = dc.node_states()
+
+    def idle() -> bool:
+        try:
+            states = dc.node_states()
+        except ClusteropsError:
+            return False
         bad = [n for n in cfg.node_names if states.get(n) != "idle"]
-        if not bad:
-            return
         for n in bad:
             st = states.get(n, "")
             if "drain" in st or st.startswith("down"):
-                subprocess.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"],
-                               env=env, capture_output=True, timeout=30)
-        time.sleep(0.5)
-    raise RuntimeError(f"dev cluster did not return to idle: {dc.node_states()}")
+                run(["scontrol", "update", f"NodeName={n}", "State=RESUME"], timeout_s=30, check=False)
+        return not bad
+
+    wait_for(idle, 60, "the dev cluster back to 4 idle nodes", interval_s=0.5,
+             detail=lambda: str(dc.node_states()))
 
 
 @pytest.fixture

@@ -15,14 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from clusterops.runner import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(dc, **extra):
@@ -62,7 +58,7 @@ def _dist_srun(dc, tmp_path, wrapper_body: str, timeout_s: float, sizes="--size 
     wrapper.write_text("#!/bin/sh\n" + wrapper_body.replace("@CMD@", cmd).replace("@RDIR@", str(rdir)) +
                        f"exec {cmd}\n")
     wrapper.chmod(0o755)
-    port = _free_port()
+    port = free_port("127.0.0.1")
     argv = ["srun", "-N4", "--ntasks-per-node=1", "--time=3", f"--export=ALL,MASTER_ADDR=127.0.0.1,MASTER_PORT={port}",
             str(wrapper)]
     proc = subprocess.Popen(argv, env=_env(dc), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

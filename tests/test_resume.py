@@ -140,7 +140,7 @@ def test_three_ranks_torchrun_killed_and_stopped_is_bitwise_equal(tmp_path):
     ck_dir = tmp_path / "ck"
     base = tr + ["--ckpt-dir", str(ck_dir), "--step-sleep", "0.01"]
     # 1. one rank SIGKILLs itself mid-run, async saves (torchrun tears the job down);
-    #    kill -9 of all ranks at once is covered on the dev cluster (test_resume_devcluster)
+    #    kill -9 of all ranks at once is covered on the dev cluster (tests/integration/test_resume_devcluster.py)
     p = run(base + ["--async-save", "--crash-at-step", "25", "--crash-rank", "1",
                     "--crash-marker", str(tmp_path / "m")], timeout=200)
     assert p.returncode != 0 and "crash step=25 rank=1" in p.stdout

@@ -60,3 +60,47 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
 def test_env_and_input():
     r = Runner(env={"A": "1"}).run(["sh", "-c", 'read x; echo "$A$B$x"'], env={"B": "2"}, input="3\n")
     assert r.stdout == "123\n"
+
+
+def test_unset_removes_inherited_and_runner_variables_but_keeps_the_calls_own(monkeypatch):
+    monkeypatch.setenv("CLUSTEROPS_T_INHERITED", "x")
+    r = Runner(env={"CLUSTEROPS_T_RUNNER": "y"})
+    argv = ["sh", "-c", 'echo "${CLUSTEROPS_T_INHERITED-none} ${CLUSTEROPS_T_RUNNER-none} ${CLUSTEROPS_T_CALL-none}"']
+    out = r.run(argv, unset=["CLUSTEROPS_T_INHERITED", "CLUSTEROPS_T_RUNNER", "CLUSTEROPS_T_CALL"],
+                env={"CLUSTEROPS_T_CALL": "z"}).stdout
+    assert out == "none none z\n"
+    assert os.environ["CLUSTEROPS_T_INHERITED"] == "x"     # our own environment untouched
+    assert r.run(argv).stdout == "x y none\n"
+
+
+def test_spawn_unset_and_group_kill_and_wait_exit(tmp_path, monkeypatch):
+    from clusterops.runner import kill_group, pid_alive, wait_exit
+
+    monkeypatch.setenv("RANK", "7")
+    log = tmp_path / "out.log"
+    pidfile = tmp_path / "child.pid"
+    p = Runner().spawn(["sh", "-c", f'echo "rank=${{RANK-unset}}"; sleep 60 & echo $! > {pidfile}; wait'],
+                       log_path=str(log), unset=["RANK"])
+    deadline = time.monotonic() + 10
+    while not (pidfile.exists() and pidfile.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert wait_exit(p, 0.05) is None                  # still running
+    child = int(pidfile.read_text())
+    kill_group(p)
+    assert wait_exit(p, 10) == -9
+    assert log.read_text() == "rank=unset\n"
+    deadline = time.monotonic() + 5
+    while pid_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not pid_alive(child), "the group kill left the grandchild running"
+    kill_group(p)                                      # gone already: no error
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    from clusterops.runner import free_port
+
+    port = free_port("127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

@@ -12,7 +12,7 @@ from clusterops.errors import NotFoundError
 from clusterops.runner import CommandError
 from clusterops.slurm import Slurm, parse
 from clusterops.slurm.states import DONE, FAILED, JOB_STATES, PENDING, RUNNING, categorize
-from clusterops.supervisor.run import parse_srun_failures
+from clusterops.slurm.parse import parse_srun_failures
 
 FIX = Path(__file__).parent / "fixtures" / "slurm"
 VERSIONS = sorted(p.name for p in FIX.iterdir() if p.is_dir() and re.fullmatch(r"\d+\.\d+", p.name))
@@ -299,3 +299,29 @@ def test_controller_version_from_show_config():
     assert parse.parse_config_version(text) == (25, 11, 7)
     with pytest.raises(ValueError):
         parse.parse_config_version("nothing here")
+
+
+# Recorded from the dev cluster (srun 22.05): rank 2 SIGKILLed, the others torn down.
+SRUN_KILLED = """\
+0: step 1
+srun: error: node3: task 2: Killed
+srun: launch/slurm: _step_signal: Terminating StepId=5.0
+slurmstepd-node1: error: *** STEP 5.0 ON node1 CANCELLED AT 2026-11-30T14:44:38 ***
+srun: error: node1: task 0: Terminated
+srun: error: node2: task 1: Terminated
+srun: Force Terminated StepId=5.0
+"""
+SRUN_NODE_FAIL = """\
+srun: error: Node failure on node3
+srun: error: node1: tasks 0-1: Exited with exit code 1
+"""
+
+
+def test_parse_srun_failures_keeps_order_and_ranks():
+    failures, lost = parse_srun_failures(SRUN_KILLED)
+    assert [(f.node, f.rank, f.reason) for f in failures] == [
+        ("node3", 2, "Killed"), ("node1", 0, "Terminated"), ("node2", 1, "Terminated")]
+    assert lost == []
+    failures, lost = parse_srun_failures(SRUN_NODE_FAIL)
+    assert lost == ["node3"]
+    assert [f.rank for f in failures] == [0, 1] and failures[0].reason == "Exited with exit code 1"

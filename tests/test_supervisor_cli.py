@@ -1,4 +1,4 @@
-"""Supervisor plumbing pieces that need no cluster: srun output parsing, the timeline
+"""Supervisor plumbing pieces that need no cluster: heartbeats, the timeline
 file and its chart, the `job timeline` and `supervise` commands' input handling."""
 
 from __future__ import annotations
@@ -10,33 +10,7 @@ from click.testing import CliRunner
 
 from clusterops.supervisor import timeline as tl
 from clusterops.cli import cli
-from clusterops.supervisor.run import parse_srun_failures, read_heartbeats
-
-# Recorded from the dev cluster (srun 22.05): rank 2 SIGKILLed, the others torn down.
-SRUN_KILLED = """\
-0: step 1
-srun: error: node3: task 2: Killed
-srun: launch/slurm: _step_signal: Terminating StepId=5.0
-slurmstepd-node1: error: *** STEP 5.0 ON node1 CANCELLED AT 2026-11-30T14:44:38 ***
-srun: error: node1: task 0: Terminated
-srun: error: node2: task 1: Terminated
-srun: Force Terminated StepId=5.0
-"""
-SRUN_NODE_FAIL = """\
-srun: error: Node failure on node3
-srun: error: node1: tasks 0-1: Exited with exit code 1
-"""
-
-
-def test_parse_srun_failures_keeps_order_and_ranks():
-    failures, lost = parse_srun_failures(SRUN_KILLED)
-    assert [(f.node, f.rank, f.reason) for f in failures] == [
-        ("node3", 2, "Killed"), ("node1", 0, "Terminated"), ("node2", 1, "Terminated")]
-    assert lost == []
-    failures, lost = parse_srun_failures(SRUN_NODE_FAIL)
-    assert lost == ["node3"]
-    assert [f.rank for f in failures] == [0, 1] and failures[0].reason == "Exited with exit code 1"
-
+from clusterops.supervisor.run import read_heartbeats
 
 def test_read_heartbeats(tmp_path):
     (tmp_path / "rank0").write_text("12\n")

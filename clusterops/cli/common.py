@@ -17,11 +17,12 @@ def echo_json(data: Any) -> None:
     click.echo(dumps(data))
 
 
-def slurm_client():
-    """A Slurm client for the current environment (SLURM_CONF, or the default dev cluster)."""
-    from clusterops.slurm import Slurm
+def slurm_client(**overrides):
+    """A Slurm client for the current environment (SLURM_CONF, or the default dev cluster;
+    site settings from CLUSTEROPS_SLURM_*), through ``clusterops.slurm.settings.connect``."""
+    from clusterops.slurm.settings import connect
 
-    return Slurm.from_environment()
+    return connect(**overrides)
 
 
 def fail(message: str, code: int = 1) -> None:

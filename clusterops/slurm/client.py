@@ -16,7 +16,7 @@ import socket
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import hostlist
 
@@ -315,6 +315,10 @@ class Slurm:
         if names is not None:
             argv.append(_hostlist(names))
         return parse.parse_scontrol_nodes(self._read(argv))
+
+    def node_states(self) -> Dict[str, str]:
+        """Every node's state word as sinfo prints it (``idle``, ``drained``, ``down*``...)."""
+        return parse.parse_sinfo_node_states(self._read(["sinfo", "--noheader", "--Node", "--format=%N %T"]))
 
     def node(self, name: str) -> NodeInfo:
         found = [n for n in self.nodes(name) if n.name == name]

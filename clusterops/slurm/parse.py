@@ -5,7 +5,9 @@ Shapes handled (fixtures for each in tests/fixtures/slurm/):
   plain integers for times, ``null`` for an unlimited time limit;
 - the 23.02+ data_parser shapes (v0.0.39 and later): ``job_state`` and node ``state`` as lists,
   numbers wrapped as ``{"set": bool, "infinite": bool, "number": n}``, ``exit_code`` as an object;
-- ``scontrol show job|node --oneliner`` (every version): ``Key=Value`` pairs on one line.
+- ``scontrol show job|node --oneliner`` (every version): ``Key=Value`` pairs on one line;
+- ``srun``'s error lines about a step's tasks and nodes (``srun: error: node3: task 2: Killed``,
+  ``Node failure on node3``), read from a step's log by the supervisor.
 """
 
 from __future__ import annotations
@@ -478,3 +480,39 @@ def parse_sbatch_parsable(text: str) -> int:
     if not jid.isdigit():
         raise ValueError(f"sbatch printed no job id: {text.strip()!r}")
     return int(jid)
+
+
+# -- srun's error output ---------------------------------------------------------
+SRUN_FAILURE = re.compile(r"srun: error: (\S+): tasks? ([\d,\-\[\] ]+): (.+?)\s*$")
+SRUN_NODE_FAILURE = re.compile(r"[Nn]ode failure on (\S+?)[\s,.;]*$")
+
+
+@dataclass(frozen=True)
+class TaskFailure:
+    """One task (rank) of a step that srun reported as ended badly."""
+
+    node: str
+    rank: int            # -1 when srun named the tasks in a form we do not know
+    reason: str          # "Killed", "Exited with exit code 3", "Terminated", ...
+
+
+def parse_srun_failures(text: str) -> Tuple[List[TaskFailure], List[str]]:
+    """Per-task failures in the order srun reported them, and the nodes srun saw fail
+    (seen on 22.05, 24.11 and 25.11: ``srun: error: NODE: task(s) LIST: REASON``)."""
+    failures: List[TaskFailure] = []
+    lost: List[str] = []
+    for line in text.splitlines():
+        m = SRUN_FAILURE.search(line)
+        if m:
+            node, tasks, reason = m.group(1), m.group(2).strip(), m.group(3)
+            try:
+                ranks = [int(t) for t in hostlist.expand_hostlist(f"[{tasks.strip('[]')}]")]
+            except Exception:  # noqa: BLE001 - a format we do not know: keep the line anyway
+                ranks = [-1]
+            for r in ranks:
+                failures.append(TaskFailure(node=node, rank=r, reason=reason))
+            continue
+        m = SRUN_NODE_FAILURE.search(line)
+        if m and m.group(1) not in lost:
+            lost.append(m.group(1))
+    return failures, lost

@@ -68,7 +68,3 @@ def categorize(state: Union[str, Iterable[str], None]) -> str:
             return PENDING
         return JOB_STATES.get(base, FAILED)
     return JOB_STATES.get(base_state(state), FAILED)
-
-
-def is_final(category: str) -> bool:
-    return category in (DONE, FAILED)

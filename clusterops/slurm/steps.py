@@ -20,9 +20,12 @@ def srun_argv(command: Sequence[str], *, job_name: Optional[str] = None,
               jobid: Optional[str] = None, overlap: bool = False,
               kill_on_bad_exit: Optional[bool] = None, output: Optional[str] = None,
               error: Optional[str] = None, exclude: Sequence[str] = (),
-              extra: Sequence[str] = ()) -> List[str]:
+              extra: Sequence[str] = (), wait_s: Optional[int] = None,
+              label: bool = False) -> List[str]:
     """``srun [options] command...``. ``nodes``: the exact nodes (``--nodes=N
-    --nodelist=...``); ``ntasks`` defaults to nodes x ntasks_per_node when both are known."""
+    --nodelist=...``); ``ntasks`` defaults to nodes x ntasks_per_node when both are known.
+    ``wait_s``: how long the other tasks may outlive the first to exit (``--wait``);
+    ``label``: prefix each output line with its task number (``--label``)."""
     argv = ["srun"]
     if job_name:
         argv.append(f"--job-name={job_name}")
@@ -42,6 +45,10 @@ def srun_argv(command: Sequence[str], *, job_name: Optional[str] = None,
         argv.append(f"--cpus-per-task={int(cpus_per_task)}")
     if kill_on_bad_exit is not None:
         argv.append(f"--kill-on-bad-exit={1 if kill_on_bad_exit else 0}")
+    if wait_s is not None:
+        argv.append(f"--wait={int(wait_s)}")
+    if label:
+        argv.append("--label")
     if exclude:
         argv.append(f"--exclude={','.join(exclude)}")
     if output:

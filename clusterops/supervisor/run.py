@@ -3,8 +3,12 @@
 Runs inside a Slurm allocation (the batch script ``exec``\\ s ``clusterops supervise``,
 so this process itself receives the lead-time ``USR1`` and preemption's ``SIGTERM``).
 Every decision is made by :class:`clusterops.supervisor.Supervisor`; this module
-only turns its actions into ``srun``/``scancel``/``scontrol`` calls (through the
-Runner and the Slurm layer) and what it sees into events.
+only turns its actions into job steps and Slurm calls, and what it sees into events.
+The step argv lists come from :func:`clusterops.slurm.steps.srun_argv`, srun's error
+output is read by :func:`clusterops.slurm.parse.parse_srun_failures`, programs start
+through :class:`clusterops.runner.Runner`, and queries, signals, requeues and drains go
+through the Slurm client (``clusterops.slurm.settings.connect``). Each action class has
+its handler in one explicit table (``SupervisorRun._handlers``).
 
 The training step is one ``srun`` with one task per rank ("srun-native ranks": RANK
 from ``SLURM_PROCID``, ``MASTER_ADDR``/``MASTER_PORT`` exported here). That choice is
@@ -21,8 +25,6 @@ import os
 import re
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,15 +34,19 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from clusterops import drains
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
-from clusterops.runner import Runner
+from clusterops.runner import Process, Runner, free_port, kill_group, wait_exit
+from clusterops.slurm.parse import parse_srun_failures
+from clusterops.slurm.steps import srun_argv
 from clusterops.supervisor.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "supervisor-state.json"
-SRUN_FAILURE = re.compile(r"srun: error: (\S+): tasks? ([\d,\-\[\] ]+): (.+?)\s*$")
+# What examples/train.py (rank 0, under srun --label) prints after honouring a stop request.
 STOPPED_LINE = re.compile(r"^(?:0: )?stopped step=\d+", re.MULTILINE)
-SRUN_NODE_FAILURE = re.compile(r"[Nn]ode failure on (\S+?)[\s,.;]*$")
+# Values torchrun would set: srun-native ranks take theirs from SLURM_PROCID/SLURM_NTASKS/
+# SLURM_LOCALID, so none may leak in from the supervisor's own environment.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 @dataclass
@@ -85,35 +91,6 @@ class RunConfig:
 
 
 # ------------------------------------------------------------------------------ helpers
-def parse_srun_failures(text: str) -> Tuple[List[sv.RankFailure], List[str]]:
-    """Per-rank failures in the order srun reported them, and nodes srun saw fail."""
-    import hostlist
-
-    failures: List[sv.RankFailure] = []
-    lost: List[str] = []
-    for line in text.splitlines():
-        m = SRUN_FAILURE.search(line)
-        if m:
-            node, tasks, reason = m.group(1), m.group(2).strip(), m.group(3)
-            try:
-                ranks = [int(t) for t in hostlist.expand_hostlist(f"[{tasks.strip('[]')}]")]
-            except Exception:  # noqa: BLE001 - a format we do not know: keep the line anyway
-                ranks = [-1]
-            for r in ranks:
-                failures.append(sv.RankFailure(node=node, rank=r, reason=reason))
-            continue
-        m = SRUN_NODE_FAILURE.search(line)
-        if m and m.group(1) not in lost:
-            lost.append(m.group(1))
-    return failures, lost
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def read_heartbeats(hb_dir: Path) -> Dict[int, Tuple[int, float]]:
     beats: Dict[int, Tuple[int, float]] = {}
     try:
@@ -155,10 +132,10 @@ class SupervisorRun:
         self.cfg = cfg
         self.runner = runner or Runner()
         if slurm is None:
-            from clusterops.slurm import Slurm
+            from clusterops.slurm.settings import connect
 
             # Polls must not block the loop for long: few attempts, short timeouts.
-            slurm = Slurm(self.runner, timeout_s=15.0, read_attempts=2, backoff_s=0.5)
+            slurm = connect(runner=self.runner, timeout_s=15.0, read_attempts=2, backoff_s=0.5)
         self.slurm = slurm
         self.clock = clock
         self.sleep = sleep
@@ -167,13 +144,13 @@ class SupervisorRun:
                                  clock=clock)
         self.sup: Optional[sv.Supervisor] = None
         self.signals: List[str] = []
-        self.train: Optional[subprocess.Popen] = None
+        self.train: Optional[Process] = None
         self.train_log: Optional[Path] = None
         self.attempt_dir: Optional[Path] = None
         self.step_name: Optional[str] = None
         self.step_id: Optional[str] = None
         self.stop_file: Optional[Path] = None
-        self.preflight: Optional[subprocess.Popen] = None
+        self.preflight: Optional[Process] = None
         self.preflight_action: Optional[sv.RunPreflight] = None
         self.preflight_dir: Optional[Path] = None
         self.preflight_deadline = 0.0
@@ -184,6 +161,19 @@ class SupervisorRun:
         self.launched_at: Optional[float] = None
         self.preempt_seen = False
         self.guard: Optional[drains.GuardSettings] = None
+        self.n_checks = 0
+        # One handler per action class, spelled out so that grep finds them.
+        self._handlers: Dict[type, Callable[[sv.Action], None]] = {
+            sv.Record: self._act_record,
+            sv.RunPreflight: self._act_run_preflight,
+            sv.Launch: self._act_launch,
+            sv.KillStep: self._act_kill_step,
+            sv.CaptureStacks: self._act_capture_stacks,
+            sv.RequestStop: self._act_request_stop,
+            sv.DrainNodes: self._act_drain_nodes,
+            sv.Requeue: self._act_requeue,
+            sv.Exit: self._act_exit,
+        }
 
     # -- signals ---------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -221,17 +211,14 @@ class SupervisorRun:
             self._record("supervisor_error", {"error": f"{type(e).__name__}: {e}"})
             for p in (self.train, self.preflight):
                 if p is not None and p.poll() is None:
-                    self._kill_proc(p)
+                    kill_group(p)
             raise
         return self.exit_code
 
     def _wait(self, seconds: float) -> None:
         """Sleep until the next poll, waking at once when the training step exits."""
         if self.train is not None and self.sleep is time.sleep:
-            try:
-                self.train.wait(timeout=seconds)
-            except subprocess.TimeoutExpired:
-                pass
+            wait_exit(self.train, seconds)
         else:
             self.sleep(seconds)
 
@@ -266,8 +253,11 @@ class SupervisorRun:
         for a in actions:
             if self.exit_code is not None:
                 return
+            handler = self._handlers.get(type(a))
+            if handler is None:
+                raise TypeError(f"no handler for action {a!r}")
             try:
-                getattr(self, "_act_" + type(a).__name__)(a)
+                handler(a)
             except ClusteropsError as e:
                 self._record("warning", {"what": f"{type(a).__name__} failed: {e.message}"})
                 if isinstance(a, sv.Requeue):
@@ -283,32 +273,26 @@ class SupervisorRun:
         rec = self.timeline.append(kind, data or {})
         self.echo(f"[clusterops supervise] {time.strftime('%H:%M:%S', time.gmtime(rec['t']))} {describe(rec)}")
 
-    def _act_Record(self, a: sv.Record) -> None:
+    def _act_record(self, a: sv.Record) -> None:
         self._record(a.kind, dict(a.data))
 
-    def _srun_base(self, nodes: Sequence[str], name: str, ntasks_per_node: int = 1) -> List[str]:
-        argv = ["srun", f"--job-name={name}", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}",
-                f"--ntasks={len(nodes) * ntasks_per_node}", f"--ntasks-per-node={ntasks_per_node}"]
-        if self.cfg.cpus_per_task:
-            argv.append(f"--cpus-per-task={self.cfg.cpus_per_task}")
-        return argv
-
-    def _act_RunPreflight(self, a: sv.RunPreflight) -> None:
+    def _act_run_preflight(self, a: sv.RunPreflight) -> None:
         liveness = a.profile == sv.LIVENESS
         kind = "liveness" if liveness else ("postmortem" if a.postmortem else "preflight")
-        self._n_checks = getattr(self, "_n_checks", 0) + 1
-        d = self.cfg.job_dir / f"{kind}-{self.cfg.slurm_restart_count}-{self._n_checks}"
+        self.n_checks += 1
+        d = self.cfg.job_dir / f"{kind}-{self.cfg.slurm_restart_count}-{self.n_checks}"
         d.mkdir(parents=True, exist_ok=True)
-        # Per-task files (%t): srun's %N is the host name, which need not be the Slurm
-        # node name; each report names its node itself.
-        argv = self._srun_base(a.nodes, f"clusterops-{kind}") + [
-            "--kill-on-bad-exit=0", f"--output={d}/%t.out", f"--error={d}/%t.err"]
         if liveness:
-            # Does each node still run a task? (--overlap: a dead step's leftovers must not
-            # make this wait for resources.)
-            argv += ["--overlap", "printenv", "SLURMD_NODENAME"]
+            # Does each node still run a task?
+            command = ["printenv", "SLURMD_NODENAME"]
         else:
-            argv += [self.cfg.python, "-m", "clusterops", "health", "check", "--profile", a.profile, "--json"]
+            command = [self.cfg.python, "-m", "clusterops", "health", "check", "--profile", a.profile, "--json"]
+        # Per-task files (%t): srun's %N is the host name, which need not be the Slurm
+        # node name; each report names its node itself. --overlap for liveness: a dead
+        # step's leftovers must not make it wait for resources.
+        argv = srun_argv(command, job_name=f"clusterops-{kind}", nodes=a.nodes, ntasks_per_node=1,
+                         cpus_per_task=self.cfg.cpus_per_task, kill_on_bad_exit=False,
+                         output=f"{d}/%t.out", error=f"{d}/%t.err", overlap=liveness)
         self.preflight = self.runner.spawn(argv, log_path=str(d / "srun.log"), cwd=self.cfg.workdir)
         self.preflight_action = a
         self.preflight_dir = d
@@ -320,7 +304,7 @@ class SupervisorRun:
             if a.profile != sv.LIVENESS or not self._liveness_all_in(a, d):
                 return None
         if p.poll() is None:
-            self._kill_proc(p)
+            kill_group(p)
             p.wait()
         statuses, details = {}, {}
         for i in range(len(a.nodes)):
@@ -374,7 +358,7 @@ class SupervisorRun:
             return None
         return found.step if found else None
 
-    def _act_Launch(self, a: sv.Launch) -> None:
+    def _act_launch(self, a: sv.Launch) -> None:
         from clusterops import checkpoint as ck
 
         cfg = self.cfg
@@ -409,24 +393,16 @@ class SupervisorRun:
             "MASTER_ADDR": self.slurm.node_address(nodes[0]),
             "MASTER_PORT": str(free_port()),
         })
-        # Values torchrun would set must not leak in from the supervisor's own environment:
-        # srun-native ranks take theirs from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID.
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        for var in TORCHRUN_VARS:   # not from the job's env: either, see TORCHRUN_VARS
             env.pop(var, None)
         self.step_name = f"clusterops-train-{a.attempt}"
         self.step_id = None
-        argv = self._srun_base(nodes, self.step_name, ppn) + [
-            "--kill-on-bad-exit=1", f"--wait={cfg.step_wait_s}", "--label", *cfg.srun_args, *cfg.command]
+        argv = srun_argv(cfg.command, job_name=self.step_name, nodes=nodes, ntasks_per_node=ppn,
+                         cpus_per_task=cfg.cpus_per_task, kill_on_bad_exit=True, wait_s=cfg.step_wait_s,
+                         label=True, extra=cfg.srun_args)
         self.train_log = d / "step.log"
-        saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-        try:
-            for k in saved:
-                os.environ.pop(k, None)
-            self.train = self.runner.spawn(argv, log_path=str(self.train_log), env=env, cwd=cfg.workdir)
-        finally:
-            for k, v in saved.items():
-                if v is not None:
-                    os.environ[k] = v
+        self.train = self.runner.spawn(argv, log_path=str(self.train_log), env=env, cwd=cfg.workdir,
+                                       unset=TORCHRUN_VARS)
         self.launched_at = self.clock()
         save_memory(cfg.job_dir, self.sup.memory)   # attempts survive even a lost batch host
         with open(d / "command.txt", "w") as f:
@@ -442,7 +418,8 @@ class SupervisorRun:
             text = self.train_log.read_text(errors="replace")
         except OSError:
             pass
-        failures, lost = parse_srun_failures(text)
+        tasks, lost = parse_srun_failures(text)
+        failures = [sv.RankFailure(node=t.node, rank=t.rank, reason=t.reason) for t in tasks]
         self.train = None
         self.step_id = None
         ckpt = self._latest_ckpt(deep=False)
@@ -487,12 +464,6 @@ class SupervisorRun:
                 self.step_id = step_id
         return self.step_id
 
-    def _kill_proc(self, p: subprocess.Popen) -> None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
     def _signal_step(self, sig: str) -> bool:
         step = self._find_step_id()
         if step is None:
@@ -504,15 +475,15 @@ class SupervisorRun:
             self._record("warning", {"what": f"scancel --signal={sig} {self.cfg.job_id}.{step}: {e}"})
             return False
 
-    def _act_KillStep(self, a: sv.KillStep) -> None:
+    def _act_kill_step(self, a: sv.KillStep) -> None:
         if self.train is None:
             return
         if a.force or not self._signal_step("KILL"):
             # No step id (outside Slurm, or the controller is unreachable): kill srun;
             # its tasks go with it (srun's exit ends the step).
-            self._kill_proc(self.train)
+            kill_group(self.train)
 
-    def _act_CaptureStacks(self, a: sv.CaptureStacks) -> None:
+    def _act_capture_stacks(self, a: sv.CaptureStacks) -> None:
         """py-spy dumps of the stuck ranks, all nodes at once, bounded in time (then the kill)."""
         if self.attempt_dir is None or not self.cfg.job_id:
             return
@@ -523,10 +494,10 @@ class SupervisorRun:
         nodes = sorted({self.sup.rank_node(r) for r in a.ranks if self.sup.rank_node(r)})
         for node in nodes:
             ranks = [r for r in a.ranks if self.sup.rank_node(r) == node]
-            argv = ["srun", "--overlap", f"--jobid={self.cfg.job_id}", "--nodes=1", "--ntasks=1",
-                    f"--nodelist={node}", f"--output={out}/{node}.txt", "--job-name=clusterops-stacks",
-                    self.cfg.python, "-m", "clusterops.supervisor.stacks", "--job", self.cfg.job_id,
-                    "--step", str(step if step is not None else ""), "--ranks", ",".join(map(str, ranks))]
+            command = [self.cfg.python, "-m", "clusterops.supervisor.stacks", "--job", self.cfg.job_id,
+                       "--step", str(step if step is not None else ""), "--ranks", ",".join(map(str, ranks))]
+            argv = srun_argv(command, job_name="clusterops-stacks", jobid=self.cfg.job_id, overlap=True,
+                             nodes=[node], ntasks=1, output=f"{out}/{node}.txt")
             try:
                 procs[node] = (self.runner.spawn(argv, log_path=str(out / f"{node}.srun.log")), ranks)
             except ClusteropsError as e:
@@ -536,12 +507,12 @@ class SupervisorRun:
             self.sleep(0.2)
         for node, (p, ranks) in procs.items():
             if p.poll() is None:
-                self._kill_proc(p)
+                kill_group(p)
                 p.wait()
         self._record("stacks", {"nodes": nodes, "dir": str(out),
                                 "complete": all(p.returncode == 0 for p, _ in procs.values())})
 
-    def _act_RequestStop(self, a: sv.RequestStop) -> None:
+    def _act_request_stop(self, a: sv.RequestStop) -> None:
         if self.stop_file is not None:
             self.stop_file.touch()
         # SIGUSR2 (a signal NCCL does not use; the SDK treats it as a stop request) only
@@ -554,7 +525,7 @@ class SupervisorRun:
         # srun takes the step with it before the ranks have saved. The stop file remains.
         self._signal_step("USR2")
 
-    def _act_DrainNodes(self, a: sv.DrainNodes) -> None:
+    def _act_drain_nodes(self, a: sv.DrainNodes) -> None:
         """Drain, under the fleet guard: past the site's max_drained_fraction of a partition the
         drain is refused (a ``drain_refused`` event); the node stays out of this job's steps
         either way (the supervisor marked it bad before asking)."""
@@ -580,7 +551,7 @@ class SupervisorRun:
             self.guard = drain_settings(None)   # $CLUSTEROPS_HEALTH_SITE, $CLUSTEROPS_MAX_DRAINED_FRACTION
         return self.guard
 
-    def _act_Requeue(self, a: sv.Requeue) -> None:
+    def _act_requeue(self, a: sv.Requeue) -> None:
         save_memory(self.cfg.job_dir, self.sup.memory)
         if not self.cfg.job_id:
             raise ClusteropsError("not in a Slurm job: nothing to requeue")
@@ -595,7 +566,7 @@ class SupervisorRun:
             self.sleep(1)
         raise ClusteropsError("the job was requeued but this process was not ended by Slurm")
 
-    def _act_Exit(self, a: sv.Exit) -> None:
+    def _act_exit(self, a: sv.Exit) -> None:
         save_memory(self.cfg.job_dir, self.sup.memory)
         self.exit_code = a.code
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 from typing import Dict, List, Optional
+
+from clusterops.runner import CommandError, CommandTimeout, Runner
 
 
 def _environ(pid: int) -> Dict[str, str]:
@@ -70,11 +71,13 @@ def dump(pid: int, timeout_s: float = 15.0) -> str:
     pyspy = shutil.which("py-spy") or (os.path.join(os.path.dirname(sys.executable), "py-spy"))
     if pyspy and os.path.exists(pyspy):
         try:
-            p = subprocess.run([pyspy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True,
-                               text=True, timeout=timeout_s)
+            p = Runner().run([pyspy, "dump", "--nonblocking", "--pid", str(pid)], timeout_s=timeout_s,
+                             check=False)
             return p.stdout + (p.stderr if p.returncode else "")
-        except subprocess.TimeoutExpired:
+        except CommandTimeout:
             return "py-spy dump timed out\n"
+        except CommandError as e:   # could not start it at all
+            return f"py-spy dump failed: {e.message}\n"
     state = [ln for ln in _read(f"/proc/{pid}/status").splitlines() if ln.startswith(("State:", "Name:"))]
     return ("py-spy not installed (pip install py-spy for Python stacks); kernel view:\n"
             + "\n".join(state) + f"\nwchan: {_read(f'/proc/{pid}/wchan')}\n"

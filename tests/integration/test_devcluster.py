@@ -3,10 +3,10 @@
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from support.wait import wait_for
 
 from clusterops.slurm import Slurm
 
@@ -15,14 +15,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for(pred, timeout_s=60.0, interval_s=0.3, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_up_is_idempotent_and_status(cluster):

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from support import faultkit as fk
+from support.wait import wait_for
 from clusterops import supervisor as sv
 from clusterops.supervisor import timeline as tl
 
@@ -51,9 +52,9 @@ def reference(tmp_path_factory):
 
 @pytest.fixture
 def slurm(cluster):
-    from clusterops.slurm import Slurm
+    from clusterops.slurm.settings import connect
 
-    return Slurm.from_environment()
+    return connect()
 
 
 def make_job(tmp_path, name, **kw) -> fk.TrainJob:
@@ -163,11 +164,11 @@ def test_e_time_limit_stops_saves_requeues_zero_steps_lost(cluster, slurm, refer
                    spec_extra={"time": "1", "signal_lead_s": 30}, supervise={"stop_timeout_s": 20})
     job.submit()
     # Wait for the requeue, then give the second incarnation room to finish.
-    deadline = time.monotonic() + 150
-    while not events(job, "requeue") and time.monotonic() < deadline:
+    def requeued():
         assert not events(job, "give_up"), tl.format_text(job.timeline())
-        time.sleep(1)
-    assert events(job, "requeue"), tl.format_text(job.timeline())
+        return events(job, "requeue")
+
+    wait_for(requeued, 150, "the requeue", interval_s=1, detail=lambda: tl.format_text(job.timeline()))
     slurm.update_job(job.job_id, TimeLimit="10")
     info, story = assert_healed(job, slurm, reference, 4, steps=steps)
     stop = events(job, "stop_requested")

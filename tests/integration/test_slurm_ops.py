@@ -1,9 +1,9 @@
 """Every Slurm operation of the access layer, against the real dev cluster."""
 
-import time
 
 import hostlist
 import pytest
+from support.wait import wait_for
 
 from clusterops.errors import InputError, NotFoundError
 from clusterops.slurm import Slurm
@@ -11,14 +11,6 @@ from clusterops.slurm import Slurm
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
-def wait_for(pred, timeout_s=60.0, interval_s=0.3, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -132,7 +124,7 @@ def test_cancel_a_step_only(slurm, tmp_path):
     body = 'srun --ntasks=1 sleep 300; echo "step ended rc=$?"; sleep 300'
     jid = slurm.submit(script(tmp_path, body), [f"--output={out}"])
     wait_for(lambda: slurm.job(jid).category == "running", what="running")
-    time.sleep(1.5)  # let the step start
+    wait_for(lambda: slurm.steps(jid), what="the step to start")
     slurm.cancel(jid, step=0)
     wait_for(lambda: out.exists() and "step ended" in out.read_text(), what="step ends, job goes on")
     assert slurm.job(jid).category == "running"

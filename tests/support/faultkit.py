@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,6 +18,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from clusterops.errors import ClusteropsError
+from clusterops.runner import Runner, free_port, kill_group, wait_exit
+from support.wait import WaitTimeout, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO / "examples" / "train.py"
@@ -90,8 +89,8 @@ class TrainJob:
     def submit(self, env: Optional[Dict[str, str]] = None) -> int:
         """`clusterops launch submit SPEC --json` -> job id."""
         self.write_spec()
-        p = subprocess.run([self.python, "-m", "clusterops", "launch", "submit", str(self.spec_path), "--json"],
-                           capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+        p = Runner().run([self.python, "-m", "clusterops", "launch", "submit", str(self.spec_path), "--json"],
+                         timeout_s=60, env=env, check=False)
         if p.returncode != 0:
             raise ClusteropsError(f"launch submit failed ({p.returncode}): {p.stderr.strip()[-500:]}")
         self.job_id = int(json.loads(p.stdout)["job_id"])
@@ -116,17 +115,21 @@ class TrainJob:
         return min(steps) if steps else None
 
     def wait_step(self, step: int, timeout_s: float = 120.0, attempt: Optional[int] = None) -> int:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def reached() -> Optional[int]:
             att = self.latest_attempt()
             if attempt is None or (att is not None and int(att.name.split("-")[1]) >= attempt):
                 got = self.progress()
                 if got is not None and got >= step:
-                    return got
+                    return got + 1     # truthy even for step 0; undone below
             if self.timeline_events("done", "give_up"):
                 raise ClusteropsError(f"{self.name}: job ended before step {step}")
-            time.sleep(0.2)
-        raise ClusteropsError(f"{self.name}: step {step} not reached in {timeout_s:g}s (at {self.progress()})")
+            return None
+
+        try:
+            return wait_for(reached, timeout_s, f"{self.name}: step {step}",
+                            detail=lambda: f"at {self.progress()}") - 1
+        except WaitTimeout as e:
+            raise ClusteropsError(str(e)) from None
 
     def rank_pids(self, rank: int) -> List[int]:
         """PIDs of the training process(es) of a rank of this job (read from /proc)."""
@@ -167,20 +170,23 @@ class TrainJob:
 
     def wait_end(self, slurm, timeout_s: float = 300.0):
         """Wait until Slurm says the job has ended for good (not requeued) -> JobInfo."""
-        deadline = time.monotonic() + timeout_s
-        info = None
-        while time.monotonic() < deadline:
+        last = [None]
+
+        def ended():
             try:
-                info = slurm.job(self.job_id)
+                info = last[0] = slurm.job(self.job_id)
             except ClusteropsError:
-                time.sleep(1)
-                continue
+                return None      # a flaky controller: ask again
             if info.category in ("done", "failed") and info.state not in ("REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD"):
                 return info
-            time.sleep(0.5)
-        raise ClusteropsError(f"{self.name}: job {self.job_id} still {info.state if info else '?'} after "
-                              f"{timeout_s:g}s; timeline tail: "
-                              + " | ".join(r.get("event", "") for r in self.timeline()[-8:]))
+            return None
+
+        try:
+            return wait_for(ended, timeout_s, f"{self.name}: job {self.job_id} to end", interval_s=0.5)
+        except WaitTimeout:
+            raise ClusteropsError(f"{self.name}: job {self.job_id} still {last[0].state if last[0] else '?'} after "
+                                  f"{timeout_s:g}s; timeline tail: "
+                                  + " | ".join(r.get("event", "") for r in self.timeline()[-8:])) from None
 
     def batch_log(self) -> str:
         logs = sorted((self.root / "logs").glob(f"*-{self.job_id}*.out"))
@@ -218,33 +224,34 @@ def damaged_checkpoints(ckpt_dir: Path, ignore: Sequence[Path] = ()) -> List[str
 
 
 # ------------------------------------------------------------------------------ reference runs
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_local(world: int, args: Sequence[str], *, workdir: Path, python: str = sys.executable,
               script: Path = TRAIN_SCRIPT, timeout_s: float = 300.0) -> str:
     """Run examples/train.py uninterrupted on `world` local gloo ranks (no Slurm); rank 0's output."""
     workdir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs = []
+    port = free_port("127.0.0.1")
+    # No Slurm or supervisor context may leak in: this is a plain local run.
+    unset = [k for k in os.environ if k.startswith(("SLURM_", "CLUSTEROPS_"))]
+    runner = Runner()
+    procs, logs = [], []
     for r in range(world):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CLUSTEROPS_"))}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
+        env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
                    LOCAL_RANK=str(r), OMP_NUM_THREADS="1", CLUSTEROPS_CKPT_DIR=str(workdir / "ckpt"))
-        procs.append(subprocess.Popen([python, str(script), *args], env=env, cwd=str(workdir),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
+        log = workdir / f"rank{r}.log"
+        log.write_bytes(b"")
+        logs.append(log)
+        procs.append(runner.spawn([python, str(script), *args], log_path=str(log), env=env, unset=unset,
+                                  cwd=str(workdir)))
+    deadline = time.monotonic() + timeout_s
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout_s)
-            outs.append(out)
+            if wait_exit(p, max(0.0, deadline - time.monotonic())) is None:
+                raise ClusteropsError(f"reference run did not finish in {timeout_s:g}s")
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                kill_group(p)
+                p.wait()
+    outs = [log.read_text(errors="replace") for log in logs]
     for p, out in zip(procs, outs):
         if p.returncode != 0:
             raise ClusteropsError(f"reference run failed ({p.returncode}): {out[-800:]}")
@@ -267,6 +274,3 @@ def same_weights(a: Path, b: Path) -> bool:
             return False
     return True
 
-
-def kill_signal_name(sig: int) -> str:
-    return signal.Signals(sig).name

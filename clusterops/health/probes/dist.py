@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from clusterops.health.probes.base import ProbeContext, ProbeResult
+from clusterops.runner import free_port
 
 FINAL = ("pass", "fail")
 
@@ -359,12 +360,6 @@ def report_results(rep: Dict[str, Any]) -> List[ProbeResult]:
 
 # -- the probe: this node's local ranks --------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _local_ranks(cfg: Dict[str, Any], ctx: ProbeContext) -> int:
     if cfg.get("local_ranks"):
         return int(cfg["local_ranks"])
@@ -387,7 +382,7 @@ def probe_dist(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     sizes = [int(s) for s in (cfg.get("sizes_bytes", []) if on_gpu or "cpu_sizes_bytes" not in cfg
                               else cfg["cpu_sizes_bytes"])]
     with tempfile.TemporaryDirectory(prefix="clusterops-dist-") as d:
-        port = _free_port()
+        port = free_port("127.0.0.1")
         procs = []
         argv = [sys.executable, "-m", "clusterops.health.probes.dist", "--result-dir", d,
                 "--timeout-s", str(timeout_s), "--backend", cfg.get("backend", "auto"),

@@ -11,25 +11,19 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from support.wait import wait_for
 
 from clusterops import checkpoint as ck
+from clusterops.runner import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "examples" / "train.py")
 ARGS = ["--steps", "60", "--ckpt-every", "10", "--samples", "256", "--batch-size", "8"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _srun_argv(*train_args) -> list:
@@ -39,7 +33,7 @@ def _srun_argv(*train_args) -> list:
 
 def _env(dc) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLUSTEROPS_", "SLURM_"))}
-    env.update(SLURM_CONF=str(dc.conf_path), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    env.update(SLURM_CONF=str(dc.conf_path), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")),
                PYTHONUNBUFFERED="1")
     return env
 
@@ -92,9 +86,8 @@ def test_srun_four_ranks_killed_and_resumed_bitwise(cluster, tmp_path):
     for line in p.stdout:
         seen.append(line)
         if line.startswith("ckpt step="):
-            time.sleep(0.05)
-            victims = _tasks_of(ck_dir)
-            assert len(victims) == 4, victims
+            victims = wait_for(lambda: len(v := _tasks_of(ck_dir)) == 4 and v, 10, "the 4 training tasks",
+                               interval_s=0.02, detail=lambda: str(_tasks_of(ck_dir)))
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
             break

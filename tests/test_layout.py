@@ -1,0 +1,175 @@
+"""The source tree keeps its own promises (read with ``ast``, nothing imported or run).
+
+1. The Slurm boundary: no module under ``clusterops/`` outside ``clusterops/slurm/`` spells
+   a Slurm client program (``SLURM_PROGRAMS``) in an argv. "In an argv" means, precisely:
+   a string constant equal to the program's name, or a path ending in ``/<name>``,
+   - as the first element of a list or tuple display (``["srun", ...]``, ``("sinfo",)``,
+     ``["squeue"] + more``): where an argv names its program, or
+   - as the first positional argument of a call to ``run``, ``spawn``, ``argv``, ``exe``,
+     ``Popen``, ``call``, ``check_call``, ``check_output`` or ``execvp``.
+   Elsewhere the names may appear: in docstrings and comments, in messages, later in a
+   tuple of names (the launch styles ``(..., "srun")``), as dict keys (the dev cluster's
+   table of programs an install must provide, checked with ``shutil.which``), and inside
+   the text of a generated script (shell lines are the templates' business).
+   The dev cluster's daemons are started by the dev cluster itself, by path through
+   ``SlurmTools`` (``tools.argv(["slurmctld", ...])``): starting a cluster is its job,
+   and the daemon names (``slurmctld``, ``slurmd``, ``munged``) are not client programs,
+   so they are not in ``SLURM_PROGRAMS``. Every *query* of a running cluster, the dev
+   cluster's included, goes through ``clusterops.slurm``.
+2. The runner is the one door: no module but ``clusterops/runner.py`` imports
+   ``subprocess`` (or starts programs with ``os.system``/``os.popen``/``os.exec*``/
+   ``os.spawn*``/``os.posix_spawn*``).
+3. Every module under ``clusterops/`` has a module docstring.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "clusterops"
+SLURM_PROGRAMS = frozenset({"sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel", "sacct", "salloc"})
+ARGV_CALLS = frozenset({"run", "spawn", "argv", "exe", "Popen", "call", "check_call", "check_output", "execvp"})
+OS_PROCESS_CALLS = ("system", "popen", "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp",
+                    "execvpe", "spawnv", "spawnve", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnvp",
+                    "spawnvpe", "posix_spawn", "posix_spawnp")
+
+
+def _modules() -> List[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _rel(p: Path) -> str:
+    return p.relative_to(REPO).as_posix()
+
+
+def _is_program(node: ast.AST) -> bool:
+    if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+        return False
+    name = node.value
+    return name in SLURM_PROGRAMS or ("/" in name and name.rsplit("/", 1)[-1] in SLURM_PROGRAMS)
+
+
+def _call_name(call: ast.Call) -> str:
+    f = call.func
+    if isinstance(f, ast.Attribute):
+        return f.attr
+    if isinstance(f, ast.Name):
+        return f.id
+    return ""
+
+
+def slurm_argv_spellings(tree: ast.AST) -> Iterator[Tuple[int, str]]:
+    """(line, program) for each Slurm program spelled in an argv position (rule 1)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            if node.elts and _is_program(node.elts[0]):
+                yield node.elts[0].lineno, node.elts[0].value
+        elif isinstance(node, ast.Call) and _call_name(node) in ARGV_CALLS and node.args:
+            if _is_program(node.args[0]):
+                yield node.args[0].lineno, node.args[0].value
+
+
+def process_escapes(tree: ast.AST) -> Iterator[Tuple[int, str]]:
+    """(line, what) for each import of subprocess or os-level program start (rule 2)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "subprocess":
+                    yield node.lineno, "import subprocess"
+        elif isinstance(node, ast.ImportFrom):
+            if (node.module or "").split(".")[0] == "subprocess":
+                yield node.lineno, "from subprocess import ..."
+            if node.module == "os" and any(a.name in OS_PROCESS_CALLS for a in node.names):
+                yield node.lineno, "from os import <program start>"
+        elif isinstance(node, ast.Attribute) and node.attr in OS_PROCESS_CALLS \
+                and isinstance(node.value, ast.Name) and node.value.id == "os":
+            yield node.lineno, f"os.{node.attr}"
+
+
+def _parse(p: Path) -> ast.AST:
+    return ast.parse(p.read_text(), filename=str(p))
+
+
+# -- the checkers catch what they should (so the tree tests below can fail) -----------
+@pytest.mark.parametrize("src", [
+    'argv = ["srun", "--overlap", cmd]',
+    'runner.run(("scontrol", "show", "node"))',
+    'self.runner.spawn(["/opt/slurm/bin/sbatch", script], log_path=p)',
+    'tools.argv(["sinfo", "--noheader"])',
+    'Runner().run(["squeue"] + extra)',
+    'argv = ("scancel",)',
+    'runner.exe("sacct")',
+])
+def test_checker_flags_an_argv_spelling(src):
+    assert list(slurm_argv_spellings(ast.parse(src)))
+
+
+@pytest.mark.parametrize("src", [
+    '"""Runs srun steps."""',
+    'msg = f"srun failed on {node}"',
+    'REQUIRED = {"sinfo": "slurm-client"}',
+    'shutil.which("sinfo")',
+    'tools.argv(["slurmctld", "-D"])',
+    'script = "srun --label python train.py"',
+    'argv = srun_argv(cmd, nodes=nodes)',
+    'names = ["srunner", "sbatchy"]',
+    'LAUNCHERS = ("torchrun", "accelerate", "srun")',
+])
+def test_checker_passes_what_is_not_an_argv(src):
+    assert not list(slurm_argv_spellings(ast.parse(src)))
+
+
+@pytest.mark.parametrize("src, found", [
+    ("import subprocess", True),
+    ("import subprocess as sp", True),
+    ("from subprocess import run", True),
+    ("os.system('ls')", True),
+    ("from os import execvp", True),
+    ("import os\nos.kill(1, 0)", False),
+    ("from clusterops.runner import Runner", False),
+])
+def test_process_checker(src, found):
+    assert bool(list(process_escapes(ast.parse(src)))) is found
+
+
+# -- the tree ----------------------------------------------------------------------
+def test_tree_has_modules_to_read():
+    mods = [_rel(p) for p in _modules()]
+    assert "clusterops/runner.py" in mods and "clusterops/slurm/client.py" in mods and len(mods) > 20
+
+
+def test_no_slurm_program_in_an_argv_outside_the_slurm_layer():
+    bad = []
+    for p in _modules():
+        if p.is_relative_to(PACKAGE / "slurm"):
+            continue
+        bad += [f"{_rel(p)}:{line}: {prog!r} in an argv (build it in clusterops/slurm/)"
+                for line, prog in slurm_argv_spellings(_parse(p))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_slurm_layer_itself_is_read_and_does_spell_them():
+    # The rule is scoped, not vacuous: the layer that owns the argv lists does spell them.
+    found = {prog for p in (PACKAGE / "slurm").glob("*.py") for _, prog in slurm_argv_spellings(_parse(p))}
+    assert {"sbatch", "srun", "squeue", "scontrol", "scancel"} <= found
+
+
+def test_only_the_runner_starts_programs():
+    bad = []
+    for p in _modules():
+        if p == PACKAGE / "runner.py":
+            continue
+        bad += [f"{_rel(p)}:{line}: {what} (run programs through clusterops.runner)"
+                for line, what in process_escapes(_parse(p))]
+    assert not bad, "\n".join(bad)
+    assert list(process_escapes(_parse(PACKAGE / "runner.py"))), "the runner itself imports subprocess"
+
+
+def test_every_module_has_a_docstring():
+    missing = [_rel(p) for p in _modules() if not ast.get_docstring(_parse(p))]
+    assert not missing, "modules without a docstring: " + ", ".join(missing)
