@@ -289,6 +289,9 @@ class _SQLite:
         else:
             self.conn = sqlite3.connect(f"{p.absolute().as_uri()}?mode=ro", uri=True, timeout=30,
                                         isolation_level=None)
+        # A damaged file can hold text that is not UTF-8 (in a row, or even in a table's
+        # column names): read it as text with replacement marks rather than crash on it.
+        self.conn.text_factory = lambda b: b.decode("utf-8", "replace")
 
     def query(self, sql: str, args: Sequence[object] = ()) -> List[tuple]:
         return self.conn.execute(sql, tuple(args)).fetchall()

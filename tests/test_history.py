@@ -89,3 +89,22 @@ def test_history_cli(history_target, tmp_path):
     assert out.exit_code != 0
     out = runner.invoke(history_cmd, ["--db", str(db), "--since", "bogus"])
     assert out.exit_code != 0
+
+
+def test_sqlite_text_that_is_not_utf8_is_read_not_crashed_on(tmp_path):
+    """A damaged file can hold bytes that are not UTF-8 in its text, even in a column name
+    (found by the property test): reading replaces them instead of raising."""
+    import sqlite3
+
+    db = tmp_path / "sweep.db"
+    now = time.time()
+    with History.open(db) as h:
+        h.record(report("s0", now, {"node1": "fail"}))
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE results SET detail = CAST(x'80ff62726f6b656e' AS TEXT)")
+    conn.commit()
+    conn.close()
+    out = CliRunner().invoke(history_cmd, ["node1", "--probe", "check", "--db", str(db), "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)["rows"]
+    assert rows and rows[0]["status"] == "fail"
