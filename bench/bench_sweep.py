@@ -228,7 +228,7 @@ def bench_slurm(args) -> dict:
 
 
 def bench_ssh(args) -> dict:
-    from sweep_sshd import Sshd
+    from support.sweep_sshd import Sshd
 
     from clusterops.sweep import ssh as sshfan
     from clusterops.sweep import check_argv

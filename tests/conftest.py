@@ -113,4 +113,4 @@ def cluster(devcluster):
 
 
 # A real PostgreSQL server (session) and a fresh history database per backend (per test).
-from pgserver import history_target, postgres_server  # noqa: E402,F401
+from support.pgserver import history_target, postgres_server  # noqa: E402,F401

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from props_harness import PROPS, run_cli, strict_loads
+from support.props_harness import PROPS, run_cli, strict_loads
 
 from clusterops import health, report
 from clusterops.jsonout import dumps

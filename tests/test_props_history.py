@@ -11,7 +11,7 @@ import sqlite3
 from hypothesis import given
 from hypothesis import strategies as st
 
-from props_harness import PROPS, run_cli
+from support.props_harness import PROPS, run_cli
 
 from clusterops.errors import ClusteropsError
 from clusterops.history import SCHEMA, History, Row

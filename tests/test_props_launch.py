@@ -10,7 +10,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from props_harness import PROPS, dump_yaml, run_cli, values
+from support.props_harness import PROPS, dump_yaml, run_cli, values
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

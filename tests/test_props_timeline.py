@@ -10,7 +10,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from props_harness import PROPS, run_cli, values
+from support.props_harness import PROPS, run_cli, values
 
 from clusterops.supervisor import timeline as tl
 

@@ -6,7 +6,7 @@ check script and pinned ``--nodelist``, hands out job ids, and, once the fake cl
 reaches a node's scripted answer time, leaves the files the real check script leaves
 (``<jobid>.json``, ``.err``, then ``.done``); ``jobs`` answers the batched squeue with
 each job's scripted state; ``cancel`` records. The fake clock advances only when the
-fan-out sleeps. The real-Slurm version of these paths is tests/test_sweep_slurm.py.
+fan-out sleeps. The real-Slurm version of these paths is tests/integration/test_sweep_slurm.py.
 """
 
 from __future__ import annotations

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from sweep_sshd import SilentHost, Sshd
+from support.sweep_sshd import SilentHost, Sshd
 
 from clusterops.sweep import ssh as sshfan
 
 pytestmark = pytest.mark.skipif(not Sshd.available(), reason="needs /usr/sbin/sshd (apt-get install openssh-server)")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CLUSTEROPS = str(Path(sys.executable).parent / "clusterops")
 
 

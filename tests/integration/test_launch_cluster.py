@@ -17,7 +17,7 @@ import pytest
 
 from clusterops import launch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DIST_CHECK = REPO / "examples" / "dist_check.py"
 ACTIVATE = Path(sys.prefix) / "bin" / "activate"
 

@@ -190,7 +190,7 @@ def test_self_drain_guard_leaves_failing_node_in_service(cluster, tmp_path):
         # Through the HealthCheckProgram wrapper: the same exit code, the node still in service.
         env = _env(cluster, tmp_path, "node3", CLUSTEROPS=CLUSTEROPS, CLUSTEROPS_HEALTH_SITE=str(s),
                    SLURMD_NODENAME="node3", CLUSTEROPS_HEALTH_LOG=str(tmp_path / "hc.log"))
-        r = subprocess.run([str(Path(__file__).resolve().parent.parent / "slurm" / "clusterops-healthcheck.sh")],
+        r = subprocess.run([str(Path(__file__).resolve().parents[2] / "slurm" / "clusterops-healthcheck.sh")],
                            env=env, capture_output=True, text=True, timeout=90)
         assert r.returncode == 3 and "slurm: refused (fleet guard" in (tmp_path / "hc.log").read_text()
         assert state(cluster, "node3") == (False, None)

@@ -17,7 +17,7 @@ import pytest
 
 from clusterops.report import LARGE_FLEET, html_report
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CLUSTEROPS = str(Path(sys.executable).parent / "clusterops")
 WINDOW = (1400, 1000)
 

@@ -17,7 +17,7 @@ import pytest
 
 from clusterops.runner import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 
