@@ -227,15 +227,30 @@ def load_text(text: str, source: str) -> Tuple[Any, Lines]:
 
 
 def read_text(path: Path, what: str = "file") -> str:
+    import os
+    import stat
+
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_BYTES + 1)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; only regular files are read.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except IsADirectoryError:
         raise InputError(f"{path}: is a directory, not a {what}") from None
     except FileNotFoundError:
         raise InputError(f"{path}: no such {what}") from None
     except OSError as e:
         raise InputError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            kind = "is a directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "not a regular file"
+            raise InputError(f"{path}: {kind}, not a {what}")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
     if len(raw) > MAX_BYTES:
         raise InputError(f"{path}: larger than {MAX_BYTES // 1024} KiB; not a hand-written {what}")
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import re
 import stat
 import subprocess
@@ -371,3 +372,14 @@ def test_sweep_arguments_never_traceback_and_bad_ones_stop_before_slurm(fake_slu
     out = run_cli(args, allowed={1, 2, 5}, max_wall_s=30)
     if out.code == 2:
         assert not fake_slurm.exists(), (args, fake_slurm.read_text())
+
+
+def test_a_spec_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    """`launch render` on a FIFO (or a directory) is exit 2 at once: no read waits for a writer."""
+    fifo = tmp_path / "job.yaml"
+    os.mkfifo(fifo, 0o600)
+    t0 = time.monotonic()
+    r = run_cli(["launch", "render", str(fifo)])
+    assert r.code == 2 and "not a regular file" in r.stderr and time.monotonic() - t0 < 5
+    r = run_cli(["launch", "render", str(tmp_path)])
+    assert r.code == 2 and "is a directory" in r.stderr

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
-from clusterops import schema
+from clusterops import schema, yamlio
 from clusterops.errors import InputError
 
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "srun")
@@ -315,14 +315,7 @@ def load_spec(path: str | os.PathLike, overrides: Sequence[str] = (),
     """
     p = Path(path)
     source = str(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise InputError(f"{source}: no such job spec file") from None
-    except IsADirectoryError:
-        raise InputError(f"{source}: is a directory, not a job spec file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{source}: cannot read job spec: {getattr(e, 'strerror', None) or e}") from None
+    text = yamlio.read_text(p, "job spec file")   # regular files only (a FIFO never blocks), bounded
     data, locs = parse_spec_text(text, source)
     apply_overrides(data, locs, overrides)
     spec = _build_spec(data, locs, p.resolve().parent, source)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from clusterops.health.probes.base import ProbeContext, ProbeResult
+from clusterops.jsonout import dumps
 from clusterops.runner import free_port
 
 FINAL = ("pass", "fail")
@@ -122,7 +123,7 @@ def _write_json(path: Path, data: Dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
+        f.write(dumps(data, indent=None))   # strict JSON: a NaN figure is null, not NaN
     os.replace(tmp, path)
 
 
@@ -264,7 +265,7 @@ def run_rank(opts: DistOptions) -> int:
             _write_json(Path(opts.report_path), rep)
         _write_json(rdir / "report.json", rep)
         code = 0 if rep["status"] == "pass" else 1
-        print(json.dumps(rep, indent=2, sort_keys=True), flush=True)
+        print(dumps(rep), flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave now: a hung collective's threads (or NCCL's) must not hold the process.
