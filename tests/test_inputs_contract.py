@@ -383,3 +383,16 @@ def test_a_spec_that_is_a_fifo_is_refused_without_blocking(tmp_path):
     assert r.code == 2 and "not a regular file" in r.stderr and time.monotonic() - t0 < 5
     r = run_cli(["launch", "render", str(tmp_path)])
     assert r.code == 2 and "is a directory" in r.stderr
+
+
+def test_health_check_refuses_a_bad_prometheus_target_before_running(tmp_path):
+    """`health check --prometheus /dev/null` (or a FIFO) is exit 2 before any probe runs: the
+    report never shows up, and /dev/null is left as it was."""
+    fifo = tmp_path / "prom.fifo"
+    os.mkfifo(fifo)
+    before = os.stat("/dev/null")
+    for target in ("/dev/null", str(fifo)):
+        r = run_cli(["health", "check", "--profile", "fast", "--json", "--prometheus", target])
+        assert r.code == 2 and r.stdout == "" and "regular file" in r.stderr, (target, r)
+    after = os.stat("/dev/null")
+    assert (before.st_mode, before.st_rdev) == (after.st_mode, after.st_rdev)

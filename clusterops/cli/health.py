@@ -65,6 +65,10 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
     guard = drain_settings(site_config) if drain_on_fail else None  # bad drain: settings -> exit 2
     site, site_path = load_site_config(site_config)
     record_to = spool.settings(db_target, site, site_path)   # a bad --db / history: is exit 2, before the check
+    if prometheus:
+        from clusterops.fsutil import check_output_target
+
+        check_output_target(prometheus)   # /dev/null, a FIFO, a symlink: exit 2 before the check runs
     ctx = ProbeContext(node=node or node_name())
     run = run_check(profile, ctx)
     report = run.report
