@@ -565,7 +565,7 @@ def _save_distributed(state, step, extra, root: Path, meta, algo) -> Path:
     dist.broadcast_object_list(box, src=0, group=pg)
     status, msg = box[0]
     if status != "ok":
-        if error is not None and ck._is_disk_full(error):
+        if error is not None and ck.is_disk_full(error):
             raise ck.CheckpointDiskFull(msg)
         if "no space left" in msg:
             raise ck.CheckpointDiskFull(msg)
