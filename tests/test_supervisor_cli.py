@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from clusterops.supervisor import timeline as tl
 from clusterops.cli import cli
-from clusterops.supervisor.run import parse_srun_failures, read_heartbeats
+from clusterops.supervisor.run import parse_srun_failures
 
 # Recorded from the dev cluster (srun 22.05): rank 2 SIGKILLed, the others torn down.
 SRUN_KILLED = """\
@@ -36,15 +36,6 @@ def test_parse_srun_failures_keeps_order_and_ranks():
     failures, lost = parse_srun_failures(SRUN_NODE_FAIL)
     assert lost == ["node3"]
     assert [f.rank for f in failures] == [0, 1] and failures[0].reason == "Exited with exit code 1"
-
-
-def test_read_heartbeats(tmp_path):
-    (tmp_path / "rank0").write_text("12\n")
-    (tmp_path / "rank1").write_text("garbage\n")
-    (tmp_path / ".rank2.tmp").write_text("5\n")
-    beats = read_heartbeats(tmp_path)
-    assert list(beats) == [0] and beats[0][0] == 12
-    assert read_heartbeats(tmp_path / "missing") == {}
 
 
 def _timeline(tmp_path):

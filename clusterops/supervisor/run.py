@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from clusterops import drains
+from clusterops import protocol
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Runner
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "supervisor-state.json"
 SRUN_FAILURE = re.compile(r"srun: error: (\S+): tasks? ([\d,\-\[\] ]+): (.+?)\s*$")
-STOPPED_LINE = re.compile(r"^(?:0: )?stopped step=\d+", re.MULTILINE)
 SRUN_NODE_FAILURE = re.compile(r"[Nn]ode failure on (\S+?)[\s,.;]*$")
 
 
@@ -112,25 +112,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def read_heartbeats(hb_dir: Path) -> Dict[int, Tuple[int, float]]:
-    beats: Dict[int, Tuple[int, float]] = {}
-    try:
-        entries = list(os.scandir(hb_dir))
-    except FileNotFoundError:
-        return beats
-    for e in entries:
-        if not e.name.startswith("rank") or not e.name[4:].isdigit():
-            continue
-        try:
-            mtime = e.stat().st_mtime
-            with open(e.path) as f:
-                step = int((f.read().strip() or "0").split()[0])
-        except (OSError, ValueError):
-            continue
-        beats[int(e.name[4:])] = (step, mtime)
-    return beats
 
 
 def load_memory(job_dir: Path) -> sv.Memory:
@@ -250,7 +231,7 @@ class SupervisorRun:
                 self.seen_ckpt = step
                 events.append(sv.CheckpointCommitted(now, step, str(self.cfg.ckpt_dir / f"step_{step}")))
             if self.attempt_dir is not None:
-                events.append(sv.Heartbeats(now, read_heartbeats(self.attempt_dir / "heartbeat")))
+                events.append(sv.Heartbeats(now, protocol.read_heartbeats(protocol.heartbeat_dir(self.attempt_dir))))
             rc = self.train.poll()
             if rc is not None:
                 events.append(self._step_exited(now, rc))
@@ -378,10 +359,10 @@ class SupervisorRun:
         from clusterops import checkpoint as ck
 
         cfg = self.cfg
-        d = cfg.job_dir / f"attempt-{a.attempt}"
-        (d / "heartbeat").mkdir(parents=True, exist_ok=True)
+        d = protocol.attempt_dir(cfg.job_dir, a.attempt)
+        protocol.heartbeat_dir(d).mkdir(parents=True, exist_ok=True)
         self.attempt_dir = d
-        self.stop_file = d / "stop"
+        self.stop_file = protocol.stop_file(d)
         # Resume from a checkpoint verified now (hashes too): a newest checkpoint that was
         # damaged since it was written is skipped and said so, not loaded.
         resume = ""
@@ -401,11 +382,7 @@ class SupervisorRun:
         ppn = cfg.policy.ranks_per_node
         env = dict(cfg.env)
         env.update({
-            "CLUSTEROPS_CKPT_DIR": str(cfg.ckpt_dir),
-            "CLUSTEROPS_RESUME_FROM": resume,
-            "CLUSTEROPS_HEARTBEAT_DIR": str(d / "heartbeat"),
-            "CLUSTEROPS_STOP_FILE": str(self.stop_file),
-            "CLUSTEROPS_RESTART_COUNT": str(a.restart_count),
+            **protocol.rank_env(ckpt_dir=cfg.ckpt_dir, resume_from=resume, attempt=d, restart_count=a.restart_count),
             "MASTER_ADDR": self.slurm.node_address(nodes[0]),
             "MASTER_PORT": str(free_port()),
         })
@@ -458,12 +435,12 @@ class SupervisorRun:
 
         Slurm's preemption SIGTERMs the steps' tasks but not the batch script (seen on
         22.05): the ranks save and exit 0, which must not read as "finished". Slurm marks
-        such a job with a PreemptTime; a rank-0 line ``stopped step=N`` (what
-        examples/train.py prints after honouring a stop) is the training's own word.
+        such a job with a PreemptTime; the SDK's stopped marker (or, from a script without
+        it, rank 0's "stopped" output line; see clusterops.protocol) is the training's own word.
         """
         if self._preempt_time():
             return "preemption"
-        if STOPPED_LINE.search(step_log):
+        if protocol.training_stopped(self.attempt_dir, step_log):
             return "signal"
         return None
 
@@ -547,7 +524,7 @@ class SupervisorRun:
         # SIGUSR2 (a signal NCCL does not use; the SDK treats it as a stop request) only
         # once every rank has beaten: before that a rank may not have its handler yet and
         # USR2's default action would kill it. The stop file reaches those ranks anyway.
-        beats = read_heartbeats(self.attempt_dir / "heartbeat") if self.attempt_dir else {}
+        beats = protocol.read_heartbeats(protocol.heartbeat_dir(self.attempt_dir)) if self.attempt_dir else {}
         if len(beats) < self.sup.expected_ranks:
             return
         # Never signal srun itself: srun 22.05 dies of a USR2 it does not forward, and a dead
