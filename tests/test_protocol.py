@@ -77,3 +77,19 @@ def test_contract_names_are_spelled_only_in_protocol():
     # The check can fail: protocol.py itself spells every one of them.
     text = (REPO / "clusterops" / "protocol.py").read_text()
     assert all(name in text for name in spelled)
+
+
+def test_supervisor_reads_the_marker_and_the_line_as_a_stop(tmp_path):
+    from clusterops import supervisor as sv
+    from clusterops.supervisor.run import RunConfig, SupervisorRun
+
+    cfg = RunConfig(command=["true"], job_dir=tmp_path / "job", ckpt_dir=tmp_path / "ck",
+                    policy=sv.Policy(nodes=1), nodes=["n1"])
+    run = SupervisorRun(cfg, slurm=object(), echo=lambda line: None)  # no job id: no Slurm query
+    run.attempt_dir = protocol.attempt_dir(cfg.job_dir, 1)
+    hb = protocol.heartbeat_dir(run.attempt_dir)
+    hb.mkdir(parents=True)
+    assert run._external_stop("0: step 3\n") is None  # exit 0 without either: finished
+    assert run._external_stop("0: " + protocol.stopped_line(3, None, "SIGTERM") + "\n") == "signal"
+    protocol.write_stopped(hb, step=3, path=None, reason="SIGTERM")
+    assert run._external_stop("0: step 3\n") == "signal"
