@@ -31,14 +31,15 @@ Files, per attempt of the training step (``<job_dir>/attempt-<N>/``)::
                         progress. Written atomically (a hidden temporary, then rename),
                         at most about once a second.
     heartbeat/stopped   the stopped marker: one JSON object {"step", "path", "reason"},
-                        written atomically by rank 0 once it has honoured a stop request
-                        (its checkpoint committed, or the script shutting down).
+                        written atomically by rank 0 when the script says it stops on a
+                        request before its end (``sdk.mark_stopped``, after the save
+                        that honours the stop).
     stop                created by the supervisor to request a stop.
 
 The supervisor reads a step that exits 0 as "stopped on request", not "finished", when
 the stopped marker exists; a rank-0 output line ``stopped step=N ...`` (what
 ``examples/train.py`` prints, :func:`stopped_line`) counts as a fallback for scripts
-that do not use the SDK's save.
+that do not call ``sdk.mark_stopped``.
 
 Standard library only: both the SDK and the supervisor import it at start.
 """
