@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from clusterops.errors import InputError
+from clusterops.protocol import ENV_CKPT_DIR
 
 Path_ = Tuple[Any, ...]
 DAY_S = 86400.0
@@ -320,7 +321,7 @@ def _budget(name: str, doc: str, default: int, lo: int = 0, **kw) -> Field:
 
 SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-healing); a mapping of the "
                   "keys below, or `true` for the defaults", fields=(
-    _f("ckpt_dir", "path", "checkpoint root (`CLUSTEROPS_CKPT_DIR`); relative to `workdir`",
+    _f("ckpt_dir", "path", f"checkpoint root (`{ENV_CKPT_DIR}`); relative to `workdir`",
        default_text="`<workdir>/checkpoints`"),
     _f("job_dir", "path", "the supervisor's timeline and state; relative to `workdir`",
        default_text="`<log_dir>/<name>-<job id>`"),

@@ -10,15 +10,15 @@
         if (step + 1) % every == 0:
             sdk.save(state, step + 1, async_=True)
         if sdk.should_stop():              # all ranks agree (one small collective)
-            sdk.save(state, step + 1); break
+            path = sdk.save(state, step + 1)
+            sdk.mark_stopped(step + 1, path); break
     sdk.wait()
 
-Environment contract (set by ``clusterops supervise``; all optional):
-``CLUSTEROPS_CKPT_DIR`` checkpoint root; ``CLUSTEROPS_RESUME_FROM`` checkpoint to
-resume from (empty: the latest good one under the root); ``CLUSTEROPS_HEARTBEAT_DIR``
-where file ``rank<RANK>`` holds the last step (its mtime is the last progress);
-``CLUSTEROPS_STOP_FILE`` a path whose existence requests a stop (SIGUSR2 and SIGTERM do
-too); ``CLUSTEROPS_RESTART_COUNT``.
+The contract with ``clusterops supervise`` (environment variables, heartbeat files,
+the stop file, the stopped marker) is written down in :mod:`clusterops.protocol`; all
+of it is optional. SIGTERM and SIGUSR2 request a stop like the stop file. A script that
+honours a stop before its end calls ``sdk.mark_stopped(step, path)`` (rank 0 writes the
+marker), so the supervisor reads its clean exit as "stopped", not "finished".
 
 On disk (see clusterops.checkpoint): one process writes ``state.pt`` (torch.save of
 the state) and ``rank_0.pt`` (RNG states and per-rank state); many ranks write the
@@ -42,15 +42,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from clusterops import checkpoint as ck
+from clusterops import protocol
 from clusterops.errors import ClusteropsError
 
 log = logging.getLogger(__name__)
-
-ENV_CKPT_DIR = "CLUSTEROPS_CKPT_DIR"
-ENV_RESUME_FROM = "CLUSTEROPS_RESUME_FROM"
-ENV_HEARTBEAT_DIR = "CLUSTEROPS_HEARTBEAT_DIR"
-ENV_STOP_FILE = "CLUSTEROPS_STOP_FILE"
-ENV_RESTART_COUNT = "CLUSTEROPS_RESTART_COUNT"
 
 HEARTBEAT_INTERVAL_S = 1.0
 STOP_FILE_POLL_S = 0.25
@@ -99,16 +94,14 @@ class _Runtime:
         self.stop_agreed = False
         self.stop_reason = ""
         self.stop_file_checked_at = 0.0
-        self.stop_file_seen = False
+        self.stopped_marked = False
         self.hb_at = -1e18
-        self.hb_step = None
         self.inflight: Optional[_AsyncSave] = None
         self.last_async_step: Optional[int] = None
         self.atexit_registered = False
         self.snapshot_pool: dict = {}  # buffers of the last async snapshot, reused by the next
         self.signals_installed = False
         self.prev_handlers = {}
-        self.lock = threading.Lock()
 
 
 _rt = _Runtime()
@@ -130,19 +123,20 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
+def _rank() -> int:
+    """This process's rank without any collective (before init: from the environment)."""
+    return _rt.dist.rank if _rt.initialized else _env_int("RANK", "SLURM_PROCID", default=0)
+
+
 def restart_count() -> int:
-    return _env_int(ENV_RESTART_COUNT, default=0)
+    return _env_int(protocol.ENV_RESTART_COUNT, default=0)
 
 
 def ckpt_root(root: Optional[os.PathLike] = None) -> Path:
-    r = root or os.environ.get(ENV_CKPT_DIR)
+    r = root or os.environ.get(protocol.ENV_CKPT_DIR)
     if not r:
-        raise ClusteropsError(f"no checkpoint root: pass root= or set {ENV_CKPT_DIR}")
+        raise ClusteropsError(f"no checkpoint root: pass root= or set {protocol.ENV_CKPT_DIR}")
     return Path(r)
-
-
-def dist_info() -> DistInfo:
-    return _ensure_runtime()
 
 
 def _ensure_runtime() -> DistInfo:
@@ -250,12 +244,12 @@ def request_stop(reason: str = "requested") -> None:
 def _local_stop() -> bool:
     if _rt.stop_requested:
         return True
-    path = os.environ.get(ENV_STOP_FILE)
+    path = os.environ.get(protocol.ENV_STOP_FILE)
     if path:
         now = time.monotonic()
         if now - _rt.stop_file_checked_at >= STOP_FILE_POLL_S:
             _rt.stop_file_checked_at = now
-            if os.path.exists(path):
+            if protocol.stop_requested(path):
                 _rt.stop_requested = True
                 _rt.stop_reason = _rt.stop_reason or "stop file"
     return _rt.stop_requested
@@ -293,33 +287,50 @@ def stop_reason() -> str:
     return _rt.stop_reason
 
 
+def mark_stopped(step: int, path: Optional[os.PathLike] = None) -> bool:
+    """Tell the supervisor this run stops on request before its end (all ranks may call it).
+
+    Call it after the checkpoint that honours the stop (``path``, if any) committed and
+    before exiting: rank 0 writes the protocol's stopped marker, so an exit 0 reads as
+    "stopped" and the job is continued, not as "finished". Not for a run that reached its
+    last step anyway. Once per process; never raises; True when written.
+    """
+    d = os.environ.get(protocol.ENV_HEARTBEAT_DIR)
+    if not d or _rt.stopped_marked or _rank() != 0:
+        return False
+    _rt.stopped_marked = True
+    try:
+        protocol.write_stopped(d, step=step, path=path, reason=_rt.stop_reason or "requested")
+    except OSError as e:
+        # The supervisor falls back to the output line and the exit code.
+        log.warning("stopped marker in %s not written: %s", d, e)
+        return False
+    return True
+
+
 # ----------------------------------------------------------------------------- heartbeat
 
 
 def heartbeat(step: int, *, force: bool = False) -> bool:
     """Record progress for the supervisor's hang detection.
 
-    Writes ``$CLUSTEROPS_HEARTBEAT_DIR/rank<RANK>`` (content: the step) at most once per
-    HEARTBEAT_INTERVAL_S; other calls cost one clock read. Returns True when written.
+    Writes this rank's heartbeat file (content: the step; see clusterops.protocol) at
+    most once per HEARTBEAT_INTERVAL_S; other calls cost one clock read. Returns True
+    when written.
     """
-    d = os.environ.get(ENV_HEARTBEAT_DIR)
+    d = os.environ.get(protocol.ENV_HEARTBEAT_DIR)
     if not d:
         return False
     now = time.monotonic()
     if not force and now - _rt.hb_at < HEARTBEAT_INTERVAL_S:
         return False
     _rt.hb_at = now
-    _rt.hb_step = step
-    rank = _rt.dist.rank if _rt.initialized else _env_int("RANK", "SLURM_PROCID", default=0)
-    final = os.path.join(d, f"rank{rank}")
-    tmp = os.path.join(d, f".rank{rank}.tmp")
+    rank = _rank()
     try:
-        with open(tmp, "w") as f:
-            f.write(f"{int(step)}\n")
-        os.replace(tmp, final)
+        protocol.write_heartbeat(d, rank, step)
     except OSError as e:
         # A heartbeat must never kill training; the supervisor sees staleness anyway.
-        log.warning("heartbeat write to %s failed: %s", final, e)
+        log.warning("heartbeat of rank %d in %s failed: %s", rank, d, e)
         return False
     return True
 
@@ -565,7 +576,7 @@ def _save_distributed(state, step, extra, root: Path, meta, algo) -> Path:
     dist.broadcast_object_list(box, src=0, group=pg)
     status, msg = box[0]
     if status != "ok":
-        if error is not None and ck._is_disk_full(error):
+        if error is not None and ck.is_disk_full(error):
             raise ck.CheckpointDiskFull(msg)
         if "no space left" in msg:
             raise ck.CheckpointDiskFull(msg)
@@ -577,14 +588,14 @@ def _save_distributed(state, step, extra, root: Path, meta, algo) -> Path:
 
 
 def _choose_checkpoint(root: Optional[os.PathLike], deep: bool, exclude=()) -> Optional[Path]:
-    explicit = os.environ.get(ENV_RESUME_FROM)
+    explicit = os.environ.get(protocol.ENV_RESUME_FROM)
     if explicit and Path(explicit) not in exclude:
         info = ck.verify(explicit, deep=deep)
         if info.ok:
             return Path(explicit)
         log.warning("%s=%s is not a good checkpoint (%s); looking for the latest good one",
-                    ENV_RESUME_FROM, explicit, "; ".join(info.problems))
-    if explicit and root is None and not os.environ.get(ENV_CKPT_DIR):
+                    protocol.ENV_RESUME_FROM, explicit, "; ".join(info.problems))
+    if explicit and root is None and not os.environ.get(protocol.ENV_CKPT_DIR):
         root = Path(explicit).parent
     try:
         r = ckpt_root(root)
@@ -600,9 +611,9 @@ def resume(*, root: Optional[os.PathLike] = None, template: Optional[dict] = Non
            restore_rng: bool = True, weights_only: bool = True) -> Optional[Resumed]:
     """The state to continue from, or None when there is no good checkpoint.
 
-    Uses $CLUSTEROPS_RESUME_FROM when set and good, else the latest good checkpoint
-    under the root (bad ones are skipped and logged). With many ranks, rank 0 chooses
-    and all ranks load the same checkpoint. A DCP checkpoint is loaded in place into
+    Uses the supervisor's choice (protocol.ENV_RESUME_FROM) when set and good, else the
+    latest good checkpoint under the root (bad ones are skipped and logged). With many
+    ranks, rank 0 chooses and all ranks load the same checkpoint. A DCP checkpoint is loaded in place into
     ``template`` when given (each rank reads what it needs), otherwise in full.
     RNG states are restored (restore_rng=True) when this rank's file is present;
     call resume() after building the model so nothing consumes randomness afterwards.

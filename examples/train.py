@@ -11,9 +11,11 @@ torch (dropout, input noise and a python-random augmentation all draw from them)
 and the data position (epoch and batch inside the epoch, so no batch is repeated or
 skipped after a resume).
 
-Environment (the supervisor's contract, see clusterops.sdk): CLUSTEROPS_CKPT_DIR
+Environment (the supervisor's contract, see clusterops.protocol): CLUSTEROPS_CKPT_DIR
 (default for --ckpt-dir), CLUSTEROPS_RESUME_FROM, CLUSTEROPS_HEARTBEAT_DIR,
-CLUSTEROPS_STOP_FILE (and SIGTERM/SIGUSR2), CLUSTEROPS_RESTART_COUNT.
+CLUSTEROPS_STOP_FILE (and SIGTERM/SIGUSR2), CLUSTEROPS_RESTART_COUNT. On a stop request
+it saves, calls sdk.mark_stopped (the protocol's stopped marker) and prints the
+"stopped" line below (the marker's fallback for the supervisor).
 
 Output lines (rank 0, stdout, flushed):
   resume step=<N> path=<dir>               when resuming
@@ -44,7 +46,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from clusterops import sdk
+from clusterops import protocol, sdk
 from clusterops.checkpoint import CheckpointError
 
 IN_FEATURES = 32
@@ -56,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=20, help="checkpoint every K steps (0: never)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (to slow it down)")
     p.add_argument("--out", type=Path, default=None, help="final weights file (torch.save of the model state)")
-    p.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoint root (default $CLUSTEROPS_CKPT_DIR)")
+    p.add_argument("--ckpt-dir", type=Path, default=None, help=f"checkpoint root (default ${protocol.ENV_CKPT_DIR})")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--samples", type=int, default=512, help="synthetic dataset size")
@@ -66,7 +68,7 @@ def parse_args(argv=None):
                    help="SIGKILL rank --crash-rank when it reaches this step (0: at start)")
     p.add_argument("--crash-rank", type=int, default=0)
     p.add_argument("--crash-times", type=int, default=1,
-                   help="crash only while $CLUSTEROPS_RESTART_COUNT < this (a large value: always)")
+                   help=f"crash only while ${protocol.ENV_RESTART_COUNT} < this (a large value: always)")
     p.add_argument("--crash-marker", type=Path, default=None,
                    help="crash once: only if this file does not exist yet (then create it)")
     p.add_argument("--hang-at-step", type=int, default=None,
@@ -155,8 +157,8 @@ def main(argv=None) -> int:
     d = sdk.init_distributed()
     rank, world = d.rank, d.world_size
     if args.ckpt_dir is not None:
-        os.environ[sdk.ENV_CKPT_DIR] = str(args.ckpt_dir)
-    have_ckpt = bool(os.environ.get(sdk.ENV_CKPT_DIR))
+        os.environ[protocol.ENV_CKPT_DIR] = str(args.ckpt_dir)
+    have_ckpt = bool(os.environ.get(protocol.ENV_CKPT_DIR))
 
     # Identical initial weights on every rank; then per-rank randomness.
     torch.manual_seed(args.seed)
@@ -255,7 +257,8 @@ def main(argv=None) -> int:
         if stop and step < args.steps:
             drain_async()
             path = checkpoint(step, False) if have_ckpt else None
-            say(rank, f"stopped step={step} path={path} reason={sdk.stop_reason()}")
+            sdk.mark_stopped(step, path)
+            say(rank, protocol.stopped_line(step, path, sdk.stop_reason()))
             sdk.shutdown()
             return 0
     drain_async()

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from clusterops import checkpoint as ck
+from clusterops.checkpoint import format as ckformat, writer as ckwriter
+from clusterops.errors import InputError
 from clusterops.cli import main as cli_main
 
 
@@ -229,7 +231,7 @@ def test_prune_cleans_dead_temporaries_only(tmp_path):
     commit(tmp_path, 1, n=10)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = ck._tmp_name(ck.TMP_PREFIX, 2).split(".")[3]
+    host = ckformat._tmp_name(ck.TMP_PREFIX, 2).split(".")[3]
     dead_tmp = tmp_path / f".tmp.step_00000002.{host}.{dead.pid}.deadbeef"
     live_tmp = tmp_path / f".tmp.step_00000003.{host}.{os.getppid()}.cafe0123"  # our parent is alive
     foreign = tmp_path / ".tmp.step_00000004.otherhost.1234.00aa00aa"
@@ -248,7 +250,7 @@ def test_prune_cleans_dead_temporaries_only(tmp_path):
 def test_prune_bad_values(tmp_path, capsys):
     code, out, err = run_cli(capsys, "ckpt", "prune", str(tmp_path), "--keep-last", "0")
     assert code == 2
-    with pytest.raises(ck.InputError):
+    with pytest.raises(InputError):
         ck.plan_prune(tmp_path, 1, 0)
 
 
@@ -321,7 +323,7 @@ def test_resave_fallback_when_the_filesystem_refuses_exchange(tmp_path, monkeypa
         calls.append(flags)
         raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
 
-    monkeypatch.setattr(ck, "renameat2", refuse)
+    monkeypatch.setattr(ckwriter, "renameat2", refuse)
     p = commit(tmp_path, 1, seed=2)
     assert calls == [ck.RENAME_EXCHANGE]
     assert torch.equal(ck.load_torch(p, "state.pt")["w"], small_state(2)["w"])
@@ -330,7 +332,7 @@ def test_resave_fallback_when_the_filesystem_refuses_exchange(tmp_path, monkeypa
 
 def test_interrupted_two_phase_replace_is_found_and_restored(tmp_path):
     old = commit(tmp_path, 5, seed=1)
-    prev = tmp_path / f"{ck.PREV_PREFIX}step_00000005.{ck._host()}.{_dead_pid()}.0123abcd"
+    prev = tmp_path / f"{ck.PREV_PREFIX}step_00000005.{ckformat._host()}.{_dead_pid()}.0123abcd"
     os.rename(old, prev)  # what a writer killed between the two renames leaves
     found = ck.find_latest_good(tmp_path, deep=True)
     assert found.latest.path == prev and found.latest.step == 5
@@ -342,7 +344,7 @@ def test_interrupted_two_phase_replace_is_found_and_restored(tmp_path):
 def test_prune_promotes_a_complete_dead_temporary_that_is_the_only_copy(tmp_path):
     commit(tmp_path, 1, n=10)
     p = commit(tmp_path, 2, n=10)
-    tmp = tmp_path / f"{ck.TMP_PREFIX}step_00000002.{ck._host()}.{_dead_pid()}.0123abcd"
+    tmp = tmp_path / f"{ck.TMP_PREFIX}step_00000002.{ckformat._host()}.{_dead_pid()}.0123abcd"
     os.rename(p, tmp)  # a writer killed after its manifest, before its rename
     plan = ck.prune(tmp_path, keep_last=1)
     assert plan.restore == [(tmp, p)] and _steps(tmp_path) == [2] and ck.verify(p, deep=True).ok
@@ -350,8 +352,8 @@ def test_prune_promotes_a_complete_dead_temporary_that_is_the_only_copy(tmp_path
 
 def test_new_root_parents_are_fsynced(tmp_path, monkeypatch):
     synced = []
-    real = ck._fsync_dir
-    monkeypatch.setattr(ck, "_fsync_dir", lambda d: (synced.append(Path(d)), real(d)))
+    real = ckwriter._fsync_dir
+    monkeypatch.setattr(ckwriter, "_fsync_dir", lambda d: (synced.append(Path(d)), real(d)))
     root = tmp_path / "a" / "b" / "ckpt"
     commit(root, 1, n=10)
     # every directory the save created has its entry made durable in its parent
@@ -376,7 +378,7 @@ time.sleep(600)
 
 def test_live_writer_is_seen_by_its_lock_even_when_its_recorded_pid_is_dead(tmp_path):
     commit(tmp_path, 1, n=10)
-    suffix = f"step_00000002.{ck._host()}.{_dead_pid()}.0123abcd"
+    suffix = f"step_00000002.{ckformat._host()}.{_dead_pid()}.0123abcd"
     tmp = tmp_path / f"{ck.TMP_PREFIX}{suffix}"
     tmp.mkdir()
     (tmp / "x").write_bytes(b"partial")

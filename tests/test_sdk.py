@@ -16,15 +16,14 @@ import pytest
 import torch
 
 from clusterops import checkpoint as ck
-from clusterops import sdk
+from clusterops import protocol, sdk
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
 def fresh_sdk(monkeypatch):
-    for var in (sdk.ENV_CKPT_DIR, sdk.ENV_RESUME_FROM, sdk.ENV_HEARTBEAT_DIR, sdk.ENV_STOP_FILE,
-                sdk.ENV_RESTART_COUNT, ck.FAULT_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    for var in (*protocol.CONTRACT_ENV, ck.FAULT_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK",
                 "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
         monkeypatch.delenv(var, raising=False)
     sdk._reset()
@@ -40,7 +39,7 @@ def fresh_sdk(monkeypatch):
 
 
 def test_heartbeat_rate_limited_and_atomic(tmp_path, monkeypatch):
-    monkeypatch.setenv(sdk.ENV_HEARTBEAT_DIR, str(tmp_path))
+    monkeypatch.setenv(protocol.ENV_HEARTBEAT_DIR, str(tmp_path))
     monkeypatch.setattr(sdk, "HEARTBEAT_INTERVAL_S", 0.2)
     f = tmp_path / "rank0"
     assert sdk.heartbeat(1) is True
@@ -55,12 +54,12 @@ def test_heartbeat_rate_limited_and_atomic(tmp_path, monkeypatch):
 
 def test_heartbeat_without_env_is_noop_and_never_raises(tmp_path, monkeypatch):
     assert sdk.heartbeat(3) is False
-    monkeypatch.setenv(sdk.ENV_HEARTBEAT_DIR, str(tmp_path / "missing"))
+    monkeypatch.setenv(protocol.ENV_HEARTBEAT_DIR, str(tmp_path / "missing"))
     assert sdk.heartbeat(3) is False  # logged, training goes on
 
 
 def test_heartbeat_uses_rank(tmp_path, monkeypatch):
-    monkeypatch.setenv(sdk.ENV_HEARTBEAT_DIR, str(tmp_path))
+    monkeypatch.setenv(protocol.ENV_HEARTBEAT_DIR, str(tmp_path))
     monkeypatch.setenv("SLURM_PROCID", "3")
     sdk.heartbeat(9)
     assert (tmp_path / "rank3").read_text().strip() == "9"
@@ -71,7 +70,7 @@ def test_heartbeat_uses_rank(tmp_path, monkeypatch):
 
 def test_stop_file(tmp_path, monkeypatch):
     stop = tmp_path / "stop"
-    monkeypatch.setenv(sdk.ENV_STOP_FILE, str(stop))
+    monkeypatch.setenv(protocol.ENV_STOP_FILE, str(stop))
     monkeypatch.setattr(sdk, "STOP_FILE_POLL_S", 0.0)
     sdk.init_distributed()
     assert sdk.should_stop() is False
@@ -80,6 +79,37 @@ def test_stop_file(tmp_path, monkeypatch):
     stop.unlink()
     assert sdk.should_stop() is True  # latched: a stop is not taken back
     assert sdk.stop_reason() == "stop file"
+
+
+def test_stopped_marker(tmp_path, monkeypatch):
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    stop = tmp_path / "stop"
+    monkeypatch.setenv(protocol.ENV_STOP_FILE, str(stop))
+    monkeypatch.setenv(protocol.ENV_CKPT_DIR, str(tmp_path / "ck"))
+    monkeypatch.setattr(sdk, "STOP_FILE_POLL_S", 0.0)
+    sdk.init_distributed()
+    assert sdk.mark_stopped(1) is False  # no heartbeat directory: not under the supervisor
+    monkeypatch.setenv(protocol.ENV_HEARTBEAT_DIR, str(hb))
+    state = {"w": torch.zeros(3)}
+    sdk.save(state, 1)  # a save writes no marker
+    assert protocol.read_stopped(hb) is None and protocol.training_stopped(tmp_path) is None
+    protocol.request_stop(stop)
+    assert sdk.should_stop() is True
+    path = sdk.save(state, 2)
+    assert protocol.read_stopped(hb) is None
+    assert sdk.mark_stopped(2, path) is True
+    assert protocol.read_stopped(hb) == {"step": 2, "path": str(path), "reason": "stop file"}
+    assert sdk.mark_stopped(3) is False  # once
+    assert protocol.read_stopped(hb)["step"] == 2
+    assert sorted(os.listdir(hb)) == [protocol.STOPPED_MARKER]
+
+
+def test_stopped_marker_only_from_rank_0(tmp_path, monkeypatch):
+    monkeypatch.setenv(protocol.ENV_HEARTBEAT_DIR, str(tmp_path))
+    monkeypatch.setenv("SLURM_PROCID", "1")  # a world of one is not initialized: rank from the env
+    sdk.request_stop("test")
+    assert sdk.mark_stopped(5) is False and os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM])
@@ -127,7 +157,7 @@ def test_rng_round_trip():
 
 
 def test_save_and_resume_single_process(tmp_path, monkeypatch):
-    monkeypatch.setenv(sdk.ENV_CKPT_DIR, str(tmp_path))
+    monkeypatch.setenv(protocol.ENV_CKPT_DIR, str(tmp_path))
     assert sdk.resume() is None
     torch.manual_seed(5)
     state = {"w": torch.randn(50), "data": {"epoch": 2, "batch": 7}}
@@ -143,7 +173,7 @@ def test_save_and_resume_single_process(tmp_path, monkeypatch):
 
 
 def test_resume_falls_back_past_bad_checkpoints(tmp_path, monkeypatch):
-    monkeypatch.setenv(sdk.ENV_CKPT_DIR, str(tmp_path))
+    monkeypatch.setenv(protocol.ENV_CKPT_DIR, str(tmp_path))
     for s in (10, 20, 30):
         sdk.save({"w": torch.full((4,), float(s))}, s)
     os.truncate(tmp_path / "step_00000030" / "state.pt", 20)
@@ -153,10 +183,10 @@ def test_resume_falls_back_past_bad_checkpoints(tmp_path, monkeypatch):
 
 
 def test_resume_from_env_and_fallback(tmp_path, monkeypatch):
-    monkeypatch.setenv(sdk.ENV_CKPT_DIR, str(tmp_path))
+    monkeypatch.setenv(protocol.ENV_CKPT_DIR, str(tmp_path))
     for s in (10, 20):
         sdk.save({"w": torch.full((4,), float(s))}, s)
-    monkeypatch.setenv(sdk.ENV_RESUME_FROM, str(tmp_path / "step_00000010"))
+    monkeypatch.setenv(protocol.ENV_RESUME_FROM, str(tmp_path / "step_00000010"))
     assert sdk.resume().step == 10  # the supervisor's choice wins
     with open(tmp_path / "step_00000010" / "state.pt", "r+b") as f:
         f.seek(64)
@@ -173,7 +203,7 @@ def test_save_without_root_is_a_clear_error():
 
 
 def test_async_save_snapshot_and_one_in_flight(tmp_path, monkeypatch):
-    monkeypatch.setenv(sdk.ENV_CKPT_DIR, str(tmp_path))
+    monkeypatch.setenv(protocol.ENV_CKPT_DIR, str(tmp_path))
     monkeypatch.setenv(ck.FAULT_ENV, "files_written:sleep1.0")  # a slow disk
     w = torch.zeros(1000)
     t0 = time.monotonic()
@@ -194,7 +224,7 @@ def test_async_save_snapshot_and_one_in_flight(tmp_path, monkeypatch):
 
 
 def test_async_failure_surfaces_on_next_save(tmp_path, monkeypatch):
-    monkeypatch.setenv(sdk.ENV_CKPT_DIR, str(tmp_path))
+    monkeypatch.setenv(protocol.ENV_CKPT_DIR, str(tmp_path))
     monkeypatch.setenv(ck.FAULT_ENV, "files_written:enospc")
     assert sdk.save({"w": torch.zeros(10)}, 1, async_=True) is None
     with pytest.raises(ck.CheckpointDiskFull, match="no space left"):
@@ -208,7 +238,7 @@ def test_async_failure_surfaces_on_next_save(tmp_path, monkeypatch):
 def test_async_failure_surfaces_on_wait(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    monkeypatch.setenv(sdk.ENV_CKPT_DIR, str(blocker / "ckpts"))
+    monkeypatch.setenv(protocol.ENV_CKPT_DIR, str(blocker / "ckpts"))
     sdk.save({"w": torch.zeros(10)}, 1, async_=True)
     with pytest.raises(ck.CheckpointError, match="step 1 not saved"):
         sdk.wait()

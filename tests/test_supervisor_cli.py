@@ -10,16 +10,6 @@ from click.testing import CliRunner
 
 from clusterops.supervisor import timeline as tl
 from clusterops.cli import cli
-from clusterops.supervisor.run import read_heartbeats
-
-def test_read_heartbeats(tmp_path):
-    (tmp_path / "rank0").write_text("12\n")
-    (tmp_path / "rank1").write_text("garbage\n")
-    (tmp_path / ".rank2.tmp").write_text("5\n")
-    beats = read_heartbeats(tmp_path)
-    assert list(beats) == [0] and beats[0][0] == 12
-    assert read_heartbeats(tmp_path / "missing") == {}
-
 
 def _timeline(tmp_path):
     t = [1000.0]

@@ -22,16 +22,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shlex
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 from clusterops import drains
+from clusterops import protocol
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Process, Runner, free_port, kill_group, wait_exit
@@ -42,8 +42,6 @@ from clusterops.supervisor.timeline import Timeline
 log = logging.getLogger(__name__)
 
 STATE_FILE = "supervisor-state.json"
-# What examples/train.py (rank 0, under srun --label) prints after honouring a stop request.
-STOPPED_LINE = re.compile(r"^(?:0: )?stopped step=\d+", re.MULTILINE)
 # Values torchrun would set: srun-native ranks take theirs from SLURM_PROCID/SLURM_NTASKS/
 # SLURM_LOCALID, so none may leak in from the supervisor's own environment.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -91,23 +89,6 @@ class RunConfig:
 
 
 # ------------------------------------------------------------------------------ helpers
-def read_heartbeats(hb_dir: Path) -> Dict[int, Tuple[int, float]]:
-    beats: Dict[int, Tuple[int, float]] = {}
-    try:
-        entries = list(os.scandir(hb_dir))
-    except FileNotFoundError:
-        return beats
-    for e in entries:
-        if not e.name.startswith("rank") or not e.name[4:].isdigit():
-            continue
-        try:
-            mtime = e.stat().st_mtime
-            with open(e.path) as f:
-                step = int((f.read().strip() or "0").split()[0])
-        except (OSError, ValueError):
-            continue
-        beats[int(e.name[4:])] = (step, mtime)
-    return beats
 
 
 def load_memory(job_dir: Path) -> sv.Memory:
@@ -237,7 +218,7 @@ class SupervisorRun:
                 self.seen_ckpt = step
                 events.append(sv.CheckpointCommitted(now, step, str(self.cfg.ckpt_dir / f"step_{step}")))
             if self.attempt_dir is not None:
-                events.append(sv.Heartbeats(now, read_heartbeats(self.attempt_dir / "heartbeat")))
+                events.append(sv.Heartbeats(now, protocol.read_heartbeats(protocol.heartbeat_dir(self.attempt_dir))))
             rc = self.train.poll()
             if rc is not None:
                 events.append(self._step_exited(now, rc))
@@ -362,10 +343,10 @@ class SupervisorRun:
         from clusterops import checkpoint as ck
 
         cfg = self.cfg
-        d = cfg.job_dir / f"attempt-{a.attempt}"
-        (d / "heartbeat").mkdir(parents=True, exist_ok=True)
+        d = protocol.attempt_dir(cfg.job_dir, a.attempt)
+        protocol.heartbeat_dir(d).mkdir(parents=True, exist_ok=True)
         self.attempt_dir = d
-        self.stop_file = d / "stop"
+        self.stop_file = protocol.stop_file(d)
         # Resume from a checkpoint verified now (hashes too): a newest checkpoint that was
         # damaged since it was written is skipped and said so, not loaded.
         resume = ""
@@ -385,11 +366,7 @@ class SupervisorRun:
         ppn = cfg.policy.ranks_per_node
         env = dict(cfg.env)
         env.update({
-            "CLUSTEROPS_CKPT_DIR": str(cfg.ckpt_dir),
-            "CLUSTEROPS_RESUME_FROM": resume,
-            "CLUSTEROPS_HEARTBEAT_DIR": str(d / "heartbeat"),
-            "CLUSTEROPS_STOP_FILE": str(self.stop_file),
-            "CLUSTEROPS_RESTART_COUNT": str(a.restart_count),
+            **protocol.rank_env(ckpt_dir=cfg.ckpt_dir, resume_from=resume, attempt=d, restart_count=a.restart_count),
             "MASTER_ADDR": self.slurm.node_address(nodes[0]),
             "MASTER_PORT": str(free_port()),
         })
@@ -435,12 +412,12 @@ class SupervisorRun:
 
         Slurm's preemption SIGTERMs the steps' tasks but not the batch script (seen on
         22.05): the ranks save and exit 0, which must not read as "finished". Slurm marks
-        such a job with a PreemptTime; a rank-0 line ``stopped step=N`` (what
-        examples/train.py prints after honouring a stop) is the training's own word.
+        such a job with a PreemptTime; the SDK's stopped marker (or, from a script without
+        it, rank 0's "stopped" output line; see clusterops.protocol) is the training's own word.
         """
         if self._preempt_time():
             return "preemption"
-        if STOPPED_LINE.search(step_log):
+        if protocol.training_stopped(self.attempt_dir, step_log):
             return "signal"
         return None
 
@@ -518,7 +495,7 @@ class SupervisorRun:
         # SIGUSR2 (a signal NCCL does not use; the SDK treats it as a stop request) only
         # once every rank has beaten: before that a rank may not have its handler yet and
         # USR2's default action would kill it. The stop file reaches those ranks anyway.
-        beats = read_heartbeats(self.attempt_dir / "heartbeat") if self.attempt_dir else {}
+        beats = protocol.read_heartbeats(protocol.heartbeat_dir(self.attempt_dir)) if self.attempt_dir else {}
         if len(beats) < self.sup.expected_ranks:
             return
         # Never signal srun itself: srun 22.05 dies of a USR2 it does not forward, and a dead

@@ -1,0 +1,209 @@
+"""The contract between a training process and the supervisor that runs it.
+
+``clusterops supervise`` (:mod:`clusterops.supervisor.run`) starts the training step
+and watches it; the training script talks back through :mod:`clusterops.sdk`. Both
+sides spell the contract only through this module. It is environment variables the
+supervisor sets for every rank, and files in the job directory:
+
+=============================  ===============================================================
+variable                       meaning for the training process
+=============================  ===============================================================
+``CLUSTEROPS_CKPT_DIR``        the checkpoint root (``sdk.save``/``sdk.resume`` use it)
+``CLUSTEROPS_RESUME_FROM``     the checkpoint to resume from, hash-checked by the supervisor
+                               just before the launch; empty: the latest good one
+``CLUSTEROPS_HEARTBEAT_DIR``   where each rank writes its heartbeat file, and rank 0 the
+                               stopped marker
+``CLUSTEROPS_STOP_FILE``       a path whose existence asks the ranks to save and stop
+                               (SIGUSR2 and SIGTERM ask the same)
+``CLUSTEROPS_RESTART_COUNT``   restarts before this attempt (in the allocation and across
+                               requeues)
+=============================  ===============================================================
+
+All are optional for the training script: without them it trains, saves where told
+and never hears a stop file. :data:`CONTRACT_ENV` is exactly this set (a test checks
+that no other module of ``clusterops/`` spells these names). Other ``CLUSTEROPS_*``
+variables (``CLUSTEROPS_SLURM_*``, ``CLUSTEROPS_HEALTH_SITE``, ``CLUSTEROPS_CKPT_FAULT``,
+...) are settings of one part, not this contract.
+
+Files, per attempt of the training step (``<job_dir>/attempt-<N>/``)::
+
+    heartbeat/rank<R>   rank R's last step, as text ("12\\n"); its mtime is the rank's last
+                        progress. Written atomically (a hidden temporary, then rename),
+                        at most about once a second.
+    heartbeat/stopped   the stopped marker: one JSON object {"step", "path", "reason"},
+                        written atomically by rank 0 when the script says it stops on a
+                        request before its end (``sdk.mark_stopped``, after the save
+                        that honours the stop).
+    stop                created by the supervisor to request a stop.
+
+The supervisor reads a step that exits 0 as "stopped on request", not "finished", when
+the stopped marker exists; a rank-0 output line ``stopped step=N ...`` (what
+``examples/train.py`` prints, :func:`stopped_line`) counts as a fallback for scripts
+that do not call ``sdk.mark_stopped``.
+
+Standard library only: both the SDK and the supervisor import it at start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+# ------------------------------------------------------------------------ environment
+
+ENV_CKPT_DIR = "CLUSTEROPS_CKPT_DIR"
+ENV_RESUME_FROM = "CLUSTEROPS_RESUME_FROM"
+ENV_HEARTBEAT_DIR = "CLUSTEROPS_HEARTBEAT_DIR"
+ENV_STOP_FILE = "CLUSTEROPS_STOP_FILE"
+ENV_RESTART_COUNT = "CLUSTEROPS_RESTART_COUNT"
+
+#: Every variable of the contract, and nothing else.
+CONTRACT_ENV = (ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_HEARTBEAT_DIR, ENV_STOP_FILE, ENV_RESTART_COUNT)
+
+# ------------------------------------------------------------------------ layout
+
+ATTEMPT_PREFIX = "attempt-"
+HEARTBEAT_DIR = "heartbeat"
+HEARTBEAT_PREFIX = "rank"
+STOP_FILE = "stop"
+STOPPED_MARKER = "stopped"
+
+# The fallback: a rank-0 line of the step's output (``srun --label`` prefixes "0: ").
+STOPPED_LINE = re.compile(r"^(?:0: )?stopped step=\d+", re.MULTILINE)
+
+
+def attempt_dir(job_dir: os.PathLike, attempt: int) -> Path:
+    """``<job_dir>/attempt-<N>``: everything of one attempt of the training step."""
+    return Path(job_dir) / f"{ATTEMPT_PREFIX}{int(attempt)}"
+
+
+def attempt_number(path: os.PathLike) -> Optional[int]:
+    """N of an ``attempt-<N>`` directory, or None for any other name."""
+    name = Path(path).name
+    digits = name[len(ATTEMPT_PREFIX):]
+    return int(digits) if name.startswith(ATTEMPT_PREFIX) and digits.isdigit() else None
+
+
+def heartbeat_dir(attempt: os.PathLike) -> Path:
+    """The heartbeat directory of an attempt directory."""
+    return Path(attempt) / HEARTBEAT_DIR
+
+
+def stop_file(attempt: os.PathLike) -> Path:
+    """The stop file of an attempt directory."""
+    return Path(attempt) / STOP_FILE
+
+
+def heartbeat_path(job_dir: os.PathLike, attempt: int, rank: int) -> Path:
+    """``<job_dir>/attempt-<N>/heartbeat/rank<R>``."""
+    return heartbeat_dir(attempt_dir(job_dir, attempt)) / f"{HEARTBEAT_PREFIX}{int(rank)}"
+
+
+def rank_env(*, ckpt_dir: os.PathLike, resume_from: str, attempt: os.PathLike, restart_count: int) -> Dict[str, str]:
+    """The contract variables for every rank of an attempt (directory ``attempt``)."""
+    return {
+        ENV_CKPT_DIR: str(ckpt_dir),
+        ENV_RESUME_FROM: resume_from,
+        ENV_HEARTBEAT_DIR: str(heartbeat_dir(attempt)),
+        ENV_STOP_FILE: str(stop_file(attempt)),
+        ENV_RESTART_COUNT: str(int(restart_count)),
+    }
+
+
+# ------------------------------------------------------------------------ heartbeats
+
+
+def write_heartbeat(hb_dir: os.PathLike, rank: int, step: int) -> Path:
+    """Write rank's heartbeat (the step) atomically; OSError when it cannot."""
+    final = os.path.join(hb_dir, f"{HEARTBEAT_PREFIX}{int(rank)}")
+    tmp = os.path.join(hb_dir, f".{HEARTBEAT_PREFIX}{int(rank)}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{int(step)}\n")
+    os.replace(tmp, final)
+    return Path(final)
+
+
+def read_heartbeats(hb_dir: os.PathLike) -> Dict[int, Tuple[int, float]]:
+    """rank -> (step, mtime) of the heartbeat files; a rank without one is absent."""
+    beats: Dict[int, Tuple[int, float]] = {}
+    try:
+        entries = list(os.scandir(hb_dir))
+    except FileNotFoundError:
+        return beats
+    n = len(HEARTBEAT_PREFIX)
+    for e in entries:
+        if not e.name.startswith(HEARTBEAT_PREFIX) or not e.name[n:].isdigit():
+            continue
+        try:
+            mtime = e.stat().st_mtime
+            with open(e.path) as f:
+                step = int((f.read().strip() or "0").split()[0])
+        except (OSError, ValueError):
+            continue
+        beats[int(e.name[n:])] = (step, mtime)
+    return beats
+
+
+# ------------------------------------------------------------------------ stopping
+
+
+def request_stop(path: os.PathLike) -> None:
+    """Ask the ranks to stop (create the stop file)."""
+    Path(path).touch()
+
+
+def stop_requested(path: Optional[os.PathLike]) -> bool:
+    """Has a stop been requested through the stop file at path (None: no stop file)?"""
+    return bool(path) and os.path.exists(path)
+
+
+def write_stopped(hb_dir: os.PathLike, *, step: Optional[int], path: Optional[os.PathLike], reason: str) -> Path:
+    """Write the stopped marker atomically; OSError when it cannot."""
+    final = os.path.join(hb_dir, STOPPED_MARKER)
+    tmp = os.path.join(hb_dir, f".{STOPPED_MARKER}.tmp")
+    body = {"step": None if step is None else int(step), "path": None if path is None else str(path),
+            "reason": str(reason)}
+    with open(tmp, "w") as f:
+        f.write(json.dumps(body) + "\n")
+    os.replace(tmp, final)
+    return Path(final)
+
+
+def read_stopped(hb_dir: os.PathLike) -> Optional[dict]:
+    """The stopped marker of a heartbeat directory, or None when there is none.
+
+    A marker that exists but cannot be parsed still says "stopped" (an empty dict).
+    """
+    try:
+        with open(os.path.join(hb_dir, STOPPED_MARKER)) as f:
+            text = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError:
+        return {}
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def stopped_line(step: int, path: Optional[os.PathLike], reason: str) -> str:
+    """The output line by which a script without the marker says it stopped on request."""
+    return f"stopped step={int(step)} path={path} reason={reason}"
+
+
+def training_stopped(attempt: Optional[os.PathLike], step_log: str = "") -> Optional[str]:
+    """How the training said it stopped on request: "marker", "line", or None.
+
+    The marker in the attempt's heartbeat directory is preferred; the ``stopped step=N``
+    line in the step's output is the fallback.
+    """
+    if attempt is not None and read_stopped(heartbeat_dir(attempt)) is not None:
+        return "marker"
+    if STOPPED_LINE.search(step_log or ""):
+        return "line"
+    return None
