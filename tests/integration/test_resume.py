@@ -22,7 +22,7 @@ import torch
 
 from clusterops import checkpoint as ck
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "examples" / "train.py")
 PY = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
