@@ -44,6 +44,7 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, 
 from urllib.parse import urlsplit, urlunsplit
 
 from clusterops.errors import ClusteropsError, InputError
+from clusterops.jsonout import finite
 
 NODE_PROBE = "check"          # the row holding a node's overall verdict
 DEFAULT_RETENTION_DAYS = 90.0
@@ -200,14 +201,7 @@ def parse_since(text: str, now: Optional[float] = None) -> float:
     return dt.timestamp()
 
 
-def _finite(v: object) -> Optional[float]:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    try:
-        f = float(v)
-    except OverflowError:
-        return None
-    return f if math.isfinite(f) else None
+_finite = finite   # the one finite-number reader (clusterops.jsonout)
 
 
 def _text(v: object) -> Optional[str]:

@@ -14,11 +14,22 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from typing import Any
+from typing import Any, Optional
 
 # Containers nested deeper than this are cut (a cycle or a pathological document must
 # not crash the output with a RecursionError).
 MAX_DEPTH = 200
+
+
+def finite(v: Any) -> Optional[float]:
+    """``v`` as a finite float, or None (bools, strings, NaN, infinities, ints too big)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def clean(value: Any, _depth: int = 0) -> Any:

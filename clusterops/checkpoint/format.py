@@ -129,17 +129,22 @@ class _Crc32:
         return f"{self._v:08x}"
 
 
-def hash_file(path: os.PathLike, algo: str = DEFAULT_HASH, chunk_bytes: int = 8 << 20) -> str:
+def hash_stream(f, algo: str = DEFAULT_HASH, chunk_bytes: int = 8 << 20) -> str:
+    """Hash an open binary file to its end, through one reused buffer."""
     h = new_hasher(algo)
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk_bytes)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
+    buf = bytearray(chunk_bytes)
+    view = memoryview(buf)
+    while True:
+        n = f.readinto(buf)
+        if not n:
+            break
+        h.update(view[:n])
     return h.hexdigest()
+
+
+def hash_file(path: os.PathLike, algo: str = DEFAULT_HASH, chunk_bytes: int = 8 << 20) -> str:
+    with open(path, "rb", buffering=0) as f:
+        return hash_stream(f, algo, chunk_bytes)
 
 
 def _fsync_dir(path: os.PathLike) -> None:

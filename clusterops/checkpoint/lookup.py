@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection, List, Optional
 
-from clusterops.checkpoint.format import (PREV_PREFIX, CheckpointError, _hidden_step, _show, new_hasher,
+from clusterops.checkpoint.format import (PREV_PREFIX, CheckpointError, _hidden_step, _show, hash_stream,
                                           parse_step, read_manifest)
 
 log = logging.getLogger(__name__)
@@ -93,16 +93,8 @@ def _hash_member(path: str, algo: str, chunk_bytes: int = 8 << 20) -> str:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise _Bad("not a regular file")
-        h = new_hasher(algo)
-        buf = bytearray(chunk_bytes)
-        view = memoryview(buf)
         with open(fd, "rb", buffering=0, closefd=False) as f:
-            while True:
-                n = f.readinto(buf)
-                if not n:
-                    break
-                h.update(view[:n])
-        return h.hexdigest()
+            return hash_stream(f, algo, chunk_bytes)
     finally:
         os.close(fd)
 

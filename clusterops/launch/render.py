@@ -106,12 +106,13 @@ def one_line(value: Any) -> str:
     return _CONTROL.sub("?", str(value))
 
 
-def _environment(site_dirs: Sequence[str | os.PathLike] = ()):
+def jinja_environment(search: Sequence[str | os.PathLike]):
+    """The one Jinja environment for every script clusterops generates (launchers and the
+    sweep's job scripts): StrictUndefined, no autoescape, and the quoting filters."""
     import jinja2
 
-    search = [str(d) for d, _ in template_search_path(site_dirs)]
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(search),
+        loader=jinja2.FileSystemLoader([str(d) for d in search]),
         undefined=jinja2.StrictUndefined,
         autoescape=False,
         keep_trailing_newline=True,
@@ -123,6 +124,10 @@ def _environment(site_dirs: Sequence[str | os.PathLike] = ()):
     env.filters["slurm_filename"] = slurm_filename
     env.filters["one_line"] = one_line
     return env
+
+
+def _environment(site_dirs: Sequence[str | os.PathLike] = ()):
+    return jinja_environment([d for d, _ in template_search_path(site_dirs)])
 
 
 def render_context(spec: JobSpec) -> Dict[str, Any]:

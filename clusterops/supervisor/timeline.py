@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import html
 import json
-import math
 import os
 import time
 from pathlib import Path
 from typing import Callable, Iterable, List, Mapping, Optional, Tuple
 
 from clusterops.errors import InputError
+from clusterops.jsonout import finite
 
 FILE_NAME = "timeline.jsonl"
 
@@ -62,15 +62,7 @@ def timeline_path(job_dir: os.PathLike) -> Path:
 _T_MAX = 253402300799.0
 
 
-def _finite(v: object) -> Optional[float]:
-    """``v`` as a finite float, or None (bools, strings, NaN, infinities, ints too big)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    try:
-        f = float(v)
-    except OverflowError:
-        return None
-    return f if math.isfinite(f) else None
+_finite = finite   # the one finite-number reader (clusterops.jsonout)
 
 
 def _record(line: bytes) -> Tuple[Optional[dict], str]:

@@ -47,21 +47,11 @@ def check_argv(profile: str, check_cmd: Optional[Sequence[str]] = None) -> List[
 
 @lru_cache(maxsize=1)
 def _environment():
-    import jinja2
-
-    from clusterops.launch import shell_quote
+    # The built-in templates only: a site's template folders serve launchers, not these.
+    from clusterops.launch.render import jinja_environment
     from clusterops.resources import data_dir
 
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(data_dir("templates"))),
-        undefined=jinja2.StrictUndefined,
-        autoescape=False,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    env.filters["q"] = shell_quote
-    return env
+    return jinja_environment([data_dir("templates")])
 
 
 def render(template: str, **context) -> str:
