@@ -226,7 +226,7 @@ class Runner:
         # The leader exited; reap anything it left behind in its group too.
         # (Daemons detach with setsid and are not touched.)
         kill_group(proc)
-        if full_argv is not argv and proc.returncode == 127 and "failed to execute" in (err or ""):
+        if full_argv is not argv and proc.returncode != 0 and (err or "").startswith("runuser: failed to execute"):
             raise CommandNotFound(argv)   # runuser could not start it: as if exec had failed here
         done = Completed(argv, proc.returncode, out or "", err or "", time.monotonic() - start)
         log.debug("exit %s in %.3fs: %s", done.returncode, done.duration_s, argv[0])
