@@ -105,10 +105,17 @@ def level_for(uid: int, config: Dict[str, str], admin_level: Optional[Level]) ->
     return admin_level
 
 
+def caller(slurm) -> str:
+    """The user ``slurm``'s commands run as: its runner's ``as_user``, else this process's."""
+    from clusterops.runner import current_user
+
+    return getattr(getattr(slurm, "runner", None), "as_user", None) or current_user()
+
+
 def caller_level(slurm) -> Optional[Level]:
     """The level of the user ``slurm``'s commands run as (its runner's ``as_user``, else this
     process's user). Raises what the client raises when Slurm cannot be asked at all."""
-    user = slurm.runner.user
+    user = caller(slurm)
     try:
         uid = pwd.getpwnam(user).pw_uid
     except KeyError:
@@ -131,7 +138,7 @@ def require(slurm, needed: Level, what: str, why: str) -> Optional[Level]:
     level = caller_level(slurm)
     if level is not None and level < needed:
         raise PrivilegeError(
-            f"{what}: user {slurm.runner.user} is a Slurm {level.word}, and {why} needs a Slurm "
+            f"{what}: user {caller(slurm)} is a Slurm {level.word}, and {why} needs a Slurm "
             f"{needed.word} (root, the SlurmUser, or AdminLevel="
             f"{'Administrator' if needed >= Level.ADMIN else 'Operator'} in sacctmgr); nothing was run")
     return level
