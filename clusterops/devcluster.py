@@ -10,8 +10,9 @@ and ``AuthInfo=cred_expire=10`` so a requeued job restarts in ~25 s, not ~2 min.
 It serves every local user, as a real site does, and opens nothing outside its state
 directory to do so (``_prepare`` sets these modes on every ``up``):
 
-- the state directory itself, ``slurm.conf``, ``gres.conf`` and the TaskProlog are
-  readable (0755/0644): every Slurm client and every job step reads them;
+- the state directory itself gains r-x for everyone (no bit is taken away), and
+  ``slurm.conf``, ``gres.conf`` and the TaskProlog are readable (0644/0755): every Slurm
+  client and every job step reads them;
 - ``munge/`` (the key, 0400, and munged's seed) stays root-only (0700), like
   ``/etc/munge``; munged's socket lives apart in ``run/munge/`` (0755; munged makes the
   socket itself world-writable), like ``/run/munge``. With the socket under the key's
@@ -39,6 +40,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,7 +70,7 @@ MAX_NODES = 1024
 MUNGE_KEY_DIR = "munge"
 MUNGE_SOCKET = "run/munge/munge.socket"
 # Modes `up` sets under the state dir (and on the state dir itself): see the module docstring.
-DIR_MODES = {".": 0o755, "munge": 0o700, "run": 0o755, "run/munge": 0o755, "log": 0o755,
+DIR_MODES = {"munge": 0o700, "run": 0o755, "run/munge": 0o755, "log": 0o755,
              "ctld": 0o700, "spool": 0o755, "dev": 0o755, "scratch": 0o755}
 SCRATCH_MODE = 0o1777   # scratch/<node> and scratch/<node>/tmp: every user's, sticky like /tmp
 
@@ -407,6 +409,10 @@ class DevCluster:
 
     def _prepare(self, cfg: DevClusterConfig) -> None:
         st = self.state
+        st.mkdir(parents=True, exist_ok=True)
+        # The state dir itself only gains r-x for everyone (a mkdtemp dir is 0700); no bit is
+        # taken away, so a shared parent given as --state-dir (say /tmp, 1777) stays as it was.
+        os.chmod(st, stat.S_IMODE(os.stat(st).st_mode) | 0o755)
         for sub, mode in DIR_MODES.items():
             (st / sub).mkdir(parents=True, exist_ok=True)
             os.chmod(st / sub, mode)   # explicit: the umask and an older state dir do not decide
