@@ -7,6 +7,22 @@ DESIGN.md): ``proctrack/linuxproc``, ``task/none``, ``select/cons_tres``, counte
 GPUs through gres files, ``SlurmdTimeout=10`` so a lost node is seen in seconds,
 and ``AuthInfo=cred_expire=10`` so a requeued job restarts in ~25 s, not ~2 min.
 
+It serves every local user, as a real site does, and opens nothing outside its state
+directory to do so (``_prepare`` sets these modes on every ``up``):
+
+- the state directory itself gains r-x for everyone (no bit is taken away), and
+  ``slurm.conf``, ``gres.conf`` and the TaskProlog are readable (0644/0755): every Slurm
+  client and every job step reads them;
+- ``munge/`` (the key, 0400, and munged's seed) stays root-only (0700), like
+  ``/etc/munge``; munged's socket lives apart in ``run/munge/`` (0755; munged makes the
+  socket itself world-writable), like ``/run/munge``. With the socket under the key's
+  0700 directory any other user's Slurm command fails with "Protocol authentication
+  error";
+- ``scratch/<node>`` and its ``tmp`` (each job step's ``TMPDIR``) are 1777, like
+  ``/tmp``: slurmstepd refuses to start a step whose TMPDIR the job's user cannot write;
+- ``ctld/`` (slurmctld's saved state: job scripts and environments) stays root-only
+  (0700), like a site's ``StateSaveLocation``.
+
 Every process the cluster starts, and every task of every job (through the
 TaskProlog), carries ``CLUSTEROPS_DEVCLUSTER_DIR=<state dir>`` in its
 environment; ``down`` uses that marker to leave nothing behind.
@@ -24,6 +40,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,6 +65,14 @@ REQUIRED_BINARIES = {
     "scontrol": "slurm-client (slurm-wlm)",
 }
 MAX_NODES = 1024
+# Under the state dir: the key (root-only) and the socket (every user's) in separate folders,
+# as /etc/munge and /run/munge are on a real node.
+MUNGE_KEY_DIR = "munge"
+MUNGE_SOCKET = "run/munge/munge.socket"
+# Modes `up` sets under the state dir (and on the state dir itself): see the module docstring.
+DIR_MODES = {"munge": 0o700, "run": 0o755, "run/munge": 0o755, "log": 0o755,
+             "ctld": 0o700, "spool": 0o755, "dev": 0o755, "scratch": 0o755}
+SCRATCH_MODE = 0o1777   # scratch/<node> and scratch/<node>/tmp: every user's, sticky like /tmp
 
 
 class DevClusterError(ClusteropsError):
@@ -107,7 +132,7 @@ def render_slurm_conf(cfg: DevClusterConfig, state: Path, hostname: str) -> str:
         "AuthType=auth/munge",
         "CredType=cred/munge",
         # cred_expire is also the requeue delay; the default 120 s makes tests crawl.
-        f"AuthInfo=socket={s}/munge/munge.socket,cred_expire={cfg.cred_expire_s}",
+        f"AuthInfo=socket={s}/{MUNGE_SOCKET},cred_expire={cfg.cred_expire_s}",
         f"StateSaveLocation={s}/ctld",
         f"SlurmdSpoolDir={s}/spool/%n",
         f"SlurmctldPidFile={s}/run/slurmctld.pid",
@@ -351,14 +376,14 @@ class DevCluster:
         logdir = self.state / "log"
 
         munged = self.runner.spawn(
-            ["munged", "--foreground", "--force", f"--socket={self.state}/munge/munge.socket",
+            ["munged", "--foreground", "--force", f"--socket={self.state}/{MUNGE_SOCKET}",
              f"--key-file={self.state}/munge/munge.key", f"--pid-file={self.state}/run/munged.pid",
              f"--seed-file={self.state}/munge/munged.seed", f"--log-file={logdir}/munged.log",
              "--num-threads=4"],
             log_path=str(logdir / "munged.out"), env=env,
         )
         pids["munged"] = munged.pid
-        self._wait_for(lambda: (self.state / "munge/munge.socket").exists(), 10,
+        self._wait_for(lambda: (self.state / MUNGE_SOCKET).exists(), 10,
                        "munged", logdir / "munged.log", munged)
 
         ctld = self.runner.spawn(tools.argv(["slurmctld", "-D", "-c", "-f", str(self.conf_path)]),
@@ -384,22 +409,31 @@ class DevCluster:
 
     def _prepare(self, cfg: DevClusterConfig) -> None:
         st = self.state
-        for sub in ("munge", "run", "log", "ctld", "spool", "dev", "scratch"):
+        st.mkdir(parents=True, exist_ok=True)
+        # The state dir itself only gains r-x for everyone (a mkdtemp dir is 0700); no bit is
+        # taken away, so a shared parent given as --state-dir (say /tmp, 1777) stays as it was.
+        os.chmod(st, stat.S_IMODE(os.stat(st).st_mode) | 0o755)
+        for sub, mode in DIR_MODES.items():
             (st / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(st / "munge", 0o700)
-        key = st / "munge" / "munge.key"
+            os.chmod(st / sub, mode)   # explicit: the umask and an older state dir do not decide
+        key = st / MUNGE_KEY_DIR / "munge.key"
         if not key.exists():
             fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
             with os.fdopen(fd, "wb") as f:
                 f.write(secrets.token_bytes(1024))
+        os.chmod(key, 0o400)
         for name in cfg.node_names:
             (st / "spool" / name).mkdir(exist_ok=True)
-            (st / "scratch" / name / "tmp").mkdir(parents=True, exist_ok=True)
+            for d in (st / "scratch" / name, st / "scratch" / name / "tmp"):
+                d.mkdir(exist_ok=True)
+                os.chmod(d, SCRATCH_MODE)
         for i in range(cfg.gpus_per_node):
             (st / "dev" / f"gpu{i}").touch()
         hostname = socket.gethostname().split(".")[0]
         self.conf_path.write_text(render_slurm_conf(cfg, st, hostname))
         (st / "gres.conf").write_text(render_gres_conf(cfg, st))
+        for f in (self.conf_path, st / "gres.conf"):
+            f.chmod(0o644)
         prolog = st / "task_prolog.sh"
         prolog.write_text(TASK_PROLOG.format(marker=MARKER_ENV, scratch=SCRATCH_ENV, state=st))
         prolog.chmod(0o755)

@@ -7,12 +7,19 @@ grandchild outlives the call. A child's environment is the inherited one, plus t
 runner's and the call's ``env`` entries, minus the names in ``unset``. Long-running
 programs are started with ``spawn``; ``kill_group`` and ``wait_exit`` end and await
 them. Each call is logged at debug level.
+
+``Runner(as_user=NAME)`` runs every command as another local user: run by root, the argv
+is prefixed with ``runuser -u NAME --`` (util-linux), which keeps the environment but
+sets HOME, SHELL, USER and LOGNAME to that user's; a runner for the user this process
+already is runs the argv unchanged. Anyone else asking for another user gets a
+``ClusteropsError`` at once (only root can switch users without a password).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pwd
 import shlex
 import signal
 import subprocess
@@ -122,6 +129,33 @@ def _child_env(base: Mapping[str, str], env: Optional[Mapping[str, str]],
     return full_env
 
 
+RUNUSER = "/usr/sbin/runuser"   # util-linux; root only, never asks for a password
+
+
+def current_user() -> str:
+    """The name of the user this process runs as (effective uid)."""
+    uid = os.geteuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _as_user_argv(argv: tuple, user: Optional[str]) -> tuple:
+    """``argv`` run as ``user``: unchanged for the current user, else behind runuser."""
+    if not user or user == current_user():
+        return argv
+    if os.geteuid() != 0:
+        raise ClusteropsError(f"cannot run {argv[0]} as {user}: only root can switch users "
+                              f"(this process runs as {current_user()})")
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        raise ClusteropsError(f"cannot run {argv[0]} as {user}: no such local user") from None
+    runuser = RUNUSER if os.path.exists(RUNUSER) else "runuser"
+    return (runuser, "-u", user, "--", *argv)
+
+
 def _check_argv(argv, what: str) -> tuple:
     if isinstance(argv, (str, bytes)) or not all(isinstance(a, str) for a in argv):
         raise TypeError(f"Runner.{what} takes a list of str arguments, never a shell string")
@@ -135,10 +169,17 @@ class Runner:
     """Runs argv lists. ``env`` entries are added to the inherited environment.
 
     Per call, ``env`` adds entries and ``unset`` removes names from the inherited and
-    the runner's environment (a call's own ``env`` entries are kept)."""
+    the runner's environment (a call's own ``env`` entries are kept). ``as_user`` runs
+    every command as that local user (see the module docstring)."""
 
     env: Mapping[str, str] = field(default_factory=dict)
     default_timeout_s: float = 60.0
+    as_user: Optional[str] = None
+
+    @property
+    def user(self) -> str:
+        """The user whose permissions the commands run with."""
+        return self.as_user or current_user()
 
     def run(
         self,
@@ -152,13 +193,15 @@ class Runner:
         unset: Iterable[str] = (),
     ) -> Completed:
         argv = _check_argv(argv, "run")
+        # Errors name the program asked for (argv), not the runuser in front of it.
+        full_argv = _as_user_argv(argv, self.as_user)
         timeout_s = self.default_timeout_s if timeout_s is None else timeout_s
         full_env = _child_env(self.env, env, unset)
-        log.debug("run: %s (timeout %ss)", shlex.join(argv), timeout_s)
+        log.debug("run: %s (timeout %ss)", shlex.join(full_argv), timeout_s)
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
-                argv,
+                full_argv,
                 stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -183,6 +226,8 @@ class Runner:
         # The leader exited; reap anything it left behind in its group too.
         # (Daemons detach with setsid and are not touched.)
         kill_group(proc)
+        if full_argv is not argv and proc.returncode != 0 and (err or "").startswith("runuser: failed to execute"):
+            raise CommandNotFound(argv)   # runuser could not start it: as if exec had failed here
         done = Completed(argv, proc.returncode, out or "", err or "", time.monotonic() - start)
         log.debug("exit %s in %.3fs: %s", done.returncode, done.duration_s, argv[0])
         if check and done.returncode != 0:
@@ -200,7 +245,7 @@ class Runner:
     ) -> Process:
         """Start a long-running program in its own session, output appended to log_path.
         End it with ``kill_group``; await it with ``wait_exit`` (or its ``poll``)."""
-        argv = _check_argv(argv, "spawn")
+        argv = _as_user_argv(_check_argv(argv, "spawn"), self.as_user)
         full_env = _child_env(self.env, env, unset)
         log.debug("spawn: %s > %s", shlex.join(argv), log_path)
         with open(log_path, "ab") as out:

@@ -3,7 +3,8 @@ import time
 
 import pytest
 
-from clusterops.runner import CommandError, CommandNotFound, CommandTimeout, Runner
+from clusterops.errors import ClusteropsError
+from clusterops.runner import CommandError, CommandNotFound, CommandTimeout, Runner, wait_exit
 
 
 def test_returns_output_and_code():
@@ -104,3 +105,38 @@ def test_free_port_is_bindable():
     port = free_port("127.0.0.1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+# -- as_user: real runuser, real other user (nobody exists on every Debian) -------------
+def _need_root():
+    if os.geteuid() != 0:
+        pytest.skip("switching users needs root (the suite runs as root in CI)")
+
+
+def test_as_user_runs_as_that_user_and_keeps_the_environment():
+    _need_root()
+    r = Runner(env={"CLUSTEROPS_T": "kept"}, as_user="nobody")
+    done = r.run(["sh", "-c", 'id -un; echo "$CLUSTEROPS_T"; echo "$USER"'], cwd="/")
+    assert done.stdout.split() == ["nobody", "kept", "nobody"]
+    assert done.argv == ("sh", "-c", 'id -un; echo "$CLUSTEROPS_T"; echo "$USER"')   # errors name sh, not runuser
+    assert r.user == "nobody" and Runner().user == "root"
+
+
+def test_as_user_errors_name_the_program_and_missing_is_not_found():
+    _need_root()
+    r = Runner(as_user="nobody")
+    with pytest.raises(CommandNotFound):
+        r.run(["clusterops-no-such-program-x"], cwd="/")
+    with pytest.raises(CommandError) as e:
+        r.run(["sh", "-c", "echo nope >&2; exit 3"], cwd="/")
+    assert e.value.returncode == 3 and e.value.argv[0] == "sh" and "nope" in str(e.value)
+    with pytest.raises(ClusteropsError, match="no such local user"):
+        Runner(as_user="clusterops-no-such-user").run(["true"])
+
+
+def test_as_user_spawn_and_as_self_is_unchanged(tmp_path):
+    _need_root()
+    log = tmp_path / "spawn.log"
+    p = Runner(as_user="nobody").spawn(["id", "-un"], log_path=str(log), cwd="/")
+    assert wait_exit(p, 10) == 0 and log.read_text().strip() == "nobody"
+    assert Runner(as_user="root").run(["id", "-un"]).stdout.strip() == "root"

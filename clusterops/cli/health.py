@@ -52,8 +52,9 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
     Exit codes:
       0  healthy (warnings allowed)
       1  unhealthy: a probe failed (drained with --drain-on-fail)
-      2  bad usage, profile or site config: nothing run, nothing drained
-      3  unhealthy, but the fleet guard refused the drain: node left in service
+      2  bad usage, profile or site config, or --drain-on-fail by a user who
+         is not a Slurm admin: nothing run, nothing drained
+      3  unhealthy, but the fleet guard (or Slurm) refused the drain: node left in service
       4  error: a probe crashed, timed out or could not check: node left in service
     """
     from clusterops import spool
@@ -69,6 +70,8 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
         from clusterops.fsutil import check_output_target
 
         check_output_target(prometheus)   # /dev/null, a FIFO, a symlink: exit 2 before the check runs
+    if drain_on_fail:
+        _require_drain_privilege(drain_timeout_s)   # not a Slurm admin: exit 2, nothing run
     ctx = ProbeContext(node=node or node_name())
     run = run_check(profile, ctx)
     report = run.report
@@ -108,6 +111,24 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _require_drain_privilege(timeout_s: float) -> None:
+    """--drain-on-fail by a user Slurm would not let drain: one line, exit 2, before the check.
+    A Slurm that cannot be asked now decides nothing here: the check runs, and its self-drain
+    reports what Slurm does then."""
+    from clusterops.errors import ClusteropsError
+    from clusterops.slurm import privilege
+    from clusterops.slurm.settings import connect
+
+    try:
+        slurm = connect(timeout_s=max(2.0, timeout_s / 3), read_attempts=1)
+        privilege.require(slurm, privilege.Level.ADMIN, "clusterops health check --drain-on-fail",
+                          "draining or resuming a node")
+    except privilege.PrivilegeError:
+        raise
+    except ClusteropsError:
+        pass
 
 
 @health.command()

@@ -214,7 +214,8 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
     Exit codes:
       0  every checked node healthy (skipped nodes allowed)
       1  the sweep ran and at least one node failed, was unreachable, or its check errored
-      2  usage or input error (nothing run)
+      2  usage or input error, or a sweep that drains or resumes nodes (--drain, or
+         via Slurm without --dry-run) by a user who is not a Slurm admin (nothing run)
       3  safety guard: more than --max-drain-fraction would be drained; none was
       4  another sweep is running (lock held)
       5  the sweep could not run: no Slurm, no usable history database, nothing to
@@ -260,6 +261,7 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
         digest = hashlib.sha256(target.display.encode()).hexdigest()[:12]
         lock_path = default_db_path().with_name(f"sweep-postgresql-{digest}.lock")
     opts.validate_profile()
+    sw.require_privilege(opts)   # not a Slurm admin, and the sweep would change nodes: exit 2 now
     from clusterops import notify
 
     notifier = notify.Notifier(notify.load_config(notify_config or os.environ.get("CLUSTEROPS_HEALTH_SITE")))

@@ -6,7 +6,8 @@ node's Slurm state, following ``clusterops.drains``: only a ``fail`` drains, an
 ``error`` touches nothing, a passing check lifts only a drain whose cause it has just
 re-checked, and a drain by someone else is never touched. ``self_drain`` asks Slurm for
 the node, applies the decision behind the fleet guard (``drains.guard_drain``), and is
-bounded in time whatever the controller does; its Slurm client comes from
+bounded in time whatever the controller does (a drain Slurm refuses because the caller is
+not a Slurm admin is ``refused``, like the guard's refusal); its Slurm client comes from
 ``clusterops.slurm.settings.connect`` with tighter limits.
 """
 
@@ -107,10 +108,19 @@ def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, sl
         box["ok"] = True
 
     def run():
+        from clusterops.slurm.privilege import is_refusal
+
         try:
             work()
         except Exception as e:  # controller down, node unknown...: report, never hang or crash
-            box.update(action="none", why=f"Slurm not reachable or refused: {e}", ok=False)
+            if box["action"] == "drain" and is_refusal(str(e)):
+                # Only a Slurm admin may drain (clusterops.slurm.privilege): the node stays in
+                # service, as when the fleet guard refuses (exit 3).
+                box.update(action="refused", ok=True,
+                           why=f"Slurm refused the drain (this user is not a Slurm admin): {e}; "
+                               "node left in service")
+            else:
+                box.update(action="none", why=f"Slurm not reachable or refused: {e}", ok=False)
 
     th = threading.Thread(target=run, daemon=True, name="self-drain")
     th.start()

@@ -183,6 +183,17 @@ class Slurm:
         """The client tools' version, e.g. (22, 5, 8)."""
         return parse.parse_version(self._read(["sinfo", "--version"]))
 
+    def show_config(self) -> str:
+        """``scontrol show config``'s text (the running controller's settings)."""
+        return self._read(["scontrol", "show", "config"])
+
+    def admin_level_text(self, user: str) -> str:
+        """What the accounting database says of ``user``'s AdminLevel (``sacctmgr``; only
+        where ``AccountingStorageType`` is slurmdbd): see ``clusterops.slurm.privilege``."""
+        if not user or not user.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise InputError(f"bad user name {user!r}")
+        return self._read(["sacctmgr", "--noheader", "--parsable2", "show", "user", user, "format=AdminLevel"])
+
     def controller_version(self) -> Tuple[int, ...]:
         """The running slurmctld's version (``scontrol show config``: SLURM_VERSION)."""
         return parse.parse_config_version(self._read(["scontrol", "show", "config"]))

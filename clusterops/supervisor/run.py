@@ -34,7 +34,8 @@ from clusterops import drains
 from clusterops import protocol
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
-from clusterops.runner import Process, Runner, free_port, kill_group, wait_exit
+from clusterops.runner import Process, Runner, current_user, free_port, kill_group, wait_exit
+from clusterops.slurm import privilege
 from clusterops.slurm.parse import parse_srun_failures
 from clusterops.slurm.steps import srun_argv
 from clusterops.supervisor.timeline import Timeline
@@ -518,7 +519,18 @@ class SupervisorRun:
             if not verdict.allowed:
                 self._record("drain_refused", {"node": node, "reason": a.reason, "why": verdict.message})
                 continue
-            self.slurm.drain([node], a.reason)
+            try:
+                self.slurm.drain([node], a.reason)
+            except ClusteropsError as e:
+                # A job's owner is seldom a Slurm admin, and only an admin may drain (see
+                # clusterops.slurm.privilege): Slurm's refusal is part of the story, not a crash.
+                if privilege.is_refusal(e.message):
+                    self._record("drain_refused", {"node": node, "reason": a.reason, "why": (
+                        f"Slurm refused the drain: user {current_user()} is not a Slurm admin "
+                        f"({e.message})")})
+                else:
+                    self._record("warning", {"what": f"drain {node} failed: {e.message}"})
+                continue
             self._record("drain", {"node": node, "reason": a.reason})
 
     def _guard_settings(self) -> drains.GuardSettings:

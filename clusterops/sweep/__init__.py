@@ -29,7 +29,7 @@ from clusterops.sweep.results import (FAILING, HEALTHY, METRICS, STATUSES, NodeR
                                       fleet_medians, mark_stragglers, parse_times, result_from_check)
 from clusterops.sweep.run import (EXIT_CANNOT_RUN, EXIT_GUARD, EXIT_LOCKED, EXIT_OK, EXIT_UNHEALTHY,
                                   MAX_TARGETS, MAX_TIMEOUT_S, SweepCannotRun, SweepOptions, SweepReport,
-                                  apply_sweep_plan, expand_nodes, run_sweep, unique)
+                                  apply_sweep_plan, expand_nodes, require_privilege, run_sweep, unique)
 from clusterops.sweep.scripts import check_argv, clusterops_argv
 from clusterops.sweep.slurm_fanout import SlurmFanout, Target
 from clusterops.sweep.ssh import ssh_fanout
@@ -37,7 +37,7 @@ from clusterops.sweep.ssh import ssh_fanout
 __all__ = [
     "Action", "DrainPlan", "EXIT_CANNOT_RUN", "EXIT_GUARD", "EXIT_LOCKED", "EXIT_OK", "EXIT_UNHEALTHY",
     "FAILING", "HEALTHY", "MAX_TARGETS", "MAX_TIMEOUT_S", "METRICS", "NodeResult", "NodeSnapshot",
-    "STATUSES", "SlurmFanout", "SweepCannotRun", "SweepOptions", "SweepReport", "Target",
+    "STATUSES", "SlurmFanout", "require_privilege", "SweepCannotRun", "SweepOptions", "SweepReport", "Target",
     "allowed_drains", "apply_sweep_plan", "check_argv", "clusterops_argv", "drain_reason",
     "expand_nodes", "extract_metrics", "fleet_medians", "mark_stragglers", "parse_times",
     "plan_drains", "result_from_check", "run_pairs", "run_sweep", "ssh_fanout", "unique",

@@ -1,7 +1,8 @@
 """One sweep, end to end: select the nodes, check them, judge, (drain), record.
 
 ``SweepOptions`` are the sweep's settings, validated before Slurm is asked anything
-(bad ones: ``InputError``, exit 2). ``run_sweep`` ties the pieces together: the targets
+(bad ones: ``InputError``, exit 2); ``require_privilege`` then refuses, in one line (exit
+2), a sweep that would drain or resume nodes for a user who is not a Slurm admin. ``run_sweep`` ties the pieces together: the targets
 and their Slurm states, busy/down/foreign-drained nodes skipped and listed, nodes that
 clusterops drained rechecked inside a short maintenance reservation, the checks run
 through ``SlurmFanout`` or ``ssh_fanout``, stragglers marked, optional node pairs,
@@ -27,6 +28,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 from clusterops import drains
 from clusterops.errors import ClusteropsError, InputError
+from clusterops.slurm import privilege
 from clusterops.sweep.pairs import run_pairs
 from clusterops.sweep.policy import DrainPlan, NodeSnapshot, drain_reason, plan_drains
 from clusterops.sweep.results import STATUSES, NodeResult, mark_stragglers, natural_key
@@ -137,6 +139,14 @@ class SweepOptions:
                 raise InputError(f"--known-hosts: {self.known_hosts} is a directory")
         if self.nodes is not None:
             expand_nodes(self.nodes)
+
+    def changes_nodes(self) -> bool:
+        """True when this sweep may drain or resume nodes (a Slurm admin's right: see
+        ``clusterops.slurm.privilege``): with --drain, or via Slurm, whose rechecks resume
+        clusterops-drained nodes for their check. A dry run changes nothing."""
+        if self.dry_run:
+            return False
+        return self.drain or (self.via == "slurm" and self.recheck_drained)
 
     def validate_profile(self) -> None:
         """The profile must load here (name or file, with the site config) before any node
@@ -297,6 +307,27 @@ def apply_sweep_plan(slurm, plan: DrainPlan, rechecked: Sequence[str], infos: Ma
     return applied, errors
 
 
+def require_privilege(opts: SweepOptions, slurm=None) -> None:
+    """A sweep that may drain or resume nodes needs a Slurm admin (``privilege.require``):
+    anyone else gets one ``PrivilegeError`` line (exit 2) before any check job is submitted
+    or any node touched. Run by root this asks Slurm nothing; a Slurm that cannot be asked
+    decides nothing here (the sweep then reports that itself)."""
+    if not opts.changes_nodes():
+        return
+    try:
+        if slurm is None:
+            from clusterops.slurm.settings import connect
+
+            slurm = connect(timeout_s=10, read_attempts=1)
+        privilege.require(slurm, privilege.Level.ADMIN, "clusterops sweep",
+                          "a sweep that drains or resumes nodes (--drain, or rechecking "
+                          "clusterops-drained nodes via Slurm; --dry-run changes none)")
+    except privilege.PrivilegeError:
+        raise
+    except ClusteropsError:
+        pass
+
+
 def _setup(opts: SweepOptions, slurm, errors: List[str]):
     """Slurm client, target names and their Slurm states, before any check runs."""
     if slurm is None:
@@ -347,7 +378,10 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
     errors: List[str] = []
     try:
         slurm, names, infos = _setup(opts, slurm, errors)
+        require_privilege(opts, slurm)
     except InputError:
+        raise
+    except privilege.PrivilegeError:
         raise
     except ClusteropsError as e:
         # Nothing was checked: no Slurm, an unknown/empty partition, no node list.

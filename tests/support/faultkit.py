@@ -41,6 +41,7 @@ class TrainJob:
     script: Path = TRAIN_SCRIPT
     python: str = sys.executable
     job_id: Optional[int] = None
+    user: Optional[str] = None     # submit as this local user (root runs `runuser -u USER --`)
 
     @property
     def job_dir(self) -> Path:
@@ -84,13 +85,22 @@ class TrainJob:
 
         self.root.mkdir(parents=True, exist_ok=True)
         self.spec_path.write_text(yaml.safe_dump(self.spec(), sort_keys=False))
+        if self.user:
+            # The spec is the user's own input: hand it (and the job's root) over, so that
+            # nothing in the user's directory belongs to root.
+            import pwd
+
+            pw = pwd.getpwnam(self.user)
+            for path in (self.root, self.spec_path):
+                os.chown(path, pw.pw_uid, pw.pw_gid)
         return self.spec_path
 
     def submit(self, env: Optional[Dict[str, str]] = None) -> int:
         """`clusterops launch submit SPEC --json` -> job id."""
         self.write_spec()
-        p = Runner().run([self.python, "-m", "clusterops", "launch", "submit", str(self.spec_path), "--json"],
-                         timeout_s=60, env=env, check=False)
+        p = Runner(as_user=self.user).run(
+            [self.python, "-m", "clusterops", "launch", "submit", str(self.spec_path), "--json"],
+            timeout_s=60, env=env, check=False, cwd=str(self.root) if self.user else None)
         if p.returncode != 0:
             raise ClusteropsError(f"launch submit failed ({p.returncode}): {p.stderr.strip()[-500:]}")
         self.job_id = int(json.loads(p.stdout)["job_id"])
