@@ -12,8 +12,11 @@ too). Configured as ``notify:`` in the health site config or a file given to the
         timeout_s: 5          # per attempt (default 5)
         retries: 2            # more attempts after the first (default 2), with backoff
 
-Events the sweep sends: ``node_drained``, ``node_resumed``, ``guard_tripped``,
-``sweep_cannot_run``. Every send runs on its own daemon thread: :meth:`Notifier.send`
+Who sends what: the sweep ``node_drained``, ``node_resumed``, ``guard_tripped`` and
+``sweep_cannot_run``; ``health check --drain-on-fail`` (the site config's ``notify:``)
+``node_drained``, ``node_resumed`` and ``guard_tripped`` for its own node; the supervisor
+``job_requeued`` and ``job_given_up`` (with the exit code and the timeline's summary) to the
+site config's webhooks and to the job spec's ``notify:`` URLs (generic JSON). Every send runs on its own daemon thread: :meth:`Notifier.send`
 returns at once, :meth:`Notifier.close` waits for the deliveries at most ``max_wait_s`` in
 all, and a webhook that is down, slow or refusing only yields a one-line ``error`` in
 the delivery record (the URL shown without its path, which often holds the secret).

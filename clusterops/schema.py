@@ -431,6 +431,8 @@ JOB_SPEC = Field("job spec", "map", fields=(
     _text_list("launcher_args", "extra arguments for torchrun/accelerate/deepspeed, before the script"),
     _text_list("srun_args", "extra srun arguments for the training step"),
     _text_list("sbatch_args", "extra `#SBATCH` lines, one long option each (`--mail-type=END`)"),
+    _text_list("notify", "webhook URLs (http/https) told, as a generic JSON POST, when the supervised job is "
+               "requeued or gives up; the site config's `notify:` webhooks are told too"),
     SUPERVISE,
 ))
 

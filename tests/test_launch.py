@@ -533,3 +533,15 @@ def test_accelerate_multi_gpu_flag(tmp_path, extra, multi_gpu):
         text += extra + "\n"
     spec = launch.load_spec(write_spec(tmp_path, text))
     assert ("--multi_gpu" in launch.render(spec)) is multi_gpu
+
+
+def test_notify_urls_are_checked_and_reach_the_supervisor(tmp_path):
+    """`notify:` takes http(s) webhook URLs (a bad one names its line and index, exit 2) and
+    travels in the supervised script's spec JSON to `clusterops supervise`."""
+    bad = write_spec(tmp_path, BASIC + "supervise: true\nnotify: [https://hooks.example/x, 'ftp://nope']\n")
+    with pytest.raises(InputError, match=r"job.yaml:\d+: notify.1: must be an http:// or https:// URL"):
+        launch.load_spec(bad)
+    good = write_spec(tmp_path, BASIC + "supervise: true\nnotify: [https://hooks.example/x]\n", name="ok.yaml")
+    spec = launch.load_spec(good)
+    assert spec.notify == ("https://hooks.example/x",)
+    assert '"notify":["https://hooks.example/x"]' in launch.render(spec)

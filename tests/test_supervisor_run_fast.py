@@ -443,3 +443,43 @@ def test_ranks_stopped_behind_our_back_is_not_finished(world, tmp_path):
     assert [r["reason"] for r in events(tmp_path, "stop_requested")] == ["signal"]
     assert events(tmp_path, "stopped")[0]["ckpt_step"] == 14
     assert ("requeue", JOB) in world.slurm.calls and "done" not in kinds(tmp_path)
+
+
+def test_give_up_and_requeue_tell_the_site_webhooks(world, tmp_path, monkeypatch):
+    """The site config's notify: webhooks hear of a requeue and of a job given up, with the
+    exit code and the timeline's summary; a webhook that is down only leaves a warning."""
+    from support.webhook import Hook
+
+    hook = Hook()
+    try:
+        site = tmp_path / "site.yaml"
+        site.write_text(f"notify:\n  - url: {hook.url}\n  - url: http://127.0.0.1:9/down\n    retries: 0\n")
+        monkeypatch.setenv("CLUSTEROPS_HEALTH_SITE", str(site))
+
+        def preempt(proc, now, step):
+            if step == 12:
+                proc.usr2 = True
+                world.slurm.preempt_time = now
+        world.fault = preempt
+        run = make_run(world, tmp_path, preflight=None, max_requeues=1)
+        run.cfg.slurm_restart_count = 1
+        assert run.run() == sv.EXIT_REQUEUE_BUDGET
+        got = [d for _, _, d in hook.got]
+        assert [d["event"] for d in got] == ["job_given_up"]
+        assert got[0]["details"]["exit_code"] == sv.EXIT_REQUEUE_BUDGET
+        assert got[0]["details"]["timeline"]["restarts"] == 0
+        assert any("notify job_given_up" in str(r.get("what")) for r in events(tmp_path, "warning"))
+
+        hook.got.clear()
+        again = tmp_path / "again"
+        again.mkdir()
+        world2 = World(again)
+        world2.fault = preempt
+        run = make_run(world2, again, preflight=None)
+        run.cfg.notify_urls = [hook.url + "/from-the-job-spec"]   # the job spec's notify: URLs too
+        with pytest.raises(EndedBySlurm):
+            run.run()
+        got = sorted((path.rsplit("/", 1)[-1], d["event"]) for path, _, d in hook.got)
+        assert got == [("SECRET-TOKEN", "job_requeued"), ("from-the-job-spec", "job_requeued")]
+    finally:
+        hook.close()

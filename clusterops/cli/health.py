@@ -77,6 +77,7 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
     report = run.report
     if drain_on_fail:
         report["slurm"] = self_drain(report, ctx.node, timeout_s=drain_timeout_s, guard=guard)
+        _notify_self_drain(report, site, site_path)
     report["exit_code"] = exit_code(report["status"], report.get("slurm"))
     if record_to is not None:
         report["history"] = spool.record(report, record_to)
@@ -251,3 +252,32 @@ try:
     health.add_command(history)
 except ImportError:
     pass
+
+
+def _notify_self_drain(report, site, site_path) -> None:
+    """Tell the site config's ``notify:`` webhooks of a drain, a resume or a guard refusal
+    (rare events: a passing check sends nothing). Bounded at 5 s; never changes the exit."""
+    s = report.get("slurm") or {}
+    event = {"drain": "node_drained", "resume": "node_resumed"}.get(s.get("action")) if s.get("ok") else None
+    if s.get("action") == "refused" and s.get("guard"):
+        event = "guard_tripped"
+    if event is None or not (site or {}).get("notify"):
+        return
+    from clusterops import notify
+
+    try:
+        targets = notify.parse_targets(site.get("notify"), f"{site_path}: notify")
+    except Exception as e:  # noqa: BLE001 - validated with the site config already; never fail the check
+        click.echo(f"warning: notify: {e}", err=True)
+        return
+    node = report["node"]
+    summary = {"node_drained": f"{node} drained by its health check: {s.get('reason', '')}",
+               "node_resumed": f"{node} resumed: its health check passes again",
+               "guard_tripped": f"{node} fails its health check, but the fleet guard refused the drain: "
+                                f"{s.get('why', '')}"}[event]
+    n = notify.Notifier(targets)
+    n.send(event, summary, {"node": node, "profile": report.get("profile"), "reason": s.get("reason"),
+                            "why": s.get("why"), "status": report.get("status")})
+    for d in n.close(max_wait_s=5.0):
+        if not d.ok:
+            click.echo(f"warning: notify {event}: {d.error}", err=True)

@@ -179,6 +179,7 @@ def supervise(spec_json, command, **settings):
         if spec.get("container_mounts"):
             srun_args.append(f"--container-mounts={spec['container_mounts']}")
     extra["srun_args"] = srun_args
+    extra["notify_urls"] = list(spec.get("notify") or [])
     cfg = RunConfig.from_environment(cmd, jd, cd, policy, env=env, workdir=spec.get("workdir"),
                                      cpus_per_task=spec.get("cpus_per_task"), **extra)
     code = SupervisorRun(cfg, echo=lambda s: click.echo(s)).run()

@@ -21,6 +21,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from clusterops import schema, yamlio
@@ -78,6 +79,7 @@ class JobSpec:
     launcher_args: Tuple[str, ...] = ()
     srun_args: Tuple[str, ...] = ()
     sbatch_args: Tuple[str, ...] = ()
+    notify: Tuple[str, ...] = ()          # webhook URLs for the supervisor's job events
     supervise: Optional[Tuple[Tuple[str, Any], ...]] = None  # ordered (key, value) pairs
     # Where the spec came from (for messages); not a spec key, not in to_dict().
     source: Optional[str] = field(default=None, compare=False)
@@ -544,6 +546,10 @@ def _build_spec(data: Dict[str, Any], locs: _Locations, base_dir: Path, source: 
         if launcher == "srun" and not script.endswith(".py") and not os.access(sp, os.X_OK):
             raise c.err("script", f"{script}: not executable (the srun launcher runs non-.py scripts directly)")
 
+    for i, url in enumerate(kw.get("notify", ())):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise c.err(("notify", i), f"must be an http:// or https:// URL, got {url!r}")
     for i, a in enumerate(kw.get("sbatch_args", ())):
         if not a.startswith("--") or len(a) < 3:
             raise c.err(("sbatch_args", i), f"each item must be one long option like --mail-type=END, got {a!r}")

@@ -69,6 +69,7 @@ class RunConfig:
     python: str = sys.executable
     stacks_timeout_s: float = 15.0
     srun_args: List[str] = field(default_factory=list)   # extra srun arguments for the training step
+    notify_urls: List[str] = field(default_factory=list)  # the job spec's notify: webhooks
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -144,6 +145,7 @@ class SupervisorRun:
         self.preempt_seen = False
         self.guard: Optional[drains.GuardSettings] = None
         self.n_checks = 0
+        self.notifier = None   # webhooks from the site config's notify: (made when first needed)
         # One handler per action class, spelled out so that grep finds them.
         self._handlers: Dict[type, Callable[[sv.Action], None]] = {
             sv.Record: self._act_record,
@@ -540,10 +542,38 @@ class SupervisorRun:
             self.guard = drain_settings(None)   # $CLUSTEROPS_HEALTH_SITE, $CLUSTEROPS_MAX_DRAINED_FRACTION
         return self.guard
 
+    def _notify(self, event: str, summary: str, details: Dict[str, object], wait_s: float) -> None:
+        """Tell the webhooks (the health site config's ``notify:`` and the job spec's
+        ``notify:`` URLs); never blocks the job for longer than ``wait_s`` and never fails
+        it: a broken webhook is a warning in the timeline."""
+        try:
+            from clusterops import notify
+            from clusterops.health.profiles import SITE_ENV
+
+            if self.notifier is None:
+                targets = notify.load_config(os.environ.get(SITE_ENV))   # the site's webhooks
+                targets += notify.parse_targets(list(self.cfg.notify_urls), "job spec: notify")
+                self.notifier = notify.Notifier(targets)
+            if not self.notifier.targets:
+                return
+            from clusterops.supervisor.timeline import load, summary as tl_summary
+
+            details = dict(details, job_id=self.cfg.job_id, job_dir=str(self.cfg.job_dir),
+                           timeline=tl_summary(load(self.cfg.job_dir)[0]))
+            self.notifier.send(event, summary, details)
+            for d in self.notifier.close(max_wait_s=wait_s):
+                if not d.ok:
+                    self._record("warning", {"what": f"notify {event}: {d.error}"})
+            self.notifier = None
+        except Exception as e:  # noqa: BLE001 - a notification must never take the job down
+            self._record("warning", {"what": f"notify {event}: {type(e).__name__}: {e}"})
+
     def _act_requeue(self, a: sv.Requeue) -> None:
         save_memory(self.cfg.job_dir, self.sup.memory)
         if not self.cfg.job_id:
             raise ClusteropsError("not in a Slurm job: nothing to requeue")
+        self._notify("job_requeued", f"job {self.cfg.job_id} requeued: {a.reason}",
+                     {"reason": a.reason, "exclude": list(a.exclude)}, wait_s=5.0)
         # ExcNodeList cannot be changed on a running job (Slurm: "Job is no longer pending
         # execution"), and a requeue ends this process: the bad nodes are remembered in the
         # job directory (the next incarnation keeps them out of its steps) and drained
@@ -557,6 +587,9 @@ class SupervisorRun:
 
     def _act_exit(self, a: sv.Exit) -> None:
         save_memory(self.cfg.job_dir, self.sup.memory)
+        if a.code != sv.EXIT_DONE:
+            self._notify("job_given_up", f"job {self.cfg.job_id} gave up (exit {a.code}): {a.reason}",
+                         {"exit_code": a.code, "reason": a.reason}, wait_s=10.0)
         self.exit_code = a.code
 
     def _poll_nodes(self, now: float) -> Optional[sv.Event]:

@@ -223,7 +223,7 @@ def test_2048_node_report_stays_readable(browser, tmp_path):
 def test_dev_cluster_sweep_report_in_chromium(browser, cluster, tmp_path):
     """A real sweep of the 4-node dev cluster with node3 broken for real; the report's
     screenshot is the one in docs/sweep.md (CLUSTEROPS_UPDATE_DOCS=1 writes it there)."""
-    from test_sweep_slurm import PROFILE, BrokenScratch
+    from integration.test_sweep_slurm import PROFILE, BrokenScratch
 
     import tempfile
 

@@ -9,54 +9,16 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from clusterops import notify
+from support.webhook import Hook
 from clusterops.errors import InputError
 
 CLUSTEROPS = str(Path(sys.executable).parent / "clusterops")
-
-
-class Hook:
-    """A webhook receiver. ``script``: status codes to answer in turn (then 200);
-    ``delay_s``: how long each answer takes."""
-
-    def __init__(self, script=(), delay_s=0.0):
-        self.script = list(script)
-        self.delay_s = delay_s
-        self.got = []
-        hook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                hook.got.append((self.path, self.headers.get("Content-Type"), json.loads(body)))
-                time.sleep(hook.delay_s)
-                code = hook.script.pop(0) if hook.script else 200
-                self.send_response(code)
-                self.end_headers()
-                try:
-                    self.wfile.write(b"ok")
-                except OSError:
-                    pass
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/SECRET-TOKEN"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -165,7 +127,7 @@ def test_sweep_that_cannot_run_notifies_and_a_bad_notify_config_is_exit_2(hook, 
 
 @pytest.mark.integration
 def test_dev_cluster_sweep_notifies_the_drain(cluster, hook, tmp_path):
-    from test_sweep_slurm import PROFILE, BrokenScratch
+    from integration.test_sweep_slurm import PROFILE, BrokenScratch
 
     h = hook()
     cfg = tmp_path / "notify.yaml"
@@ -182,3 +144,25 @@ def test_dev_cluster_sweep_notifies_the_drain(cluster, hook, tmp_path):
     events = sorted((("slack" if "text" in d else d["event"]), (d.get("details") or {}).get("node"))
                     for _, _, d in h.got)
     assert events == [("node_drained", "node3"), ("slack", None)]
+
+
+@pytest.mark.integration
+def test_health_check_self_drain_and_resume_notify(cluster, hook, tmp_path):
+    """`health check --drain-on-fail` tells the site config's webhooks when it drains its node
+    and when it lifts that drain again; a passing check with nothing to lift sends nothing."""
+    from integration.test_drains_cluster import SITE, Broken, check, state
+
+    h = hook()
+    (tmp_path / "site.yaml").write_text(SITE + f"notify:\n  - url: {h.url}\n")
+    site_arg = ("--site-config", str(tmp_path / "site.yaml"))
+    code, _, err = check(cluster, tmp_path, "node2", *site_arg)
+    assert code == 0 and h.got == [], err
+    with Broken(cluster, "node2"):
+        code, rep, err = check(cluster, tmp_path, "node2", *site_arg)
+        assert code == 1 and rep["slurm"]["action"] == "drain", err
+    assert state(cluster, "node2")[0]
+    code, rep, err = check(cluster, tmp_path, "node2", *site_arg)
+    assert code == 0 and rep["slurm"]["action"] == "resume", err
+    events = [(d["event"], d["details"]["node"]) for _, _, d in h.got]
+    assert events == [("node_drained", "node2"), ("node_resumed", "node2")]
+    assert h.got[0][2]["details"]["reason"].startswith("clusterops:health:fast: ")
