@@ -18,7 +18,8 @@ Environment contract (set by ``clusterops supervise``; all optional):
 resume from (empty: the latest good one under the root); ``CLUSTEROPS_HEARTBEAT_DIR``
 where file ``rank<RANK>`` holds the last step (its mtime is the last progress);
 ``CLUSTEROPS_STOP_FILE`` a path whose existence requests a stop (SIGUSR2 and SIGTERM do
-too); ``CLUSTEROPS_RESTART_COUNT``.
+too, and so does the launcher's lead-time SIGUSR1, supervised or not: see
+STOP_SIGNALS); ``CLUSTEROPS_RESTART_COUNT``.
 
 On disk (see clusterops.checkpoint): one process writes ``state.pt`` (torch.save of
 the state) and ``rank_0.pt`` (RNG states and per-rank state); many ranks write the
@@ -55,6 +56,12 @@ ENV_RESTART_COUNT = "CLUSTEROPS_RESTART_COUNT"
 HEARTBEAT_INTERVAL_S = 1.0
 STOP_FILE_POLL_S = 0.25
 STATE_FILE = "state.pt"
+# Signals that ask for a stop: SIGTERM (preemption, scancel), SIGUSR2 (the supervisor)
+# and SIGUSR1, the lead-time signal a clusterops batch script forwards to the ranks
+# before the time limit (`signal_lead_s`, `#SBATCH --signal=B:USR1@N`). Without a
+# handler SIGUSR1's default action kills the process, so an unsupervised `srun` or
+# `torchrun` job would die instead of saving.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR1)
 DCP_DIR = "dcp"
 
 
@@ -171,7 +178,7 @@ def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 600.0,
     torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; srun-native ranks have SLURM_PROCID/
     SLURM_NTASKS/SLURM_LOCALID and the launcher exports MASTER_ADDR/MASTER_PORT.
     A world of one initializes nothing. Also installs the stop-request handlers
-    (SIGTERM, SIGUSR2) when called from the main thread.
+    (STOP_SIGNALS: SIGTERM, SIGUSR2, SIGUSR1) when called from the main thread.
     """
     if install_signal_handlers:
         install_stop_handlers()
@@ -234,9 +241,16 @@ def _on_stop_signal(signum, frame) -> None:
 
 
 def install_stop_handlers() -> bool:
+    """Make STOP_SIGNALS requests to stop (see should_stop); True when installed.
+
+    Only the main thread can install handlers; from another thread this returns False
+    (unless an earlier call installed them). Launchers that start with SIGUSR1 ignored
+    (the torchrun, accelerate and deepspeed wrappers) pass that on to their workers;
+    installing a handler here replaces the inherited SIG_IGN, so the worker hears it.
+    """
     if _rt.signals_installed or threading.current_thread() is not threading.main_thread():
         return _rt.signals_installed
-    for sig in (signal.SIGTERM, signal.SIGUSR2):
+    for sig in STOP_SIGNALS:
         _rt.prev_handlers[sig] = signal.signal(sig, _on_stop_signal)
     _rt.signals_installed = True
     return True
