@@ -240,18 +240,23 @@ def _on_stop_signal(signum, frame) -> None:
     _rt.stop_reason = _rt.stop_reason or signal.Signals(signum).name
 
 
-def install_stop_handlers() -> bool:
+def install_stop_handlers(*, force: bool = False) -> bool:
     """Make STOP_SIGNALS requests to stop (see should_stop); True when installed.
 
     Only the main thread can install handlers; from another thread this returns False
     (unless an earlier call installed them). Launchers that start with SIGUSR1 ignored
     (the torchrun, accelerate and deepspeed wrappers) pass that on to their workers;
     installing a handler here replaces the inherited SIG_IGN, so the worker hears it.
+    ``force``: install them again, for a framework that replaced them since (Lightning
+    registers its own SIGTERM handler when fit starts; clusterops.integrations).
     """
-    if _rt.signals_installed or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
         return _rt.signals_installed
+    if _rt.signals_installed and not force:
+        return True
     for sig in STOP_SIGNALS:
-        _rt.prev_handlers[sig] = signal.signal(sig, _on_stop_signal)
+        prev = signal.signal(sig, _on_stop_signal)
+        _rt.prev_handlers.setdefault(sig, prev)
     _rt.signals_installed = True
     return True
 
