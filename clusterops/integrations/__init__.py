@@ -1,7 +1,8 @@
 """Self-healing for training frameworks: one module per framework, imported on demand.
 
 ``clusterops.integrations.lightning`` (extra ``clusterops[lightning]``) holds a
-Lightning callback. Each module imports its framework itself; this package imports
+Lightning callback, ``clusterops.integrations.transformers`` (extra ``clusterops[hf]``)
+a Hugging Face ``TrainerCallback``. Each module imports its framework itself; this package imports
 nothing, so ``import clusterops`` and the CLI never load a framework. The shared
 piece, :func:`resume_dir`, uses only the SDK's environment contract.
 """
