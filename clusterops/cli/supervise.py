@@ -225,6 +225,8 @@ def supervise(spec_json, command, **settings):
             srun_args.append(f"--container-mounts={spec['container_mounts']}")
     extra["srun_args"] = srun_args
     extra["plain"] = plain
+    if spec.get("launcher") == "torchrun":
+        extra["launcher"] = "torchrun"      # one agent per node; the other launchers: srun-native ranks
     cfg = RunConfig.from_environment(cmd, jd, cd, policy, env=env, workdir=spec.get("workdir"),
                                      cpus_per_task=spec.get("cpus_per_task"), **extra)
     code = SupervisorRun(cfg, echo=lambda s: click.echo(s)).run()

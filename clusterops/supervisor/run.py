@@ -11,10 +11,12 @@ through the Slurm client (``clusterops.slurm.settings.connect``). Each action cl
 its handler in one explicit table (``SupervisorRun._handlers``).
 
 The training step is one ``srun`` with one task per rank ("srun-native ranks": RANK
-from ``SLURM_PROCID``, ``MASTER_ADDR``/``MASTER_PORT`` exported here). That choice is
-deliberate: under preemption Slurm SIGTERMs every task of every step at once, and a
-rank that receives SIGTERM itself can finish its checkpoint (the SDK treats SIGTERM as
-a stop request), whereas torchrun's agent answers SIGTERM by killing its workers.
+from ``SLURM_PROCID``, ``MASTER_ADDR``/``MASTER_PORT`` exported here), or, for
+``launcher: torchrun``, one task per node running a torchrun agent
+(:func:`torchrun_command`). srun-native ranks are the default and deliberate: under
+preemption Slurm SIGTERMs every task of every step at once, and a rank that receives
+SIGTERM itself can finish its checkpoint (the SDK treats SIGTERM as a stop request),
+whereas torchrun's agent answers SIGTERM by killing its workers after its close timeout.
 
 Scripts without the SDK (``supervise: progress/checkpoint_glob/resume_args``, see
 :class:`PlainContract`): progress is read from the ranks' output, checkpoints are the
@@ -182,6 +184,7 @@ class RunConfig:
     stacks_timeout_s: float = 15.0
     srun_args: List[str] = field(default_factory=list)   # extra srun arguments for the training step
     plain: PlainContract = field(default_factory=PlainContract)   # a script without the SDK
+    launcher: str = "srun"      # "srun": one task per rank; "torchrun": one torchrun agent per node
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -200,6 +203,27 @@ class RunConfig:
         return cls(command=list(command), job_dir=Path(job_dir), ckpt_dir=Path(ckpt_dir), policy=policy,
                    nodes=nodes, job_id=os.environ.get("SLURM_JOB_ID"),
                    slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0), **kwargs)
+
+
+# ------------------------------------------------------------------------------ torchrun
+# One torchrun agent per node (srun task), static rendezvous on the step's first node
+# (MASTER_ADDR/MASTER_PORT, set per launch), node rank = the task's index in the step.
+# The agent ignores the lead-time USR1 and the supervisor's USR2 (it would die of
+# them; the ignored state is inherited, and the SDK's handlers replace it in the
+# workers); no restarts inside torchrun: the supervisor restarts.
+_TORCHRUN_BODY = ('trap "" USR1 USR2; exec "$0" -m torch.distributed.run --nnodes="$1" --nproc-per-node="$2" '
+                  '--node-rank="$SLURM_PROCID" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" '
+                  '--max-restarts=0 "${@:3}"')
+
+
+def torchrun_command(command: Sequence[str], python: str, nodes: int, nproc_per_node: int) -> List[str]:
+    """The per-node command that starts ``command`` (``python script args`` or a program) under torchrun."""
+    command = list(command)
+    if command and command[0] == python:
+        target = command[1:]
+    else:
+        target = ["--no-python", *command]
+    return ["bash", "-c", _TORCHRUN_BODY, python, str(nodes), str(nproc_per_node), *target]
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -528,7 +552,10 @@ class SupervisorRun:
         self.step_name = f"clusterops-train-{a.attempt}"
         self.step_id = None
         command = list(cfg.command) + cfg.plain.resume_argv(resume)
-        argv = srun_argv(command, job_name=self.step_name, nodes=nodes, ntasks_per_node=ppn,
+        tasks_per_node = ppn
+        if cfg.launcher == "torchrun":
+            command, tasks_per_node = torchrun_command(command, cfg.python, len(nodes), ppn), 1
+        argv = srun_argv(command, job_name=self.step_name, nodes=nodes, ntasks_per_node=tasks_per_node,
                          cpus_per_task=cfg.cpus_per_task, kill_on_bad_exit=True, wait_s=cfg.step_wait_s,
                          label=True, extra=cfg.srun_args)
         self.train_log = d / "step.log"
