@@ -355,6 +355,16 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
        "byte is caught, not loaded)", default=True),
     _f("step_wait_s", "int", "`srun --wait` for the supervisor's training steps", min=1, max=86400,
        default_text="`srun_wait_s`"),
+    # A script without the SDK (docs/supervisor.md, "Scripts without the SDK").
+    _f("progress", "map", "no SDK: read progress from the ranks' output instead of heartbeat files; a hang is "
+       "no new step for `hang_timeout_s`", default_text="off (SDK heartbeats)", fields=(
+        _f("regex", "regex", "searched in every output line; group 1 is the step", required=True),
+    )),
+    _f("checkpoint_glob", "str", "no SDK: the script's own checkpoints, a glob under `ckpt_dir`; the newest "
+       "complete one (highest last number in its name, not a temporary name) is resumed from",
+       default_text="off (SDK checkpoints)"),
+    Field("resume_args", "list", "no SDK: arguments added to the command on a restart when there is a "
+          "checkpoint; `{ckpt}` is replaced by its path", default_text="none", item=Field("item", "text")),
 ))
 
 # Policy fields that are not `supervise:` keys: a job spec sets them elsewhere (its node

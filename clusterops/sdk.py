@@ -16,9 +16,10 @@
 
 The contract with ``clusterops supervise`` (environment variables, heartbeat files,
 the stop file, the stopped marker) is written down in :mod:`clusterops.protocol`; all
-of it is optional. SIGTERM and SIGUSR2 request a stop like the stop file. A script that
-honours a stop before its end calls ``sdk.mark_stopped(step, path)`` (rank 0 writes the
-marker), so the supervisor reads its clean exit as "stopped", not "finished".
+of it is optional. SIGTERM, SIGUSR2 and the launcher's lead-time SIGUSR1 request a stop
+like the stop file, supervised or not (``STOP_SIGNALS``). A script that honours a stop
+before its end calls ``sdk.mark_stopped(step, path)`` (rank 0 writes the marker), so the
+supervisor reads its clean exit as "stopped", not "finished".
 
 On disk (see clusterops.checkpoint): one process writes ``state.pt`` (torch.save of
 the state) and ``rank_0.pt`` (RNG states and per-rank state); many ranks write the
@@ -50,6 +51,12 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
 STOP_FILE_POLL_S = 0.25
 STATE_FILE = "state.pt"
+# Signals that ask for a stop: SIGTERM (preemption, scancel), SIGUSR2 (the supervisor)
+# and SIGUSR1, the lead-time signal a clusterops batch script forwards to the ranks
+# before the time limit (`signal_lead_s`, `#SBATCH --signal=B:USR1@N`). Without a
+# handler SIGUSR1's default action kills the process, so an unsupervised `srun` or
+# `torchrun` job would die instead of saving.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR1)
 DCP_DIR = "dcp"
 
 
@@ -165,7 +172,7 @@ def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 600.0,
     torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; srun-native ranks have SLURM_PROCID/
     SLURM_NTASKS/SLURM_LOCALID and the launcher exports MASTER_ADDR/MASTER_PORT.
     A world of one initializes nothing. Also installs the stop-request handlers
-    (SIGTERM, SIGUSR2) when called from the main thread.
+    (STOP_SIGNALS: SIGTERM, SIGUSR2, SIGUSR1) when called from the main thread.
     """
     if install_signal_handlers:
         install_stop_handlers()
@@ -227,11 +234,23 @@ def _on_stop_signal(signum, frame) -> None:
     _rt.stop_reason = _rt.stop_reason or signal.Signals(signum).name
 
 
-def install_stop_handlers() -> bool:
-    if _rt.signals_installed or threading.current_thread() is not threading.main_thread():
+def install_stop_handlers(*, force: bool = False) -> bool:
+    """Make STOP_SIGNALS requests to stop (see should_stop); True when installed.
+
+    Only the main thread can install handlers; from another thread this returns False
+    (unless an earlier call installed them). Launchers that start with SIGUSR1 ignored
+    (the torchrun, accelerate and deepspeed wrappers) pass that on to their workers;
+    installing a handler here replaces the inherited SIG_IGN, so the worker hears it.
+    ``force``: install them again, for a framework that replaced them since (Lightning
+    registers its own SIGTERM handler when fit starts; clusterops.integrations).
+    """
+    if threading.current_thread() is not threading.main_thread():
         return _rt.signals_installed
-    for sig in (signal.SIGTERM, signal.SIGUSR2):
-        _rt.prev_handlers[sig] = signal.signal(sig, _on_stop_signal)
+    if _rt.signals_installed and not force:
+        return True
+    for sig in STOP_SIGNALS:
+        prev = signal.signal(sig, _on_stop_signal)
+        _rt.prev_handlers.setdefault(sig, prev)
     _rt.signals_installed = True
     return True
 

@@ -112,7 +112,7 @@ def test_stopped_marker_only_from_rank_0(tmp_path, monkeypatch):
     assert sdk.mark_stopped(5) is False and os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR1])
 def test_stop_signals(sig):
     sdk.init_distributed()
     assert sdk.should_stop() is False
@@ -120,6 +120,25 @@ def test_stop_signals(sig):
     time.sleep(0.05)
     assert sdk.should_stop() is True
     assert sdk.stop_reason() == sig.name
+
+
+def test_lead_time_signal_is_a_stop_request_when_started_ignored():
+    """torchrun's workers inherit SIGUSR1 ignored from the launcher: the SDK's handler replaces it.
+
+    Without a supervisor as well: nothing in the environment but the signal.
+    """
+    code = textwrap.dedent("""
+        import os, signal, time
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)   # what `trap "" USR1` hands down
+        from clusterops import sdk
+        sdk.install_stop_handlers()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.1)
+        print(sdk.should_stop(), sdk.stop_reason(), flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTEROPS_")}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout.strip()) == (0, "True SIGUSR1"), p.stderr
 
 
 def test_second_sigterm_kills(tmp_path):

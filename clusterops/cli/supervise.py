@@ -74,6 +74,45 @@ def policy_kwargs_from_spec(spec: dict) -> dict:
     return kw
 
 
+def _plain_contract(sup: dict):
+    """The no-SDK settings (progress, checkpoint_glob, resume_args); flags give them as JSON."""
+    import re
+
+    from clusterops.supervisor.run import PlainContract
+
+    def value(key, kind):
+        v = sup.get(key)
+        if isinstance(v, str) and kind is not str:
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise InputError(f"--{key.replace('_', '-')}: not valid JSON ({e})") from None
+        if isinstance(v, tuple) and kind is list:
+            v = list(v)
+        if v is not None and not isinstance(v, kind):
+            raise InputError(f"supervise.{key}: must be a {kind.__name__}, got {v!r}")
+        return v
+
+    progress = value("progress", dict) or {}
+    unknown = sorted(set(progress) - {"regex"})
+    if unknown:
+        raise InputError(f"supervise.progress.{unknown[0]}: unknown key")
+    regex = progress.get("regex")
+    if progress and not isinstance(regex, str):
+        raise InputError("supervise.progress.regex: required, a regular expression")
+    if regex is not None:
+        try:
+            if re.compile(regex).groups < 1:
+                raise InputError("supervise.progress.regex: needs a group for the step")
+        except re.error as e:
+            raise InputError(f"supervise.progress.regex: not a valid regular expression: {e}") from None
+    args = value("resume_args", list) or []
+    if not all(isinstance(a, str) for a in args):
+        raise InputError("supervise.resume_args: must be a list of strings")
+    return PlainContract(progress_regex=regex, checkpoint_glob=value("checkpoint_glob", str) or None,
+                         resume_args=list(args))
+
+
 def command_from_spec(spec: dict) -> list:
     python = spec.get("python") or sys.executable
     script = spec.get("script")
@@ -96,7 +135,12 @@ def _setting_option(f: schema.Field):
         "number": lambda: click.FloatRange(f.min, f.max, min_open=f.gt),
         "path": lambda: click.Path(file_okay=False),
         "profile": lambda: click.STRING,
+        "str": lambda: click.STRING,
+        "list": lambda: click.STRING,   # JSON, e.g. '["--resume", "{ckpt}"]'
+        "map": lambda: click.STRING,    # JSON, e.g. '{"regex": "step=(\\d+)"}'
     }
+    if f.kind in ("list", "map"):
+        text += " (JSON)"
     return click.option(*names, f.name, type=types[f.kind](), default=None, help=text)
 
 
@@ -153,6 +197,7 @@ def supervise(spec_json, command, **settings):
         cmd = command_from_spec(spec)
     sup = dict(spec.get("supervise") or {})
     sup.update({k: v for k, v in settings.items() if v is not None and k in sup_keys})
+    plain = _plain_contract(sup)
     job_id = os.environ.get("SLURM_JOB_ID", "local")
     base = spec.get("log_dir") or spec.get("workdir") or os.getcwd()
     jd = Path(sup.get("job_dir") or Path(base) / f"{spec.get('name') or 'job'}-{job_id}")
@@ -180,6 +225,9 @@ def supervise(spec_json, command, **settings):
             srun_args.append(f"--container-mounts={spec['container_mounts']}")
     extra["srun_args"] = srun_args
     extra["notify_urls"] = list(spec.get("notify") or [])
+    extra["plain"] = plain
+    if spec.get("launcher") == "torchrun":
+        extra["launcher"] = "torchrun"      # one agent per node; the other launchers: srun-native ranks
     cfg = RunConfig.from_environment(cmd, jd, cd, policy, env=env, workdir=spec.get("workdir"),
                                      cpus_per_task=spec.get("cpus_per_task"), **extra)
     code = SupervisorRun(cfg, echo=lambda s: click.echo(s)).run()

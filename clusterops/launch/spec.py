@@ -382,6 +382,29 @@ class _Checker:
             return self.env(path, value)
         if k == "lines":
             return self.lines(path, value)
+        if k == "map":
+            if not isinstance(value, dict):
+                raise self.err(path, f"must be a mapping, got {value!r}")
+            keys = {x.name: x for x in f.fields}
+            for key in value:
+                if key not in keys:
+                    raise self.err(path + (key,), f"unknown key{schema.suggest(str(key), keys)}")
+            out = {}
+            for x in f.fields:
+                if value.get(x.name) is not None:
+                    out[x.name] = self.check(x, value[x.name], path + (x.name,), base)
+                elif x.required:
+                    raise self.err(path, f"{x.name}: required")
+            return out
+        if k == "regex":
+            text = self.text(path, value)
+            try:
+                rx = re.compile(text)
+            except re.error as e:
+                raise self.err(path, f"not a valid regular expression: {e}") from None
+            if rx.groups < 1:
+                raise self.err(path, "needs a group for the step, e.g. 'step[= ](\\d+)'")
+            return text
         if k == "profile":
             if value is False or value is None:
                 return False

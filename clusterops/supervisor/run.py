@@ -11,10 +11,17 @@ through the Slurm client (``clusterops.slurm.settings.connect``). Each action cl
 its handler in one explicit table (``SupervisorRun._handlers``).
 
 The training step is one ``srun`` with one task per rank ("srun-native ranks": RANK
-from ``SLURM_PROCID``, ``MASTER_ADDR``/``MASTER_PORT`` exported here). That choice is
-deliberate: under preemption Slurm SIGTERMs every task of every step at once, and a
-rank that receives SIGTERM itself can finish its checkpoint (the SDK treats SIGTERM as
-a stop request), whereas torchrun's agent answers SIGTERM by killing its workers.
+from ``SLURM_PROCID``, ``MASTER_ADDR``/``MASTER_PORT`` exported here), or, for
+``launcher: torchrun``, one task per node running a torchrun agent
+(:func:`torchrun_command`). srun-native ranks are the default and deliberate: under
+preemption Slurm SIGTERMs every task of every step at once, and a rank that receives
+SIGTERM itself can finish its checkpoint (the SDK treats SIGTERM as a stop request),
+whereas torchrun's agent answers SIGTERM by killing its workers after its close timeout.
+
+Scripts without the SDK (``supervise: progress/checkpoint_glob/resume_args``, see
+:class:`PlainContract`): progress is read from the ranks' output, checkpoints are the
+script's own files found by pattern, a stop is the lead-time signal (SIGUSR1) sent
+to the step, and a restart adds the script's resume arguments.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from clusterops import drains
 from clusterops import protocol
@@ -46,6 +54,110 @@ STATE_FILE = "supervisor-state.json"
 # Values torchrun would set: srun-native ranks take theirs from SLURM_PROCID/SLURM_NTASKS/
 # SLURM_LOCALID, so none may leak in from the supervisor's own environment.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+# ------------------------------------------------------------------------------ no SDK
+# Names that are never a finished checkpoint: temporary and hidden files, editor and
+# partial-download leftovers. Anything else the glob matches counts as complete, so a
+# script must write under such a name and rename when done (torch.save to x.tmp, then
+# os.replace): what a careful script does anyway.
+_TEMP_NAME = re.compile(r"(^\.|\.tmp$|\.tmp\.|\.temp$|\.part$|\.partial$|~$|\.incomplete$)", re.IGNORECASE)
+_LAST_INT = re.compile(r"(\d+)(?!.*\d)")
+_LABEL = re.compile(r"^\s*(\d+): ?(.*)$")
+
+
+@dataclass
+class PlainContract:
+    """How the supervisor works with a script that does not import the SDK.
+
+    ``progress_regex`` (group 1: the step) is searched in every line the ranks print
+    (srun ``--label`` tells the rank); ``checkpoint_glob`` names the script's own
+    checkpoints under the checkpoint directory; ``resume_args`` are added to the
+    command on a restart, ``{ckpt}`` replaced by the checkpoint chosen.
+    """
+
+    progress_regex: Optional[str] = None
+    checkpoint_glob: Optional[str] = None
+    resume_args: List[str] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.progress_regex or self.checkpoint_glob)
+
+    def resume_argv(self, ckpt: str) -> List[str]:
+        return [a.replace("{ckpt}", ckpt) for a in self.resume_args] if ckpt else []
+
+
+def plain_checkpoints(ckpt_dir: Path, pattern: str) -> List[Tuple[int, float, Path]]:
+    """The complete checkpoints a glob finds: (step, mtime, path), oldest first.
+
+    Complete: matched by the pattern and not a temporary name (``_TEMP_NAME``). The
+    step is the last number in the file or directory name (0 without one); ties are
+    broken by modification time.
+    """
+    found = []
+    for p in ckpt_dir.glob(pattern):
+        if _TEMP_NAME.search(p.name):
+            continue
+        try:
+            mtime = p.stat().st_mtime
+        except OSError:
+            continue
+        m = _LAST_INT.search(p.name)
+        found.append((int(m.group(1)) if m else 0, mtime, p))
+    found.sort(key=lambda t: (t[0], t[1]))
+    return found
+
+
+class ProgressReader:
+    """Steps from the step log (``N: <line>``), written as heartbeat files.
+
+    A rank's file is rewritten only when its step changes, so its mtime is the time of
+    its last progress: the state machine's hang rule (no progress for hang_timeout_s)
+    holds unchanged. A rank that prints no progress line of its own (often only rank 0
+    prints) follows the newest step any rank printed.
+    """
+
+    def __init__(self, regex: str, log_path: Path, hb_dir: Path, ranks: int):
+        self.regex = re.compile(regex)
+        self.log_path, self.hb_dir, self.ranks = log_path, hb_dir, ranks
+        self.offset = 0
+        self.partial = b""
+        self.own: Dict[int, int] = {}
+        self.written: Dict[int, int] = {}
+
+    def poll(self) -> None:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(1 << 22)
+        except OSError:
+            return
+        if not data:
+            return
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        for raw in lines:
+            text = raw.decode("utf-8", "replace")
+            m = _LABEL.match(text)
+            rank, body = (int(m.group(1)), m.group(2)) if m else (0, text)
+            hit = self.regex.search(body)
+            if hit is None:
+                continue
+            try:
+                step = int(hit.group(1))
+            except (IndexError, TypeError, ValueError):
+                continue
+            self.own[rank] = step
+        if not self.own:
+            return
+        newest = max(self.own.values())
+        for r in range(self.ranks):
+            step = self.own.get(r, newest)
+            if self.written.get(r) != step:
+                protocol.write_heartbeat(self.hb_dir, r, step)   # the SDK's own heartbeat format
+                self.written[r] = step
 
 
 @dataclass
@@ -70,6 +182,8 @@ class RunConfig:
     stacks_timeout_s: float = 15.0
     srun_args: List[str] = field(default_factory=list)   # extra srun arguments for the training step
     notify_urls: List[str] = field(default_factory=list)  # the job spec's notify: webhooks
+    plain: PlainContract = field(default_factory=PlainContract)   # a script without the SDK
+    launcher: str = "srun"      # "srun": one task per rank; "torchrun": one torchrun agent per node
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -88,6 +202,27 @@ class RunConfig:
         return cls(command=list(command), job_dir=Path(job_dir), ckpt_dir=Path(ckpt_dir), policy=policy,
                    nodes=nodes, job_id=os.environ.get("SLURM_JOB_ID"),
                    slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0), **kwargs)
+
+
+# ------------------------------------------------------------------------------ torchrun
+# One torchrun agent per node (srun task), static rendezvous on the step's first node
+# (MASTER_ADDR/MASTER_PORT, set per launch), node rank = the task's index in the step.
+# The agent ignores the lead-time USR1 and the supervisor's USR2 (it would die of
+# them; the ignored state is inherited, and the SDK's handlers replace it in the
+# workers); no restarts inside torchrun: the supervisor restarts.
+_TORCHRUN_BODY = ('trap "" USR1 USR2; exec "$0" -m torch.distributed.run --nnodes="$1" --nproc-per-node="$2" '
+                  '--node-rank="$SLURM_PROCID" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" '
+                  '--max-restarts=0 "${@:3}"')
+
+
+def torchrun_command(command: Sequence[str], python: str, nodes: int, nproc_per_node: int) -> List[str]:
+    """The per-node command that starts ``command`` (``python script args`` or a program) under torchrun."""
+    command = list(command)
+    if command and command[0] == python:
+        target = command[1:]
+    else:
+        target = ["--no-python", *command]
+    return ["bash", "-c", _TORCHRUN_BODY, python, str(nodes), str(nproc_per_node), *target]
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -146,6 +281,7 @@ class SupervisorRun:
         self.guard: Optional[drains.GuardSettings] = None
         self.n_checks = 0
         self.notifier = None   # webhooks from the site config's notify: (made when first needed)
+        self.progress_reader: Optional[ProgressReader] = None
         # One handler per action class, spelled out so that grep finds them.
         self._handlers: Dict[type, Callable[[sv.Action], None]] = {
             sv.Record: self._act_record,
@@ -219,8 +355,10 @@ class SupervisorRun:
             step = self._latest_ckpt(deep=False)
             if step is not None and (self.seen_ckpt is None or step > self.seen_ckpt):
                 self.seen_ckpt = step
-                events.append(sv.CheckpointCommitted(now, step, str(self.cfg.ckpt_dir / f"step_{step}")))
+                events.append(sv.CheckpointCommitted(now, step, self._ckpt_path(step)))
             if self.attempt_dir is not None:
+                if self.progress_reader is not None:
+                    self.progress_reader.poll()
                 events.append(sv.Heartbeats(now, protocol.read_heartbeats(protocol.heartbeat_dir(self.attempt_dir))))
             rc = self.train.poll()
             if rc is not None:
@@ -333,9 +471,19 @@ class SupervisorRun:
                 return False
         return True
 
+    def _ckpt_path(self, step: int) -> str:
+        if self.cfg.plain.checkpoint_glob:
+            found = [p for s, _, p in plain_checkpoints(self.cfg.ckpt_dir, self.cfg.plain.checkpoint_glob)
+                     if s == step]
+            return str(found[-1]) if found else ""
+        return str(self.cfg.ckpt_dir / f"step_{step}")
+
     def _latest_ckpt(self, *, deep: bool) -> Optional[int]:
         from clusterops import checkpoint as ck
 
+        if self.cfg.plain.checkpoint_glob:
+            found = plain_checkpoints(self.cfg.ckpt_dir, self.cfg.plain.checkpoint_glob)
+            return found[-1][0] if found else None
         try:
             found = ck.find_latest_good(self.cfg.ckpt_dir, deep=deep).latest
         except ClusteropsError:
@@ -354,7 +502,12 @@ class SupervisorRun:
         # damaged since it was written is skipped and said so, not loaded.
         resume = ""
         try:
-            lookup = ck.find_latest_good(cfg.ckpt_dir, deep=cfg.deep_verify)
+            if cfg.plain.checkpoint_glob:
+                # The script's own format: nothing to verify beyond "complete" (see plain_checkpoints).
+                found = plain_checkpoints(cfg.ckpt_dir, cfg.plain.checkpoint_glob)
+                lookup = ck.Lookup(ck.CheckpointInfo(path=found[-1][2], step=found[-1][0], ok=True) if found else None, [])
+            else:
+                lookup = ck.find_latest_good(cfg.ckpt_dir, deep=cfg.deep_verify)
         except ClusteropsError as e:  # the root itself unreadable: start without one, say why
             self._record("checkpoint_bad", {"step": None, "path": str(cfg.ckpt_dir), "problems": [e.message]})
             lookup = ck.Lookup(None, [])
@@ -377,10 +530,16 @@ class SupervisorRun:
             env.pop(var, None)
         self.step_name = f"clusterops-train-{a.attempt}"
         self.step_id = None
-        argv = srun_argv(cfg.command, job_name=self.step_name, nodes=nodes, ntasks_per_node=ppn,
+        command = list(cfg.command) + cfg.plain.resume_argv(resume)
+        tasks_per_node = ppn
+        if cfg.launcher == "torchrun":
+            command, tasks_per_node = torchrun_command(command, cfg.python, len(nodes), ppn), 1
+        argv = srun_argv(command, job_name=self.step_name, nodes=nodes, ntasks_per_node=tasks_per_node,
                          cpus_per_task=cfg.cpus_per_task, kill_on_bad_exit=True, wait_s=cfg.step_wait_s,
                          label=True, extra=cfg.srun_args)
         self.train_log = d / "step.log"
+        self.progress_reader = (ProgressReader(cfg.plain.progress_regex, self.train_log, d / "heartbeat",
+                                               len(nodes) * ppn) if cfg.plain.progress_regex else None)
         self.train = self.runner.spawn(argv, log_path=str(self.train_log), env=env, cwd=cfg.workdir,
                                        unset=TORCHRUN_VARS)
         self.launched_at = self.clock()
@@ -493,6 +652,15 @@ class SupervisorRun:
                                 "complete": all(p.returncode == 0 for p, _ in procs.values())})
 
     def _act_request_stop(self, a: sv.RequestStop) -> None:
+        if self.cfg.plain.active:
+            # No SDK: the stop is the launcher's lead-time signal, which such a script
+            # handles (save, exit 0) as it would without a supervisor. Sent to the step
+            # (the ranks), never to srun, and only once every rank has shown progress:
+            # before that a rank may not have its handler yet (USR1's default kills).
+            beats = protocol.read_heartbeats(protocol.heartbeat_dir(self.attempt_dir)) if self.attempt_dir else {}
+            if len(beats) >= self.sup.expected_ranks:
+                self._signal_step("USR1")
+            return
         if self.stop_file is not None:
             self.stop_file.touch()
         # SIGUSR2 (a signal NCCL does not use; the SDK treats it as a stop request) only

@@ -1,0 +1,132 @@
+"""Self-healing for PyTorch Lightning: one callback (``pip install clusterops[lightning]``).
+
+    from clusterops.integrations.lightning import ClusteropsCallback, resume_path
+    trainer = L.Trainer(max_steps=..., callbacks=[ClusteropsCallback(every_n_steps=50)])
+    trainer.fit(model, data, ckpt_path=resume_path())
+
+What the callback does:
+- beats the supervisor's heartbeat after every training batch (``sdk.heartbeat``);
+- turns a stop request (the supervisor's stop file or SIGUSR2, the lead-time SIGUSR1,
+  SIGTERM) into a checkpoint at the current step and a clean end of ``fit`` (all ranks
+  agree through ``sdk.should_stop``); ``stopped`` is then True and the script exits 0;
+- writes checkpoints (every ``every_n_steps`` and on a stop) with
+  ``trainer.save_checkpoint`` into a clusterops pending checkpoint that rank 0 commits
+  atomically with a manifest (``step_<N>/lightning.ckpt``), so the supervisor sees,
+  verifies and resumes from them;
+- when supervised (the heartbeat variable, ``protocol.ENV_HEARTBEAT_DIR``, set), turns off Lightning's SLURM
+  auto-requeue (the supervisor requeues, once) and puts the SDK's signal handlers back
+  after Lightning installed its own, so SIGTERM is a save-and-stop and never
+  Lightning's ``SIGTERMException`` or its ``scontrol requeue``.
+
+``resume_path()`` is the file to pass as ``ckpt_path``: inside the resume variable
+when it verifies, else the newest good checkpoint under the checkpoint root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import lightning.pytorch as pl
+
+from clusterops import checkpoint as ck
+from clusterops import protocol, sdk
+from clusterops.integrations import resume_dir
+
+log = logging.getLogger(__name__)
+
+CKPT_FILE = "lightning.ckpt"
+KIND = "lightning"
+
+
+def supervised() -> bool:
+    """Running under ``clusterops supervise`` (it sets the heartbeat directory)."""
+    return bool(os.environ.get(protocol.ENV_HEARTBEAT_DIR))
+
+
+def resume_path(root: Optional[os.PathLike] = None) -> Optional[str]:
+    """``ckpt_path`` for ``Trainer.fit``: the Lightning file of the checkpoint to resume from, or None."""
+    d = resume_dir(root)
+    if d is None:
+        return None
+    path = d / CKPT_FILE
+    if not path.is_file():
+        log.warning("checkpoint %s has no %s (not written by this callback); starting fresh", d, CKPT_FILE)
+        return None
+    return str(path)
+
+
+class ClusteropsCallback(pl.Callback):
+    """Heartbeat, stop-and-save, atomic checkpoints and the requeue rule (module docstring)."""
+
+    def __init__(self, every_n_steps: int = 0, *, root: Optional[os.PathLike] = None):
+        if every_n_steps < 0:
+            raise ValueError(f"every_n_steps must be >= 0, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.root = root
+        self.stopped = False          # fit ended on a stop request (a checkpoint was committed)
+        self.last_saved: Optional[int] = None
+
+    # -- the requeue rule --------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        sdk.install_stop_handlers()
+        if not supervised():
+            return
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        env = trainer._accelerator_connector.cluster_environment
+        if isinstance(env, SLURMEnvironment) and env.auto_requeue:
+            # Lightning would answer the lead-time signal with `scontrol requeue` and its
+            # own checkpoint: two requeuers. Under the supervisor, the supervisor requeues.
+            env._auto_requeue = False
+            log.info("clusterops: Lightning's SLURM auto-requeue turned off (the supervisor requeues)")
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Trainer.fit registered Lightning's SIGTERM handler (and maybe its requeue handler)
+        # just before this hook; ours go back on top, so a signal is a stop request only.
+        sdk.install_stop_handlers(force=True)
+        sdk.heartbeat(trainer.global_step, force=True)
+
+    # -- every step ----------------------------------------------------------------------
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        sdk.heartbeat(step)
+        stop = sdk.should_stop()       # a collective: every rank calls it here, every batch
+        due = self.every_n_steps and step % self.every_n_steps == 0 and step != self.last_saved
+        if stop or due:
+            if step != self.last_saved:
+                self.save(trainer)
+        if stop:
+            self.stopped = True
+            trainer.should_stop = True
+            log.info("clusterops: stop requested (%s); checkpoint at step %d, ending fit", sdk.stop_reason(), step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        sdk.heartbeat(trainer.global_step, force=True)
+
+    # -- saving --------------------------------------------------------------------------
+    def save(self, trainer: "pl.Trainer") -> Optional[Path]:
+        """Commit Lightning's full checkpoint at the current step (collective); rank 0 returns the path."""
+        step = trainer.global_step
+        root = sdk.ckpt_root(self.root)
+        pending = ck.PendingCheckpoint(root, step) if trainer.is_global_zero else None
+        target = pending.path / CKPT_FILE if pending is not None else root / CKPT_FILE  # only rank 0 writes
+        try:
+            trainer.save_checkpoint(str(target))     # every rank; Lightning writes on rank 0, then a barrier
+            if pending is None:
+                self.last_saved = step
+                return None
+            with open(target, "rb") as f:
+                os.fsync(f.fileno())
+            pending.record_file(CKPT_FILE)
+            path = pending.commit(world_size=trainer.world_size, kind=KIND,
+                                  meta={"restart_count": sdk.restart_count(), "framework": "lightning"})
+        except BaseException as e:
+            if pending is not None and not pending.committed:
+                pending.abort()
+            raise ck.wrap_save_error(e, root, step) from e
+        self.last_saved = step
+        log.info("clusterops: checkpoint step %d committed at %s", step, path)
+        return path
