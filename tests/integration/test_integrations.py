@@ -23,7 +23,7 @@ from clusterops import checkpoint as ck
 from clusterops.runner import Runner, kill_group, wait_exit
 from support import faultkit as fk
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = {"lightning": REPO / "examples" / "lightning_train.py", "hf": REPO / "examples" / "hf_train.py"}
 STEPS = 30
 
