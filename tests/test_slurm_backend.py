@@ -14,10 +14,11 @@ from clusterops.slurm.settings import SlurmSettings, connect
 class ConfigRunner:
     """Answers `scontrol show config` with a controller of the given version."""
 
-    def __init__(self, version):
+    def __init__(self, version, conf):
+        conf.write_text("# a slurm.conf stand-in: only its path is used\n")
         self.version = version
         self.calls = []
-        self.env = {"SLURM_CONF": f"/nonexistent/test-{version}/slurm.conf"}
+        self.env = {"SLURM_CONF": str(conf)}
 
     def run(self, argv, **kw):
         self.calls.append(list(argv))
@@ -36,16 +37,16 @@ def test_backend_setting_from_the_environment():
     assert e.value.exit_code == 2
 
 
-def test_cli_backend_asks_nothing():
-    runner = ConfigRunner("22.05.8")
+def test_cli_backend_asks_nothing(tmp_path):
+    runner = ConfigRunner("22.05.8", tmp_path / "slurm.conf")
     client = connect(SlurmSettings(backend="cli"), runner=runner)
     assert client.backend == "cli" and runner.calls == []
 
 
-def test_a_controller_pyslurm_was_not_built_for_keeps_the_cli(caplog):
+def test_a_controller_pyslurm_was_not_built_for_keeps_the_cli(caplog, tmp_path):
     # A 22.05 controller: auto falls back to the CLI and says why; an explicit pyslurm is
     # one line, exit 2 -- whether pyslurm is missing here or built for another Slurm.
-    runner = ConfigRunner("22.05.8")
+    runner = ConfigRunner("22.05.8", tmp_path / "slurm.conf")
     with caplog.at_level("INFO", logger="clusterops.slurm.pyslurm_backend"):
         client = connect(SlurmSettings(backend="auto"), runner=runner)
     assert client.backend == "cli"
@@ -53,7 +54,7 @@ def test_a_controller_pyslurm_was_not_built_for_keeps_the_cli(caplog):
     want = "is not installed" if have is None else "the controller runs 22.05.8"
     assert any(want in r.getMessage() for r in caplog.records), caplog.text
     with pytest.raises(InputError) as e:
-        connect(SlurmSettings(backend="pyslurm"), runner=ConfigRunner("22.05.8"))
+        connect(SlurmSettings(backend="pyslurm"), runner=ConfigRunner("22.05.8", tmp_path / "slurm.conf"))
     assert want in str(e.value) and "\n" not in str(e.value) and e.value.exit_code == 2
 
 
@@ -69,13 +70,13 @@ def test_sbatch_header_and_args_map_to_submit_fields():
             "echo hi\n"
             "#SBATCH --partition=never-read\n")
     f = pb.submit_fields(text, ["--output=/tmp/o.out", "-J", "cli-wins"], "/tmp")
-    assert f == {"name": "cli-wins", "nodes": "3", "ntasks_per_node": "1", "time_limit": "0:10:00",
+    assert f == {"name": "cli-wins", "nodes": "3", "ntasks_per_node": 1, "time_limit": "0:10:00",
                  "signal": "B:USR1@30", "is_requeueable": True, "excluded_nodes": ["node1", "node2"],
                  "standard_output": "/tmp/o.out", "working_directory": "/tmp", "ntasks": 3}
 
 
 @pytest.mark.parametrize("words", [["--mail-type=END"], ["--gpus-per-node=2"], ["-Z"], ["stray"],
-                                   ["--time"], ["--signal=R:USR1@30"]])
+                                   ["--time"], ["--signal=R:USR1@30"], ["--ntasks=two"]])
 def test_options_not_mapped_go_through_sbatch(words):
     with pytest.raises(pb._Unmapped):
         pb.submit_fields("#!/bin/bash\ntrue\n", words, None)

@@ -241,6 +241,13 @@ def submit_fields(script_text: str, args: Sequence[str], workdir: Optional[str])
             fields[key] = hostlist.expand_hostlist(fields[key])
     if fields.get("signal", "").startswith("R:"):
         raise _Unmapped("--signal=R:...")
+    # pyslurm wants numbers as ints (a time of "5" would reach libslurm as text).
+    for key in ("ntasks", "ntasks_per_node", "cpus_per_task", "time_limit"):
+        value = fields.get(key)
+        if isinstance(value, str) and value.isdigit():
+            fields[key] = int(value)
+        elif value is not None and key != "time_limit":
+            raise _Unmapped(f"{key}={value!r}")
     # sbatch leaves the task count to slurmctld (one per node); pyslurm would default it to 1,
     # which a multi-node job refuses. Say it as sbatch would mean it.
     if "ntasks" not in fields and "nodes" in fields:
@@ -410,7 +417,9 @@ class PyslurmSlurm(Slurm):
         sig = _check_signal(signal) if signal is not None else "KILL"
         signum = int(sig) if sig.isdigit() else f"SIG{sig}"
         if step is not None:
-            st = self.ps.JobStep(jid, int(step))
+            # A step built by hand (JobStep(job, step)) lacks the het-component id slurmctld
+            # checks ("Invalid job id"); the loaded one carries it.
+            st = self._rpc_read(f"step {jid}.{step}", self.ps.JobStep.load, jid, int(step))
             if signal is None:
                 self._rpc_write(f"cancel {jid}.{step}", st.cancel)
             else:
