@@ -55,6 +55,11 @@ def _conf_of(cli: Slurm) -> str:
     return (cli.runner.env or {}).get("SLURM_CONF") or os.environ.get("SLURM_CONF") or ""
 
 
+def _v(version: Sequence[int]) -> str:
+    """(22, 5, 8) -> "22.05.8", as Slurm spells its versions."""
+    return ".".join([str(version[0]), f"{version[1]:02d}", *map(str, version[2:])])
+
+
 def installed_version() -> Optional[Tuple[int, ...]]:
     """pyslurm's version from its package metadata (no import of libslurm), or None."""
     from importlib import metadata
@@ -118,8 +123,7 @@ def _why_not(cli: Slurm, conf: str) -> Optional[str]:
     except ValueError as e:
         return f"the controller's version is unknown ({e})"
     if tuple(have[:2]) != tuple(ctld[:2]):
-        return (f"pyslurm {'.'.join(map(str, have))} is for Slurm {have[0]}.{have[1]:02d}, "
-                f"the controller runs {'.'.join(map(str, ctld))}")
+        return f"pyslurm {_v(have)} is for Slurm {_v(have[:2])}, the controller runs {_v(ctld)}"
     try:
         _load(conf)
     except Exception as e:   # ImportError, a libslurm that does not load: one line, never a crash
