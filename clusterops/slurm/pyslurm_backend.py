@@ -26,9 +26,8 @@ import logging
 import os
 import re
 import shlex
-import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import hostlist
 
@@ -112,18 +111,29 @@ def choose(cli: Slurm, *, explicit: bool) -> Slurm:
     return cli
 
 
-def _why_not(cli: Slurm, conf: str) -> Optional[str]:
+def mismatch(controller: Sequence[int]) -> Optional[str]:
+    """Why pyslurm cannot serve a controller of this version (not installed, or built for
+    another major.minor), or None when it can."""
     have = installed_version()
     if have is None:
         return "pyslurm is not installed (pip install 'clusterops[pyslurm]')"
+    if tuple(have[:2]) != tuple(controller[:2]):
+        return f"pyslurm {_v(have)} is for Slurm {_v(have[:2])}, the controller runs {_v(controller)}"
+    return None
+
+
+def _why_not(cli: Slurm, conf: str) -> Optional[str]:
+    if installed_version() is None:
+        return mismatch(())
     try:
         ctld = cli.controller_version()
     except ClusteropsError as e:
         return f"transient: the controller's version is unknown ({e})"
     except ValueError as e:
         return f"the controller's version is unknown ({e})"
-    if tuple(have[:2]) != tuple(ctld[:2]):
-        return f"pyslurm {_v(have)} is for Slurm {_v(have[:2])}, the controller runs {_v(ctld)}"
+    why = mismatch(ctld)
+    if why:
+        return why
     try:
         _load(conf)
     except Exception as e:   # ImportError, a libslurm that does not load: one line, never a crash

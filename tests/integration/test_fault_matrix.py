@@ -64,15 +64,9 @@ def backend(request, slurm):
     fails the run (exit 2) rather than quietly falling back. The pyslurm half runs on the
     tier whose Slurm pyslurm was built for (scripts/test-slurm-25.11.sh)."""
     if request.param == "pyslurm":
-        from clusterops.slurm.pyslurm_backend import installed_version
+        from clusterops.slurm.pyslurm_backend import mismatch
 
-        have, ctld = installed_version(), slurm.controller_version()
-        why = None
-        if have is None:
-            why = "pyslurm is not installed (the 25.11 tier installs it: scripts/test-slurm-25.11.sh)"
-        elif tuple(have[:2]) != tuple(ctld[:2]):
-            why = (f"the dev cluster runs Slurm {'.'.join(map(str, ctld))}; pyslurm "
-                   f"{'.'.join(map(str, have))} is for {have[0]}.{have[1]:02d}")
+        why = mismatch(slurm.controller_version())
         if why and os.environ.get("CLUSTEROPS_TEST_REQUIRE_PYSLURM"):
             pytest.fail(f"the pyslurm backend must run on this tier: {why}")
         if why:

@@ -26,16 +26,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
 def _pyslurm_skip_reason(cli) -> str | None:
-    from clusterops.slurm.pyslurm_backend import installed_version
+    from clusterops.slurm.pyslurm_backend import mismatch
 
-    have = installed_version()
-    if have is None:
-        return "pyslurm is not installed (the 25.11 tier installs it: scripts/test-slurm-25.11.sh)"
-    ctld = cli.controller_version()
-    if tuple(have[:2]) != tuple(ctld[:2]):
-        return (f"the dev cluster runs Slurm {'.'.join(map(str, ctld))}; pyslurm "
-                f"{'.'.join(map(str, have))} is for {have[0]}.{have[1]:02d}")
-    return None
+    return mismatch(cli.controller_version())
 
 
 @pytest.fixture(params=["cli", "pyslurm"])
