@@ -71,12 +71,18 @@ def test_sbatch_header_and_args_map_to_submit_fields():
             "#SBATCH --partition=never-read\n")
     f = pb.submit_fields(text, ["--output=/tmp/o.out", "-J", "cli-wins"], "/tmp")
     assert f == {"name": "cli-wins", "nodes": "3", "ntasks_per_node": 1, "time_limit": "0:10:00",
-                 "signal": "B:USR1@30", "is_requeueable": True, "excluded_nodes": ["node1", "node2"],
+                 "signal": {"signal": 10, "time": 30, "batch_only": True}, "is_requeueable": True, "excluded_nodes": ["node1", "node2"],
                  "standard_output": "/tmp/o.out", "working_directory": "/tmp", "ntasks": 3}
 
 
 @pytest.mark.parametrize("words", [["--mail-type=END"], ["--gpus-per-node=2"], ["-Z"], ["stray"],
-                                   ["--time"], ["--signal=R:USR1@30"], ["--ntasks=two"]])
+                                   ["--time"], ["--signal=X:USR1@30"], ["--signal=NOPE@3"], ["--ntasks=two"]])
 def test_options_not_mapped_go_through_sbatch(words):
     with pytest.raises(pb._Unmapped):
         pb.submit_fields("#!/bin/bash\ntrue\n", words, None)
+
+
+def test_warn_signal_forms():
+    assert pb.submit_fields("#!/bin/bash\n", ["--signal=TERM"], None)["signal"] == {"signal": 15, "time": 60}
+    assert pb.submit_fields("#!/bin/bash\n", ["--signal=R:12@5"], None)["signal"] == {
+        "signal": 12, "time": 5, "allow_reservation_overlap": True}

@@ -240,6 +240,28 @@ def _apply_options(fields: Dict[str, Any], words: Sequence[str]) -> None:
         i += 1
 
 
+def _warn_signal(spec: str) -> Dict[str, Any]:
+    """sbatch's ``--signal=[{R|B}:]<sig>[@sig_time]`` as pyslurm's dict. pyslurm parses the
+    text form itself but knows signal names only with "SIG" (``B:USR1@30`` is refused)."""
+    import signal as _signal
+
+    flags, _, rest = spec.rpartition(":")
+    name, _, when = rest.partition("@")
+    if flags not in ("", "B", "R", "BR", "RB") or (when and not when.isdigit()):
+        raise _Unmapped(f"--signal={spec}")
+    try:
+        sig = _check_signal(name)
+    except InputError:
+        raise _Unmapped(f"--signal={spec}") from None
+    num = int(sig) if sig.isdigit() else int(getattr(_signal, f"SIG{sig}"))
+    out: Dict[str, Any] = {"signal": num, "time": int(when) if when else 60}   # sbatch's default: 60 s
+    if "B" in flags:
+        out["batch_only"] = True
+    if "R" in flags:
+        out["allow_reservation_overlap"] = True
+    return out
+
+
 def submit_fields(script_text: str, args: Sequence[str], workdir: Optional[str]) -> Dict[str, Any]:
     """JobSubmitDescription fields for a script and sbatch-style ``args`` (the command line
     wins over #SBATCH, as with sbatch). Raises ``_Unmapped`` for anything not in the tables."""
@@ -253,8 +275,8 @@ def submit_fields(script_text: str, args: Sequence[str], workdir: Optional[str])
     for key in ("excluded_nodes", "required_nodes"):
         if key in fields:
             fields[key] = hostlist.expand_hostlist(fields[key])
-    if fields.get("signal", "").startswith("R:"):
-        raise _Unmapped("--signal=R:...")
+    if "signal" in fields:
+        fields["signal"] = _warn_signal(fields["signal"])
     # pyslurm wants numbers as ints (a time of "5" would reach libslurm as text).
     for key in ("ntasks", "ntasks_per_node", "cpus_per_task", "time_limit"):
         value = fields.get(key)

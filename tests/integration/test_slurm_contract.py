@@ -61,7 +61,8 @@ def test_version(slurm):
 def test_submit_query_jobs_and_exit_codes(slurm, tmp_path):
     ok = slurm.submit(script(tmp_path, "#SBATCH --job-name=fromheader\necho hello from $SLURMD_NODENAME $MARK",
                              "ok.sh"),
-                      ["--job-name=ok", f"--output={tmp_path}/ok.out", "--time=5"])
+                      ["--job-name=ok", f"--output={tmp_path}/ok.out", "--time=5", "--signal=B:USR1@30",
+                       "--requeue", "--open-mode=append"])
     bad = slurm.submit(text="#!/bin/bash\nexit 7\n", args=["--job-name=bad", f"--output={tmp_path}/bad.out"],
                        workdir=str(tmp_path))
     assert isinstance(ok, int) and bad == ok + 1
