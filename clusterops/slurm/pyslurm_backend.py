@@ -262,6 +262,18 @@ def _warn_signal(spec: str) -> Dict[str, Any]:
     return out
 
 
+def _sbatch_env() -> Dict[str, str]:
+    """What sbatch itself adds to a job's environment and pyslurm does not: the submit
+    directory and host, the umask and the nice value slurmd applies to the batch shell.
+    (sbatch's SLURM_RLIMIT_* are not set: the job gets slurmd's resource limits.)"""
+    import socket
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return {"SLURM_SUBMIT_DIR": os.getcwd(), "SLURM_SUBMIT_HOST": socket.gethostname(),
+            "SLURM_UMASK": f"{mask:04o}", "SLURM_PRIO_PROCESS": str(os.getpriority(os.PRIO_PROCESS, 0))}
+
+
 def submit_fields(script_text: str, args: Sequence[str], workdir: Optional[str]) -> Dict[str, Any]:
     """JobSubmitDescription fields for a script and sbatch-style ``args`` (the command line
     wins over #SBATCH, as with sbatch). Raises ``_Unmapped`` for anything not in the tables."""
@@ -422,7 +434,7 @@ class PyslurmSlurm(Slurm):
             return super().submit(script, args, text=text, workdir=workdir)
         # sbatch exports the submitter's whole environment (--export=ALL) with the client's
         # extras (SLURM_CONF, the prefix's PATH): the same here.
-        env = {**os.environ, **dict(self.runner.env or {}), **self.tools.env()}
+        env = {**os.environ, **dict(self.runner.env or {}), **self.tools.env(), **_sbatch_env()}
         fields.setdefault("working_directory", os.getcwd())
         desc = self.ps.JobSubmitDescription(script=str(script) if script is not None else body,
                                             environment=env, **fields)

@@ -83,12 +83,16 @@ def test_submit_exports_the_environment_and_multi_node(slurm, tmp_path, monkeypa
     monkeypatch.setenv("CONTRACT_MARK", mark)
     out = tmp_path / "env.out"
     body = ("#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n"
-            'echo "mark=$CONTRACT_MARK nodes=$SLURM_JOB_NUM_NODES"; srun hostname >/dev/null && echo srun-ok')
+            'echo "mark=$CONTRACT_MARK nodes=$SLURM_JOB_NUM_NODES"; srun hostname >/dev/null && echo srun-ok\n'
+            'echo "submitdir=$SLURM_SUBMIT_DIR umask=$(umask)"')
     jid = slurm.submit(script(tmp_path, body), [f"--output={out}"])
     info = wait_for(lambda: (j := slurm.job(jid)).category == "done" and j, what="2-node job done")
     assert len(info.node_names) == 2
     text = out.read_text()
+    mask = os.umask(0)
+    os.umask(mask)
     assert f"mark={mark} nodes=2" in text and "srun-ok" in text, text
+    assert f"submitdir={os.getcwd()} umask={mask:04o}" in text, text
 
 
 def test_unknown_job_and_node_are_clear_errors(slurm):
