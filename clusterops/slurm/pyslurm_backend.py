@@ -5,13 +5,15 @@ submit, requeue, hold/release, cancel/signal and drain/resume go to slurmctld as
 this process instead of starting ``squeue``/``scontrol``/``sbatch``/``scancel``. What
 pyslurm has no API for, or does differently, is delegated to the inherited CLI methods,
 each marked below: ``update_job`` (free-form ``Key=Value`` fields), ``partition_nodes``,
-``node_states`` (sinfo's state words), ``node_address``, reservations, ``job_tasks`` for
-array ids, and a ``submit`` whose options this module does not map. This module runs no
-Slurm command itself; the delegated methods run them through the CLI client's Runner.
+``node_states`` (sinfo's state words), ``node_address``, reservations, ``job`` of an array
+task id (``123_4``), and a ``submit`` with an option outside this module's table or with
+``SBATCH_*`` input variables set. This module runs no Slurm command itself; the delegated
+methods run them through the CLI client's Runner.
 
 ``choose(cli, explicit=...)`` decides, once per process and slurm.conf: pyslurm is used
 when it is installed and its major.minor (pyslurm versions follow Slurm's: 25.11.x is built
-for Slurm 25.11) equals the controller's; otherwise ``auto`` keeps the CLI client and logs
+for Slurm 25.11) equals the controller's, which the CLI client reads (``scontrol show
+config``) before libslurm is loaded at all; otherwise ``auto`` keeps the CLI client and logs
 why (info), and an explicit ``pyslurm`` is a one-line ``InputError`` (exit 2). pyslurm is
 imported here only, and only when it may be chosen: ``import clusterops`` never loads it.
 
