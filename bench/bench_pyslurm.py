@@ -7,7 +7,9 @@ Starts a 4-node dev cluster from the prefix (Slurm 25.11, the version pyslurm 25
 built for), then for each backend, through the layer's own methods: job-state queries
 (``job(id)`` of a held job), node-state reads (``node(name)``, round robin over the nodes)
 and submissions (``submit`` of a held one-line script; all cancelled afterwards). Prints
-per-operation medians, p90s, totals and the CLI/pyslurm ratio, as a table and as JSON.
+per-operation medians, p90s, totals and the CLI/pyslurm ratio, as a table and as JSON;
+then the wall time of a one-shot ``clusterops slurm job ID --json`` process per backend
+(cli, pyslurm, auto), where pyslurm's import is paid once per command.
 The two backends alternate in blocks of 32 so a slow patch of the shared machine hits both.
 """
 
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=1000)
     ap.add_argument("--node-reads", type=int, default=256)
     ap.add_argument("--submits", type=int, default=256)
+    ap.add_argument("--oneshots", type=int, default=10)
     args = ap.parse_args()
 
     state = Path(tempfile.mkdtemp(prefix="clusterops-bench-pyslurm-"))
@@ -99,6 +102,15 @@ def main() -> None:
             clients, lambda c, i: submitted.append(
                 c.submit(script, ["--hold", "--job-name=bench-submit", f"--output={work}/s.out"])),
             args.submits)
+        # A one-shot command pays for its backend once: `clusterops slurm job ID` as a
+        # process, per backend (pyslurm: the import of libslurm and auto's version check).
+        from clusterops.runner import Runner
+
+        shots = {}
+        for name in ("cli", "pyslurm", "auto"):
+            env = {"CLUSTEROPS_SLURM_BACKEND": name}
+            argv = [sys.executable, "-m", "clusterops", "slurm", "job", str(held), "--json"]
+            shots[name] = timed(lambda i: Runner().run(argv, timeout_s=60, env=env), args.oneshots)
         # Every submission is a real job: check they are all there, then cancel them.
         assert len(set(submitted)) == 2 * args.submits, "a submission returned a job id twice"
         listed = {j.job_id for j in cli.jobs(submitted)}
@@ -116,6 +128,10 @@ def main() -> None:
             report["ops"][op] = {"cli": c, "pyslurm": p, "ratio_cli_over_pyslurm": ratio}
             print(f"{op:18} {c['n']:>5} {c['median_ms']:>9.2f}ms {p['median_ms']:>13.2f}ms {ratio:>5.1f}x"
                   f" {c['total_s']:>9.2f}s {p['total_s']:>13.2f}s")
+        for name, samples in shots.items():
+            report.setdefault("oneshot_command", {})[name] = summary(samples)
+        print("one-shot `clusterops slurm job ID --json` (a process each): " + ", ".join(
+            f"{name} {summary(v)['median_ms']:.0f} ms" for name, v in shots.items()) + " (medians)")
         print(json.dumps(report))
     finally:
         dc.down()
