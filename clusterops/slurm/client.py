@@ -78,6 +78,8 @@ def _check_signal(sig: Union[str, int]) -> str:
 class Slurm:
     """Slurm through its command-line tools. All commands go through ``runner``."""
 
+    backend = "cli"   # pyslurm_backend.PyslurmSlurm says "pyslurm"
+
     def __init__(self, runner: Optional[Runner] = None, *, settings: Optional[SlurmSettings] = None,
                  timeout_s: Optional[float] = None, read_attempts: Optional[int] = None,
                  backoff_s: Optional[float] = None,

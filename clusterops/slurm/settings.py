@@ -1,13 +1,19 @@
 """How clusterops talks to Slurm: one validated settings object, read once, passed in.
 
 ``SlurmSettings`` holds the site knobs (timeout per command, read attempts and backoff
-for a flaky controller, the Slurm installation prefix). ``SlurmSettings.from_environment``
+for a flaky controller, the Slurm installation prefix, the backend). ``SlurmSettings.from_environment``
 reads them from ``CLUSTEROPS_SLURM_TIMEOUT_S``, ``CLUSTEROPS_SLURM_READ_ATTEMPTS``,
-``CLUSTEROPS_SLURM_BACKOFF_S`` and ``CLUSTEROPS_SLURM_PREFIX``; a bad value is a one-line
-``InputError`` (exit 2), never a traceback. ``connect(settings, **overrides)`` is the one
-way the rest of the package gets a ``Slurm`` client: callers that need a tighter bound
-(a health check's self-drain, a probe's gres lookup) pass overrides, and can only tighten
-the site's timeout, never loosen it.
+``CLUSTEROPS_SLURM_BACKOFF_S``, ``CLUSTEROPS_SLURM_PREFIX`` and ``CLUSTEROPS_SLURM_BACKEND``;
+a bad value is a one-line ``InputError`` (exit 2), never a traceback. ``connect(settings,
+**overrides)`` is the one way the rest of the package gets a ``Slurm`` client: callers that
+need a tighter bound (a health check's self-drain, a probe's gres lookup) pass overrides,
+and can only tighten the site's timeout, never loosen it.
+
+The backend: ``cli`` runs Slurm's command-line tools (``client.Slurm``); ``pyslurm`` talks
+to the controller through the ``pyslurm`` library (``pyslurm_backend``, imported only when
+chosen; the ``clusterops[pyslurm]`` extra); ``auto`` (the default) takes pyslurm when it is
+installed and its major.minor matches the controller's, else the CLI, saying why at info
+level. An explicit ``pyslurm`` that cannot be used is one line and exit 2.
 
 The dev cluster's well-known places (its default state folder and the ``cluster.json``
 that records the prefix it was started with) are defined here, so the Slurm layer finds a
@@ -29,6 +35,8 @@ TIMEOUT_ENV = "CLUSTEROPS_SLURM_TIMEOUT_S"
 ATTEMPTS_ENV = "CLUSTEROPS_SLURM_READ_ATTEMPTS"
 BACKOFF_ENV = "CLUSTEROPS_SLURM_BACKOFF_S"
 PREFIX_ENV = "CLUSTEROPS_SLURM_PREFIX"
+BACKEND_ENV = "CLUSTEROPS_SLURM_BACKEND"
+BACKENDS = ("auto", "cli", "pyslurm")
 DEVCLUSTER_DIR_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
 DEFAULT_DEVCLUSTER_DIR = "/tmp/clusterops-devcluster"
 DEVCLUSTER_INFO = "cluster.json"   # beside the dev cluster's slurm.conf
@@ -40,6 +48,7 @@ class SlurmSettings:
     read_attempts: int = 4         # reads are retried; writes never are
     backoff_s: float = 0.5         # first pause between read attempts (doubles)
     prefix: Optional[str] = None   # Slurm installed under PREFIX/bin, PREFIX/sbin
+    backend: str = "auto"          # auto | cli | pyslurm
 
     def __post_init__(self) -> None:
         _positive(self.timeout_s, "timeout_s", upper=86400.0)
@@ -48,6 +57,9 @@ class SlurmSettings:
             raise InputError(f"Slurm settings: read_attempts: must be an integer in [1, 100], "
                              f"got {self.read_attempts!r}")
         _positive(self.backoff_s, "backoff_s", upper=3600.0, zero_ok=True)
+        if self.backend not in BACKENDS:
+            raise InputError(f"Slurm settings: backend: must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.backend!r}")
 
     @classmethod
     def from_environment(cls, env: Optional[Mapping[str, str]] = None) -> "SlurmSettings":
@@ -63,6 +75,8 @@ class SlurmSettings:
                     raise InputError(f"${var}={raw}: not a number") from None
         if env.get(PREFIX_ENV, "").strip():
             kw["prefix"] = env[PREFIX_ENV].strip()
+        if env.get(BACKEND_ENV, "").strip():
+            kw["backend"] = env[BACKEND_ENV].strip().lower()
         try:
             return cls(**kw)
         except InputError as e:
@@ -88,13 +102,19 @@ def _positive(value: Any, name: str, *, upper: float, zero_ok: bool = False) -> 
 
 def connect(settings: Optional[SlurmSettings] = None, *, runner=None, **overrides: Any):
     """The Slurm client for ``settings`` (default: from the environment), tightened by
-    ``overrides`` (timeout_s, read_attempts, backoff_s)."""
+    ``overrides`` (timeout_s, read_attempts, backoff_s), on the settings' backend: the CLI
+    client, or the pyslurm one (``auto``: pyslurm where it is installed and matches the
+    controller's major.minor). An explicit ``backend="pyslurm"`` that cannot be used raises
+    a one-line ``InputError``."""
     from clusterops.slurm.client import Slurm
 
     s = (settings or SlurmSettings.from_environment()).tightened(**overrides)
-    if runner is not None:
-        return Slurm(runner, settings=s)
-    return Slurm.from_environment(settings=s)
+    cli = Slurm(runner, settings=s) if runner is not None else Slurm.from_environment(settings=s)
+    if s.backend == "cli":
+        return cli
+    from clusterops.slurm import pyslurm_backend   # only when pyslurm may be chosen
+
+    return pyslurm_backend.choose(cli, explicit=s.backend == "pyslurm")
 
 
 def devcluster_conf(env: Optional[Mapping[str, str]] = None) -> Path:

@@ -57,6 +57,23 @@ def slurm(cluster):
     return connect()
 
 
+@pytest.fixture(params=["cli", "pyslurm"])
+def backend(request, slurm):
+    """The Slurm backend the submission and the job's supervisor use (CLUSTEROPS_SLURM_BACKEND,
+    exported into the job by sbatch). Asked for explicitly, so a pyslurm that cannot be used
+    fails the run (exit 2) rather than quietly falling back. The pyslurm half runs on the
+    tier whose Slurm pyslurm was built for (scripts/test-slurm-25.11.sh)."""
+    if request.param == "pyslurm":
+        from clusterops.slurm.pyslurm_backend import mismatch
+
+        why = mismatch(slurm.controller_version())
+        if why and os.environ.get("CLUSTEROPS_TEST_REQUIRE_PYSLURM"):
+            pytest.fail(f"the pyslurm backend must run on this tier: {why}")
+        if why:
+            pytest.skip(why)
+    return {"CLUSTEROPS_SLURM_BACKEND": request.param}
+
+
 def make_job(tmp_path, name, **kw) -> fk.TrainJob:
     kw.setdefault("steps", STEPS)
     kw.setdefault("ckpt_every", CKPT_EVERY)
@@ -87,9 +104,9 @@ def first_progress_after(job, t):
 
 # ----------------------------------------------------------------------------- (a) kill -9
 @pytest.mark.timeout(240)
-def test_a_kill9_rank_restarts_in_allocation(cluster, slurm, reference, tmp_path):
+def test_a_kill9_rank_restarts_in_allocation(cluster, slurm, reference, tmp_path, backend):
     job = make_job(tmp_path, "fm-a", nodes=4)
-    job.submit()
+    job.submit(env=backend)
     job.wait_step(25)
     victim = job.signal_rank(2, signal.SIGKILL)
     assert victim
@@ -139,9 +156,9 @@ def test_c_lost_node_replaced_by_spare(cluster, slurm, reference, tmp_path):
 
 # ----------------------------------------------------------------------------- (d) node lost, no spare
 @pytest.mark.timeout(300)
-def test_d_lost_node_without_spare_requeues_excluding_it(cluster, slurm, reference, tmp_path):
+def test_d_lost_node_without_spare_requeues_excluding_it(cluster, slurm, reference, tmp_path, backend):
     job = make_job(tmp_path, "fm-d", nodes=3, supervise={"drain_bad_nodes": True})
-    job.submit()
+    job.submit(env=backend)
     job.wait_step(20)
     cluster.kill_node("node3")
     info, story = assert_healed(job, slurm, reference, 3)
