@@ -60,7 +60,15 @@ CATALOGUE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "clusterops_job_finished": ("1 when the job finished its training.", ("job",)),
     "clusterops_job_exit_code": ("The supervisor's exit code (absent while running).", ("job",)),
     "clusterops_job_last_step": ("The last training step reported.", ("job",)),
-    "clusterops_job_goodput_ratio": ("Share of the job's wall time in which the training step advanced.", ("job",)),
+    "clusterops_job_goodput_ratio": ("Productive share of the job's wall time (recomputed steps and checkpoint "
+                                     "stalls excluded).", ("job",)),
+    "clusterops_job_wall_seconds": ("Wall time from the first launch to the last timeline record.", ("job",)),
+    "clusterops_job_productive_seconds": ("Wall time in which the step advanced past every step reached before.",
+                                          ("job",)),
+    "clusterops_job_lost_seconds": ("Wall time lost, by cause (startup, restart, requeue_wait, recomputed, "
+                                    "checkpoint_stall, stalled, other).", ("job", "cause")),
+    "clusterops_job_mttr_seconds": ("Mean time from a fault to the first step after it (absent before a "
+                                    "recovery).", ("job",)),
     "clusterops_job_last_event_timestamp_seconds": ("When the job's timeline last changed.", ("job",)),
 }
 

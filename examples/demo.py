@@ -134,6 +134,11 @@ def main(argv=None) -> int:
         if after:
             say(f"recovery: fault -> first training step after restart in {after[0]['t'] - fault_t:.1f}s "
                 "(sampled every 2 s)")
+        g = tl.goodput_report(recs)
+        if g is not None:
+            say("goodput " + tl.format_goodput(g).removeprefix("-- goodput "))
+            checks["goodput figures account for the whole wall time"] = abs(
+                g["productive_s"] + sum(g["lost_s"].values()) - g["wall_s"]) < 0.05 and g["restarts"] == 1
         if args.chart:
             tl.write_chart(recs, args.chart, title=f"demo job {jid}")
             say(f"chart written to {args.chart}")

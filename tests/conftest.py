@@ -114,3 +114,16 @@ def cluster(devcluster):
 
 # A real PostgreSQL server (session) and a fresh history database per backend (per test).
 from support.pgserver import history_target, postgres_server  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(config, items):
+    """The gpu tier is deselected (not skipped: it is not in the CPU suite's count)
+    unless the -m expression names it, e.g. ``-m gpu``."""
+    if "gpu" in (config.option.markexpr or ""):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("gpu") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

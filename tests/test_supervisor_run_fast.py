@@ -483,3 +483,30 @@ def test_give_up_and_requeue_tell_the_site_webhooks(world, tmp_path, monkeypatch
         assert got == [("SECRET-TOKEN", "job_requeued"), ("from-the-job-spec", "job_requeued")]
     finally:
         hook.close()
+
+
+def test_supervisor_writes_the_job_prometheus_textfile(world, tmp_path):
+    """At each state change and at exit: the job's gauges, goodput and time lost by cause."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from clusterops.supervisor import timeline as tl
+    from clusterops.supervisor.run import METRICS_FILE_NAME
+
+    def crash(proc, now, step):
+        if proc.attempt == 0 and step == 25:
+            proc._exit(137, "0: step 25\nsrun: error: n2: task 1: Killed\n")
+    world.fault = crash
+    run = make_run(world, tmp_path, preflight=None)
+    prom = tmp_path / "job" / METRICS_FILE_NAME
+    assert run.run() == sv.EXIT_DONE
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(prom.read_text()) for s in f.samples}
+    job = (("job", JOB),)
+    assert samples[("clusterops_job_finished", job)] == 1
+    assert samples[("clusterops_job_restarts", job)] == 1
+    rep = tl.goodput_report(tl.load(tmp_path / "job")[0])
+    # the file was written at exit: it holds the figures of the whole, final timeline
+    assert samples[("clusterops_job_goodput_ratio", job)] == pytest.approx(rep["goodput"])
+    assert 0 < rep["goodput"] < 1 and rep["lost_s"]["recomputed"] > 0 and rep["mttr_s"] > 0
+    assert samples[("clusterops_job_lost_seconds", (("cause", "recomputed"),) + job)] == pytest.approx(
+        rep["lost_s"]["recomputed"])

@@ -46,7 +46,7 @@ def timeline(job_dir, as_json, chart, progress, prometheus, job_label):
         shown = ", ".join(f"{n} ({why})" for n, why in skipped[:10]) + (" ..." if len(skipped) > 10 else "")
         click.echo(f"warning: {tl.timeline_path(job_dir)}: skipped {len(skipped)} unreadable line(s): {shown}",
                    err=True)
-    summary = dict(tl.summary(records), skipped_lines=len(skipped))
+    summary = dict(tl.summary(records), skipped_lines=len(skipped), goodput=tl.goodput_report(records))
     if as_json:
         echo_json({"records": records, "summary": summary,
                    "skipped_lines": [{"line": n, "why": why} for n, why in skipped]})
@@ -58,3 +58,5 @@ def timeline(job_dir, as_json, chart, progress, prometheus, job_label):
                + (f" (exit {s['exit_code']})" if s["exit_code"] is not None else "")
                + (f"; {len(skipped)} unreadable line(s) skipped" if skipped else "")
                + (f"; chart: {chart}" if chart else ""))
+    if s["goodput"] is not None:
+        click.echo(tl.format_goodput(s["goodput"]))

@@ -160,6 +160,10 @@ class ProgressReader:
                 self.written[r] = step
 
 
+METRICS_FILE_NAME = "clusterops_job.prom"
+METRICS_FILE_ENV = "CLUSTEROPS_JOB_METRICS_FILE"   # a site's textfile-collector path instead of the job dir
+
+
 @dataclass
 class RunConfig:
     command: List[str]                      # the training command (one per rank)
@@ -184,6 +188,9 @@ class RunConfig:
     notify_urls: List[str] = field(default_factory=list)  # the job spec's notify: webhooks
     plain: PlainContract = field(default_factory=PlainContract)   # a script without the SDK
     launcher: str = "srun"      # "srun": one task per rank; "torchrun": one torchrun agent per node
+    # The job's Prometheus textfile (node_exporter's textfile collector can read it),
+    # rewritten at each state change and at exit; None: <job_dir>/clusterops_job.prom.
+    metrics_file: Optional[Path] = None
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -201,7 +208,9 @@ class RunConfig:
             nodes = [batch] + [n for n in nodes if n != batch]
         return cls(command=list(command), job_dir=Path(job_dir), ckpt_dir=Path(ckpt_dir), policy=policy,
                    nodes=nodes, job_id=os.environ.get("SLURM_JOB_ID"),
-                   slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0), **kwargs)
+                   slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+                   **dict({"metrics_file": Path(os.environ[METRICS_FILE_ENV])} if os.environ.get(METRICS_FILE_ENV)
+                          else {}, **kwargs))
 
 
 # ------------------------------------------------------------------------------ torchrun
@@ -394,6 +403,19 @@ class SupervisorRun:
 
         rec = self.timeline.append(kind, data or {})
         self.echo(f"[clusterops supervise] {time.strftime('%H:%M:%S', time.gmtime(rec['t']))} {describe(rec)}")
+        if kind not in ("progress", "warning"):
+            self._write_metrics()
+
+    def _write_metrics(self) -> None:
+        """The job's Prometheus textfile from the whole timeline (all incarnations); a
+        failure is said on the console, never a reason to stop supervising."""
+        from clusterops.supervisor.timeline import job_metrics, load
+
+        path = self.cfg.metrics_file or self.cfg.job_dir / METRICS_FILE_NAME
+        try:
+            job_metrics(load(self.cfg.job_dir)[0], str(self.cfg.job_id or self.cfg.job_dir.name)).write_textfile(path)
+        except Exception as e:
+            self.echo(f"[clusterops supervise] metrics textfile {path}: {type(e).__name__}: {e}")
 
     def _act_record(self, a: sv.Record) -> None:
         self._record(a.kind, dict(a.data))
@@ -758,6 +780,7 @@ class SupervisorRun:
         if a.code != sv.EXIT_DONE:
             self._notify("job_given_up", f"job {self.cfg.job_id} gave up (exit {a.code}): {a.reason}",
                          {"exit_code": a.code, "reason": a.reason}, wait_s=10.0)
+        self._write_metrics()
         self.exit_code = a.code
 
     def _poll_nodes(self, now: float) -> Optional[sv.Event]:

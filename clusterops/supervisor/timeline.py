@@ -203,34 +203,146 @@ def summary(records: Iterable[Mapping]) -> dict:
     return out
 
 
-def goodput(records: Iterable[Mapping]) -> Optional[float]:
-    """Share of the job's wall time (first launch to last record) in which the training
-    step advanced: the time between consecutive progress samples of one launch whose
-    step grew. None before the first launch."""
+LOST_CAUSES = ("startup", "restart", "requeue_wait", "recomputed", "checkpoint_stall", "stalled", "other")
+
+
+def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
+    """Productive time against wall time, and the time lost by cause. None before the first launch.
+
+    Wall time runs from the first launch to the last record. Productive time is the time
+    between consecutive progress samples of one launch in which the step advanced past
+    every step reached before (the high-water mark); the rest of the wall time is lost to:
+
+    - ``recomputed``: advancing intervals (or their share, by steps) that redo steps
+      already done before a restart;
+    - ``checkpoint_stall``: in an advancing interval with a checkpoint record, the time
+      beyond what its steps take at the job's median seconds per step (intervals without
+      a checkpoint); and time without progress around a checkpoint record;
+    - ``restart``: from a fault or a restart decision (and the silent time before a fault
+      since the last progress) to the first progress of the next launch, requeue wait
+      excluded;
+    - ``requeue_wait``: from a requeue decision to the next launch;
+    - ``startup``: from the first launch to its first progress;
+    - ``stalled``: time without progress that no fault or checkpoint explains;
+    - ``other``: after the end (done / give_up) until the last record.
+
+    ``restarts`` counts restart and requeue decisions; ``mttr_s`` is the mean time from
+    a fault (or a restart/requeue decision with no fault before it) to the first advancing
+    progress after it, over the recoveries that completed.
+    """
     recs = sorted((r for r in records if _finite(r.get("t")) is not None), key=lambda r: r["t"])
-    launches = [r["t"] for r in recs if r.get("event") == "launch"]
-    if not launches:
+    first = next((i for i, r in enumerate(recs) if r.get("event") == "launch"), None)
+    if first is None:
         return None
-    t0, t1 = launches[0], recs[-1]["t"]
-    if t1 <= t0:
-        return 0.0
-    useful = 0.0
-    last: Optional[Tuple[float, float]] = None
-    for r in recs:
-        if r["t"] < t0:
-            continue
+    recs = recs[first:]
+    t0, t1 = recs[0]["t"], recs[-1]["t"]
+    lost = dict.fromkeys(LOST_CAUSES, 0.0)
+    # Pass 1: the advancing intervals, each (i_start, i_end, new_steps, recomputed_steps, has_checkpoint).
+    intervals = []
+    last: Optional[Tuple[int, float]] = None   # (record index, step) of the last progress of this launch
+    hwm = None
+    ckpt_since_last = False
+    for i, r in enumerate(recs):
         e = r.get("event")
         if e == "launch":
             rs = _finite(r.get("resume_step"))
-            last = (r["t"], rs) if rs is not None else None
+            last = (i, rs) if rs is not None else None
+            ckpt_since_last = False
         elif e == "progress" and _finite(r.get("step")) is not None:
             step = _finite(r["step"])
             if last is not None and step > last[1]:
-                useful += r["t"] - last[0]
-            last = (r["t"], step)
+                base = last[1] if hwm is None else max(last[1], min(step, hwm))
+                intervals.append((last[0], i, step - base, base - last[1], ckpt_since_last))
+                hwm = step if hwm is None else max(hwm, step)
+            last = (i, step)
+            ckpt_since_last = False
+        elif e == "checkpoint":
+            ckpt_since_last = True
         elif e in FAULT_KINDS or e in ("restart", "requeue", "give_up"):
             last = None
-    return max(0.0, min(1.0, useful / (t1 - t0)))
+    rates = sorted((recs[b]["t"] - recs[a]["t"]) / new for a, b, new, rec, ck in intervals if new > 0 and not ck)
+    spp = rates[len(rates) // 2] if rates else None
+    covered = set()
+    productive = 0.0
+    for a, b, new, rec, has_ck in intervals:
+        covered.update(range(a, b))
+        d = recs[b]["t"] - recs[a]["t"]
+        d_rec = d * rec / (new + rec)
+        d_new = d - d_rec
+        lost["recomputed"] += d_rec
+        if has_ck and spp is not None and d_new > new * spp:
+            lost["checkpoint_stall"] += d_new - new * spp
+            d_new = new * spp
+        productive += d_new
+    # Pass 2: every gap between two records outside the advancing intervals, by the state it is in.
+    mode = "startup"
+    pending: List[float] = []          # running-mode gaps not yet explained (a later fault claims them)
+    fault_at: Optional[float] = None
+    recoveries: List[float] = []
+    adv_ends = {b for _, b, _, _, _ in intervals}
+    for i, r in enumerate(recs):
+        e = r.get("event")
+        if e in FAULT_KINDS or e in ("restart", "requeue"):
+            lost["restart"] += sum(pending)
+            pending = []
+            if mode != "ended":
+                if fault_at is None:
+                    fault_at = r["t"]
+                mode = "requeue_wait" if e == "requeue" else "restart"
+        elif e == "launch" and i > 0 and mode != "ended":
+            mode = "restart"
+        elif e in ("done", "give_up"):
+            lost["stalled"] += sum(pending)
+            pending = []
+            mode = "ended"
+        elif i in adv_ends:
+            if mode in ("startup", "restart", "requeue_wait") and fault_at is not None:
+                recoveries.append(r["t"] - fault_at)
+            fault_at = None
+            mode = "running"
+        if e == "checkpoint" and pending:
+            lost["checkpoint_stall"] += sum(pending)
+            pending = []
+        if i + 1 >= len(recs) or i in covered:
+            continue
+        gap = recs[i + 1]["t"] - r["t"]
+        nxt = recs[i + 1].get("event")
+        if mode == "running":
+            if e == "checkpoint" or nxt == "checkpoint":
+                lost["checkpoint_stall"] += gap
+            else:
+                pending.append(gap)
+        elif mode == "ended":
+            lost["other"] += gap
+        else:
+            lost[mode] += gap
+    lost["stalled"] += sum(pending)
+    wall = t1 - t0
+    s = summary(recs)
+    return {
+        "wall_s": round(wall, 3),
+        "productive_s": round(productive, 3),
+        "goodput": round(productive / wall, 6) if wall > 0 else 0.0,
+        "lost_s": {k: round(v, 3) for k, v in lost.items()},
+        "restarts": s["restarts"] + s["requeues"],
+        "recoveries": len(recoveries),
+        "mttr_s": round(sum(recoveries) / len(recoveries), 3) if recoveries else None,
+        "seconds_per_step": round(spp, 6) if spp is not None else None,
+    }
+
+
+def format_goodput(rep: Mapping) -> str:
+    """One line: goodput, productive and wall time, the time lost by cause, restarts and MTTR."""
+    lost = ", ".join(f"{k} {v:.1f}s" for k, v in rep["lost_s"].items() if v > 0) or "none"
+    mttr = f"{rep['mttr_s']:.1f}s" if rep.get("mttr_s") is not None else "-"
+    return (f"-- goodput {rep['goodput']:.1%} ({rep['productive_s']:.1f}s productive of {rep['wall_s']:.1f}s wall); "
+            f"lost: {lost}; restarts {rep['restarts']}, MTTR {mttr}")
+
+
+def goodput(records: Iterable[Mapping]) -> Optional[float]:
+    """Productive share of the job's wall time (:func:`goodput_report`); None before the first launch."""
+    rep = goodput_report(records)
+    return None if rep is None else rep["goodput"]
 
 
 def prometheus_text(records: Iterable[Mapping], job: str) -> str:
@@ -255,9 +367,15 @@ def job_metrics(records: Iterable[Mapping], job: str):
         prom.set("clusterops_job_exit_code", lab, s["exit_code"])
     if _finite(s["last_step"]) is not None:
         prom.set("clusterops_job_last_step", lab, s["last_step"])
-    g = goodput(recs)
-    if g is not None:
-        prom.set("clusterops_job_goodput_ratio", lab, g)
+    rep = goodput_report(recs)
+    if rep is not None:
+        prom.set("clusterops_job_goodput_ratio", lab, rep["goodput"])
+        prom.set("clusterops_job_wall_seconds", lab, rep["wall_s"])
+        prom.set("clusterops_job_productive_seconds", lab, rep["productive_s"])
+        for cause, v in rep["lost_s"].items():
+            prom.set("clusterops_job_lost_seconds", dict(lab, cause=cause), v)
+        if rep["mttr_s"] is not None:
+            prom.set("clusterops_job_mttr_seconds", lab, rep["mttr_s"])
     times = [_finite(r.get("t")) for r in recs if _finite(r.get("t")) is not None]
     if times:
         prom.set("clusterops_job_last_event_timestamp_seconds", lab, max(times))
@@ -362,8 +480,20 @@ def render_html(records: Iterable[Mapping], *, title: str = "") -> str:
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{t}</title>"
             "<style>body{font-family:sans-serif;margin:20px}td{padding:2px 8px;border-bottom:1px solid #eee}"
             "</style></head><body>"
-            f"<h1>{t}</h1>{render_svg(recs, title=title)}<table><tr><th>time (UTC)</th><th>incarnation</th>"
+            f"<h1>{t}</h1>{render_svg(recs, title=title)}{_goodput_html(recs)}<table><tr><th>time (UTC)</th><th>incarnation</th>"
             f"<th>event</th><th>what</th></tr>{rows}</table></body></html>\n")
+
+
+def _goodput_html(recs: List[dict]) -> str:
+    rep = goodput_report(recs)
+    if rep is None:
+        return ""
+    rows = "".join(f"<tr><td>lost: {html.escape(k)}</td><td>{v:.1f} s</td></tr>" for k, v in rep["lost_s"].items())
+    mttr = f"{rep['mttr_s']:.1f} s" if rep["mttr_s"] is not None else "-"
+    return (f"<table class='goodput'><tr><td>goodput</td><td>{rep['goodput']:.1%}</td></tr>"
+            f"<tr><td>productive</td><td>{rep['productive_s']:.1f} s</td></tr>"
+            f"<tr><td>wall</td><td>{rep['wall_s']:.1f} s</td></tr>{rows}"
+            f"<tr><td>restarts</td><td>{rep['restarts']}</td></tr><tr><td>MTTR</td><td>{mttr}</td></tr></table>")
 
 
 def write_chart(records: Iterable[Mapping], path: os.PathLike, *, title: str = "") -> Path:

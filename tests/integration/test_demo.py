@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ def test_demo_heals_a_killed_rank_and_matches_uninterrupted_weights(cluster, tmp
     out = capsys.readouterr().out
     assert code == 0, out
     assert "FAULT: kill -9 rank 2" in out and "DEMO PASSED" in out
-    assert out.count("[PASS]") == 4 and "[FAIL]" not in out
+    assert re.search(r"goodput \d+\.\d% \([\d.]+s productive of [\d.]+s wall\); lost: .*restart [\d.]+s.*; "
+                     r"restarts 1, MTTR [\d.]+s", out), out
+    assert out.count("[PASS]") == 5 and "[FAIL]" not in out
     assert chart.read_text().startswith("<svg")
     assert cluster.running()

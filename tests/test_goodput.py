@@ -1,0 +1,115 @@
+"""Goodput and time lost by cause, from synthetic timelines with known answers."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clusterops.supervisor import timeline as tl
+
+CLUSTEROPS = str(Path(sys.executable).with_name("clusterops"))
+
+
+def rec(t, event, **kw):
+    return {"t": float(t), "event": event, "job_id": "9", **kw}
+
+
+def test_startup_and_checkpoint_stall():
+    recs = [rec(0, "launch"), rec(5, "progress", step=0), rec(15, "progress", step=10),
+            rec(25, "progress", step=20), rec(35, "progress", step=30), rec(36, "checkpoint", step=30),
+            rec(50, "progress", step=40), rec(60, "progress", step=50), rec(60, "done", code=0),
+            rec(70, "warning", what="late")]
+    r = tl.goodput_report(recs)
+    # 1 s/step; the interval with the checkpoint took 15 s for 10 steps: 5 s stall
+    assert r["seconds_per_step"] == 1.0
+    assert r["wall_s"] == 70 and r["productive_s"] == 50
+    assert r["lost_s"] == {"startup": 5, "restart": 0, "requeue_wait": 0, "recomputed": 0,
+                           "checkpoint_stall": 5, "stalled": 0, "other": 10}
+    assert r["goodput"] == pytest.approx(50 / 70)
+    assert r["restarts"] == 0 and r["recoveries"] == 0 and r["mttr_s"] is None
+
+
+def test_requeue_wait_restart_and_mttr():
+    recs = [rec(0, "launch", resume_step=0), rec(10, "progress", step=10), rec(20, "progress", step=20),
+            rec(25, "node_down", node="n2"), rec(30, "requeue", cause="node_down"),
+            rec(100, "launch", resume_step=20, incarnation=1), rec(110, "progress", step=30),
+            rec(110, "done", code=0)]
+    r = tl.goodput_report(recs)
+    assert r["productive_s"] == 30
+    # 20..25 silent before the fault + 25..30 deciding = restart; 30..100 waiting in the queue
+    assert r["lost_s"]["restart"] == 10 and r["lost_s"]["requeue_wait"] == 70
+    assert r["lost_s"]["recomputed"] == 0
+    assert r["restarts"] == 1 and r["recoveries"] == 1 and r["mttr_s"] == 85
+
+
+def test_recomputed_steps_after_resuming_from_an_older_checkpoint():
+    recs = [rec(0, "launch", resume_step=0), rec(40, "progress", step=40), rec(50, "step_exit", cause="crash"),
+            rec(51, "restart", cause="crash"), rec(60, "launch", resume_step=20),
+            rec(70, "progress", step=30), rec(90, "progress", step=50), rec(90, "done", code=0)]
+    r = tl.goodput_report(recs)
+    # 20..40 redone: 60..70 (20->30) entirely, 70..90 (30->50) half (30->40 redone, 40->50 new)
+    assert r["lost_s"]["recomputed"] == 20
+    assert r["productive_s"] == 40 + 10
+    assert r["lost_s"]["restart"] == 20      # 40..50 silent, 50..60 restarting
+    assert r["goodput"] == pytest.approx(50 / 90)
+    assert r["mttr_s"] == 20                 # crash at 50, first advancing progress at 70
+
+
+def test_stall_without_fault_is_stalled():
+    recs = [rec(0, "launch", resume_step=0), rec(10, "progress", step=10), rec(30, "progress", step=10),
+            rec(40, "progress", step=20), rec(40, "done", code=0)]
+    r = tl.goodput_report(recs)
+    assert r["productive_s"] == 20 and r["lost_s"]["stalled"] == 20
+
+
+def test_no_launch_no_report():
+    assert tl.goodput_report([rec(0, "progress", step=3)]) is None
+    assert tl.goodput([]) is None
+
+
+def test_random_timelines_account_for_all_wall_time():
+    rnd = random.Random(7)
+    kinds = ["progress"] * 6 + ["checkpoint", "heartbeat_lost", "restart", "requeue", "launch", "warning"]
+    for _ in range(300):
+        t, step, recs = 0.0, 0, [rec(0, "launch", resume_step=0)]
+        for _ in range(rnd.randint(1, 40)):
+            t += rnd.choice([0, 0.5, 1, 3, 10])
+            k = rnd.choice(kinds)
+            if k == "progress":
+                step += rnd.choice([0, 1, 5])
+                recs.append(rec(t, k, step=step))
+            elif k == "launch":
+                step = rnd.randint(0, step)
+                recs.append(rec(t, k, resume_step=step))
+            else:
+                recs.append(rec(t, k, step=step))
+        r = tl.goodput_report(recs)
+        total = r["productive_s"] + sum(r["lost_s"].values())
+        assert total == pytest.approx(r["wall_s"], abs=1e-2), (recs, r)
+        assert all(v >= 0 for v in r["lost_s"].values()) and 0 <= r["goodput"] <= 1
+
+
+def test_cli_json_text_html_and_prometheus(tmp_path):
+    recs = [rec(0, "launch", resume_step=0), rec(10, "progress", step=10), rec(20, "progress", step=20),
+            rec(25, "node_down", node="n2"), rec(30, "requeue", cause="node_down"),
+            rec(100, "launch", resume_step=20), rec(110, "progress", step=30), rec(110, "done", code=0)]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    p = subprocess.run([CLUSTEROPS, "job", "timeline", str(tmp_path), "--json"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    g = json.loads(p.stdout)["summary"]["goodput"]
+    assert g["productive_s"] == 30 and g["lost_s"]["requeue_wait"] == 70 and g["mttr_s"] == 85
+    p = subprocess.run([CLUSTEROPS, "job", "timeline", str(tmp_path), "--chart", str(tmp_path / "c.html"),
+                        "--prometheus", str(tmp_path / "j.prom")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "-- goodput 27.3% (30.0s productive of 110.0s wall)" in p.stdout
+    assert "requeue_wait 70.0s" in p.stdout and "MTTR 85.0s" in p.stdout
+    assert "<table class='goodput'>" in (tmp_path / "c.html").read_text()
+    prom = (tmp_path / "j.prom").read_text()
+    assert 'clusterops_job_lost_seconds{cause="requeue_wait",job="9"} 70.0' in prom
+    assert 'clusterops_job_mttr_seconds{job="9"} 85.0' in prom
