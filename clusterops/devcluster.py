@@ -304,6 +304,15 @@ class DevCluster:
     def scratch_dir(self, node: str) -> Path:
         return self.state / "scratch" / node
 
+    def ensure_scratch(self, node: str) -> Path:
+        """(Re)create ``node``'s scratch folder and its ``tmp`` (the steps' TMPDIR) with the
+        mode every user needs (1777): after a test removed it to break the node, say."""
+        d = self.scratch_dir(node)
+        for p in (d, d / "tmp"):
+            p.mkdir(parents=True, exist_ok=True)
+            os.chmod(p, SCRATCH_MODE)
+        return d
+
     # -- state file ----------------------------------------------------------
     def _read_info(self) -> Optional[dict]:
         try:
@@ -424,9 +433,7 @@ class DevCluster:
         os.chmod(key, 0o400)
         for name in cfg.node_names:
             (st / "spool" / name).mkdir(exist_ok=True)
-            for d in (st / "scratch" / name, st / "scratch" / name / "tmp"):
-                d.mkdir(exist_ok=True)
-                os.chmod(d, SCRATCH_MODE)
+            self.ensure_scratch(name)
         for i in range(cfg.gpus_per_node):
             (st / "dev" / f"gpu{i}").touch()
         hostname = socket.gethostname().split(".")[0]

@@ -85,6 +85,7 @@ def _restore(dc) -> None:
     run(["scancel", "--full", "--user=root"], timeout_s=30, check=False)
     cfg = dc.config()
     for name in cfg.node_names:
+        dc.ensure_scratch(name)   # a test that broke a node's scratch leaves it as every user needs it
         if not pid_alive(dc.daemon_pids().get(f"slurmd:{name}")):
             dc.start_node(name)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -296,7 +297,7 @@ def test_sweep_of_healthy_nodes_without_drain_changes_nothing(tmp_path):
 def test_check_script_runs_under_bash_with_a_hostile_work_dir(tmp_path):
     work = tmp_path / "it's; a $(dir) `x`"
     work.mkdir()
-    cmd = ["python3", "-c", "import json,sys; print(json.dumps({'status': 'pass', 'arg': sys.argv[1]}))",
+    cmd = [sys.executable, "-c", "import json,sys; print(json.dumps({'status': 'pass', 'arg': sys.argv[1]}))",
            "quote ' and \" and ; rm -rf /"]
     script = work / "check.sh"
     script.write_text(check_script(work, cmd))

@@ -20,7 +20,7 @@ import pytest
 from clusterops.health.probes.host import find_job_processes
 from clusterops.health.probes.nvml import slurm_gpu_count
 
-FIX = Path(__file__).parent / "fixtures" / "nvml"
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "nvml"
 PY = sys.executable
 
 
