@@ -164,7 +164,7 @@ class NodeSender:
         now = self.clock()
         step_ms = -1
         if self.last is not None and step > self.last[0]:
-            step_ms = int(1000 * (now - self.last[1]) / (step - self.last[0]))
+            step_ms = round(1000 * (now - self.last[1]) / (step - self.last[0]))
         self.last = (step, now)
         final = os.path.join(self.local, f"rank{self.rank}")
         tmp = os.path.join(self.local, f".rank{self.rank}.tmp")
@@ -193,7 +193,7 @@ class NodeSender:
             try:
                 with open(os.path.join(self.local, name)) as f:
                     step, t, sms = f.read().split()
-                beats.append(RankBeat(int(name[4:]), int(step), max(0, int(1000 * (now - float(t)))), int(sms)))
+                beats.append(RankBeat(int(name[4:]), int(step), max(0, round(1000 * (now - float(t)))), int(sms)))
             except (OSError, ValueError):
                 continue            # torn or foreign: the next interval reads it
         beats.sort(key=lambda b: b.rank)
