@@ -40,7 +40,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from clusterops import protocol
 
@@ -125,6 +125,36 @@ def local_root() -> str:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
+def local_dir(addr: str, hb_dir: str, node: str, root: Optional[str] = None) -> str:
+    """The node-local directory where the ranks of ``node`` leave their beats for an attempt."""
+    key = hashlib.sha1(f"{addr}\0{hb_dir}".encode()).hexdigest()[:12]
+    return os.path.join(root or local_root(), f"clusterops-hb-{key}", node)
+
+
+def read_local_steps(addr: str, hb_dir: str, root: Optional[str] = None) -> Dict[int, int]:
+    """rank -> step of every node's local beats on this machine (one host, all nodes: the
+    dev cluster), for watching a run from outside it."""
+    base = os.path.dirname(local_dir(addr, hb_dir, "x", root))
+    steps: Dict[int, int] = {}
+    try:
+        nodes = os.listdir(base)
+    except OSError:
+        return steps
+    for node in nodes:
+        try:
+            names = os.listdir(os.path.join(base, node))
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith("rank") and name[4:].isdigit():
+                try:
+                    with open(os.path.join(base, node, name)) as f:
+                        steps[int(name[4:])] = int(f.read().split()[0])
+                except (OSError, ValueError, IndexError):
+                    continue
+    return steps
+
+
 def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
@@ -138,8 +168,7 @@ class NodeSender:
         self.node = node or node_name()
         self.interval_s = interval_s
         self.clock = clock
-        key = hashlib.sha1(f"{addr}\0{hb_dir}".encode()).hexdigest()[:12]
-        self.local = os.path.join(root or local_root(), f"clusterops-hb-{key}", self.node)
+        self.local = local_dir(addr, self.hb_dir, self.node, root)
         os.makedirs(self.local, exist_ok=True)
         self.token = ""
         self.dest: Optional[Tuple[str, int]] = None

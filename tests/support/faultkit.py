@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from clusterops import heartbeat as hbc
+from clusterops import protocol
 from clusterops.errors import ClusteropsError
 from clusterops.runner import Runner, free_port, kill_group, wait_exit
 from support.wait import WaitTimeout, wait_for
@@ -122,6 +124,18 @@ class TrainJob:
                 steps.append(int(f.read_text().split()[0]))
             except (OSError, ValueError, IndexError):
                 continue
+        if not steps:
+            # The node channel: the ranks' node-local beats (every dev-cluster node is this host).
+            env = {}
+            try:
+                for line in (att / "command.txt").read_text().splitlines()[1:]:
+                    k, _, v = line.partition("=")
+                    env[k] = v
+            except OSError:
+                return None
+            addr = env.get(protocol.ENV_HEARTBEAT_ADDR)
+            if addr:
+                steps = list(hbc.read_local_steps(addr, env.get(protocol.ENV_HEARTBEAT_DIR, "")).values())
         return min(steps) if steps else None
 
     def wait_step(self, step: int, timeout_s: float = 120.0, attempt: Optional[int] = None) -> int:
