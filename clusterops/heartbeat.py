@@ -230,7 +230,11 @@ class NodeSender:
 
     def send(self, now: float) -> None:
         self.seq += 1
-        payload = encode(Datagram(self.token, self.node, self.seq, tuple(self.collect(now))))
+        self.transmit(encode(Datagram(self.token, self.node, self.seq, tuple(self.collect(now)))))
+
+    def transmit(self, payload: bytes) -> None:
+        """Send one datagram to the supervisor; on failure (or in ``file`` mode) write it as
+        the node's file in the heartbeat directory. OSError when even that fails."""
         if self.sock is not None:
             try:
                 self.sock.sendto(payload, self.dest)
