@@ -77,21 +77,25 @@ def generate(args) -> None:
     silent_at = t0 + args.silent_after_s + rng.uniform(0, 3)
     local = tempfile.mkdtemp(prefix="bench-hb-local-", dir=hbc.local_root())
     senders = [hbc.NodeSender(addr, hb_dir, i * PPN, node=n, root=local) for i, n in enumerate(nodes)] if addr else []
+    order = sorted(range(len(senders)), key=lambda i: senders[i].phase_s)
     stats = {"victim": victim, "victim_node": nodes[victim // PPN], "silent_at": None, "intervals": []}
     step, victim_t, victim_step, last_t = 0, None, None, t0
     try:
+        start = time.time()
         while True:
-            start = time.time()
             step += 1
             writes = 0
             if start >= silent_at and victim_t is None:
-                victim_t, victim_step = last_t, step - 1
+                victim_t, victim_step = last_t + hbc.node_phase(nodes[victim // PPN]), step - 1
                 stats["silent_at"] = victim_t
-            for i, s in enumerate(senders):
+            for i in order:
+                s = senders[i]
+                # Each node sends at its phase in the interval (clusterops.heartbeat.node_phase).
+                time.sleep(max(0.0, start + s.phase_s - time.time()))
                 beats = []
                 for r in range(i * PPN, (i + 1) * PPN):
                     if r == victim and victim_t is not None:
-                        beats.append(hbc.RankBeat(r, victim_step, int(1000 * (start - victim_t)), 1000))
+                        beats.append(hbc.RankBeat(r, victim_step, int(1000 * (time.time() - victim_t)), 1000))
                     else:
                         beats.append(hbc.RankBeat(r, step, 0, 1000))
                 s.seq += 1
@@ -109,7 +113,8 @@ def generate(args) -> None:
             with open(args.stats + ".tmp", "w") as f:
                 json.dump(stats, f)
             os.replace(args.stats + ".tmp", args.stats)
-            time.sleep(max(0.0, start + 1.0 - time.time()))
+            start = max(start + 1.0, time.time())
+            time.sleep(max(0.0, start - time.time()))
     finally:
         shutil.rmtree(local, ignore_errors=True)
 

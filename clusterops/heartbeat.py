@@ -9,7 +9,8 @@ and none of it touches the shared filesystem:
    file, ``<local root>/clusterops-hb-<key>/<node>/rank<R>`` (``/dev/shm`` when it is
    there, else the temporary directory): a rename in memory, nothing shared.
 2. The first rank of the node to beat in an interval wins that interval (an exclusive
-   create of ``slot-<k>`` in the same directory), reads its node's rank files and sends
+   create of ``slot-<k>`` in the same directory; each node's intervals start at its own
+   phase, :func:`node_phase`, so that a job in lockstep spreads its sends over the second), reads its node's rank files and sends
    them as one datagram to the supervisor (UDP, ``protocol.ENV_HEARTBEAT_ADDR``). Any live
    rank of the node can send, so a stopped rank (SIGSTOP, a deadlock) is still reported
    -- with its old time -- by its neighbours, and named by rank and node.
@@ -39,6 +40,7 @@ import os
 import socket
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -155,6 +157,13 @@ def read_local_steps(addr: str, hb_dir: str, root: Optional[str] = None) -> Dict
     return steps
 
 
+def node_phase(node: str, interval_s: float = 1.0) -> float:
+    """Where in the interval a node's slots begin: spread by the node's name, so that the
+    nodes of a job in lockstep do not all send in the same millisecond (a burst of 2,048
+    datagrams overflows a receive buffer)."""
+    return (zlib.crc32(node.encode()) % 1000) / 1000.0 * interval_s
+
+
 def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
@@ -181,6 +190,7 @@ class NodeSender:
                 self.dest = info[4]
             except (OSError, ValueError):
                 self.sock = None        # the file fallback, every interval
+        self.phase_s = node_phase(self.node, interval_s)
         self.last: Optional[Tuple[int, float]] = None   # (step, time) of the previous beat
         self.seq = 0
         self.sent = 0                   # datagrams sent by this rank
@@ -200,7 +210,7 @@ class NodeSender:
         with open(tmp, "w") as f:
             f.write(f"{int(step)} {now!r} {step_ms}\n")
         os.replace(tmp, final)
-        slot = int(now // self.interval_s)
+        slot = int((now - self.phase_s) // self.interval_s)
         try:
             os.close(os.open(os.path.join(self.local, f"slot-{slot}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:

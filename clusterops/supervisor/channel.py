@@ -33,6 +33,7 @@ from clusterops.errors import InputError
 
 MODE_ENV = "CLUSTEROPS_SUPERVISE_HEARTBEAT"
 MODES = ("net", "file", "rank-files")
+RCVBUF_BYTES = 8 << 20
 
 Beats = Dict[int, Tuple[int, float]]
 
@@ -52,6 +53,10 @@ class Receiver:
         self.token = token
         self.clock = clock
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:    # room for a second of datagrams from thousands of nodes (the kernel may cap it)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
+        except OSError:
+            pass
         self.sock.bind((bind_host, 0))
         self.sock.settimeout(0.2)
         self.port = self.sock.getsockname()[1]
