@@ -15,7 +15,7 @@ Figures (medians over --reps runs, printed as a table):
                 by plain srun (`launcher: srun`, no supervise) in the same script
                 (target <= 1.05x)
 
-Wall times come from polling (0.1 s) the heartbeat files and Slurm, so they are good to
+Wall times come from polling (0.1 s) the ranks' beats (``TrainJob.rank_steps``) and Slurm, so they are good to
 about 0.2 s.
 """
 
@@ -48,26 +48,16 @@ def log(msg: str) -> None:
 def first_step_after(job: fk.TrainJob, attempt: int, above: int, timeout_s: float = 240.0) -> float:
     """Wall time at which a rank of `attempt` first reports a step above `above`."""
     deadline = time.monotonic() + timeout_s
-    d = job.job_dir / f"attempt-{attempt}" / "heartbeat"
+    att = job.job_dir / f"attempt-{attempt}"
     while time.monotonic() < deadline:
-        for f in d.glob("rank*"):
-            try:
-                if int(f.read_text().split()[0]) > above:
-                    return time.time()
-            except (OSError, ValueError, IndexError):
-                pass
+        if any(s > above for s in job.rank_steps(att)):
+            return time.time()
         time.sleep(0.1)
     raise RuntimeError(f"{job.name}: attempt {attempt} never trained past step {above}")
 
 
 def max_step(job: fk.TrainJob) -> int:
-    att = job.latest_attempt()
-    steps = []
-    for f in (att / "heartbeat").glob("rank*"):
-        try:
-            steps.append(int(f.read_text().split()[0]))
-        except (OSError, ValueError, IndexError):
-            pass
+    steps = job.rank_steps(job.latest_attempt())
     return max(steps) if steps else 0
 
 

@@ -17,6 +17,10 @@ variable                       meaning for the training process
                                (SIGUSR2 and SIGTERM ask the same)
 ``CLUSTEROPS_RESTART_COUNT``   restarts before this attempt (in the allocation and across
                                requeues)
+``CLUSTEROPS_HEARTBEAT_ADDR``  the heartbeat channel: ``HOST:PORT/TOKEN`` (UDP datagrams to the
+                               supervisor, one per node and interval, see
+                               :mod:`clusterops.heartbeat`), ``file`` (one file per node in the
+                               heartbeat directory), or empty/unset (one file per rank)
 =============================  ===============================================================
 
 All are optional for the training script: without them it trains, saves where told
@@ -29,7 +33,10 @@ Files, per attempt of the training step (``<job_dir>/attempt-<N>/``)::
 
     heartbeat/rank<R>   rank R's last step, as text ("12\\n"); its mtime is the rank's last
                         progress. Written atomically (a hidden temporary, then rename),
-                        at most about once a second.
+                        at most about once a second. Only without a heartbeat address.
+    heartbeat/node-<N>  node N's heartbeat datagram (the same bytes the network channel
+                        sends; its mtime is the send time), written atomically by one rank
+                        of the node per interval: the file fallback of the node channel.
     heartbeat/stopped   the stopped marker: one JSON object {"step", "path", "reason"},
                         written atomically by rank 0 when the script says it stops on a
                         request before its end (``sdk.mark_stopped``, after the save
@@ -59,15 +66,21 @@ ENV_RESUME_FROM = "CLUSTEROPS_RESUME_FROM"
 ENV_HEARTBEAT_DIR = "CLUSTEROPS_HEARTBEAT_DIR"
 ENV_STOP_FILE = "CLUSTEROPS_STOP_FILE"
 ENV_RESTART_COUNT = "CLUSTEROPS_RESTART_COUNT"
+ENV_HEARTBEAT_ADDR = "CLUSTEROPS_HEARTBEAT_ADDR"
 
 #: Every variable of the contract, and nothing else.
-CONTRACT_ENV = (ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_HEARTBEAT_DIR, ENV_STOP_FILE, ENV_RESTART_COUNT)
+CONTRACT_ENV = (ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_HEARTBEAT_DIR, ENV_STOP_FILE, ENV_RESTART_COUNT,
+                ENV_HEARTBEAT_ADDR)
+
+#: ENV_HEARTBEAT_ADDR's value that selects the per-node file channel (the forced fallback).
+HEARTBEAT_ADDR_FILE = "file"
 
 # ------------------------------------------------------------------------ layout
 
 ATTEMPT_PREFIX = "attempt-"
 HEARTBEAT_DIR = "heartbeat"
 HEARTBEAT_PREFIX = "rank"
+NODE_HEARTBEAT_PREFIX = "node-"
 STOP_FILE = "stop"
 STOPPED_MARKER = "stopped"
 
@@ -102,7 +115,8 @@ def heartbeat_path(job_dir: os.PathLike, attempt: int, rank: int) -> Path:
     return heartbeat_dir(attempt_dir(job_dir, attempt)) / f"{HEARTBEAT_PREFIX}{int(rank)}"
 
 
-def rank_env(*, ckpt_dir: os.PathLike, resume_from: str, attempt: os.PathLike, restart_count: int) -> Dict[str, str]:
+def rank_env(*, ckpt_dir: os.PathLike, resume_from: str, attempt: os.PathLike, restart_count: int,
+             heartbeat_addr: str = "") -> Dict[str, str]:
     """The contract variables for every rank of an attempt (directory ``attempt``)."""
     return {
         ENV_CKPT_DIR: str(ckpt_dir),
@@ -110,6 +124,7 @@ def rank_env(*, ckpt_dir: os.PathLike, resume_from: str, attempt: os.PathLike, r
         ENV_HEARTBEAT_DIR: str(heartbeat_dir(attempt)),
         ENV_STOP_FILE: str(stop_file(attempt)),
         ENV_RESTART_COUNT: str(int(restart_count)),
+        ENV_HEARTBEAT_ADDR: heartbeat_addr,
     }
 
 
@@ -126,15 +141,35 @@ def write_heartbeat(hb_dir: os.PathLike, rank: int, step: int) -> Path:
     return Path(final)
 
 
-def read_heartbeats(hb_dir: os.PathLike) -> Dict[int, Tuple[int, float]]:
-    """rank -> (step, mtime) of the heartbeat files; a rank without one is absent."""
+def write_node_heartbeat(hb_dir: os.PathLike, node: str, payload: bytes) -> Path:
+    """Write a node's heartbeat datagram as ``node-<node>`` atomically; OSError when it cannot."""
+    final = os.path.join(hb_dir, f"{NODE_HEARTBEAT_PREFIX}{node}")
+    tmp = os.path.join(hb_dir, f".{NODE_HEARTBEAT_PREFIX}{node}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+    os.replace(tmp, final)
+    return Path(final)
+
+
+def read_heartbeat_files(hb_dir: os.PathLike) -> Tuple[Dict[int, Tuple[int, float]], Dict[str, Tuple[bytes, float]]]:
+    """One scan of a heartbeat directory: rank -> (step, mtime) of the ``rank<R>`` files and
+    node -> (datagram bytes, mtime) of the ``node-<N>`` files; unreadable ones are absent."""
     beats: Dict[int, Tuple[int, float]] = {}
+    nodes: Dict[str, Tuple[bytes, float]] = {}
     try:
         entries = list(os.scandir(hb_dir))
     except FileNotFoundError:
-        return beats
-    n = len(HEARTBEAT_PREFIX)
+        return beats, nodes
+    n, nn = len(HEARTBEAT_PREFIX), len(NODE_HEARTBEAT_PREFIX)
     for e in entries:
+        if e.name.startswith(NODE_HEARTBEAT_PREFIX):
+            try:
+                mtime = e.stat().st_mtime
+                with open(e.path, "rb") as f:
+                    nodes[e.name[nn:]] = (f.read(), mtime)
+            except OSError:
+                pass
+            continue
         if not e.name.startswith(HEARTBEAT_PREFIX) or not e.name[n:].isdigit():
             continue
         try:
@@ -144,7 +179,12 @@ def read_heartbeats(hb_dir: os.PathLike) -> Dict[int, Tuple[int, float]]:
         except (OSError, ValueError):
             continue
         beats[int(e.name[n:])] = (step, mtime)
-    return beats
+    return beats, nodes
+
+
+def read_heartbeats(hb_dir: os.PathLike) -> Dict[int, Tuple[int, float]]:
+    """rank -> (step, mtime) of the per-rank heartbeat files; a rank without one is absent."""
+    return read_heartbeat_files(hb_dir)[0]
 
 
 # ------------------------------------------------------------------------ stopping

@@ -103,6 +103,7 @@ class _Runtime:
         self.stop_file_checked_at = 0.0
         self.stopped_marked = False
         self.hb_at = -1e18
+        self.hb_sender = None   # clusterops.heartbeat.NodeSender, made on the first beat
         self.inflight: Optional[_AsyncSave] = None
         self.last_async_step: Optional[int] = None
         self.atexit_registered = False
@@ -333,7 +334,8 @@ def mark_stopped(step: int, path: Optional[os.PathLike] = None) -> bool:
 def heartbeat(step: int, *, force: bool = False) -> bool:
     """Record progress for the supervisor's hang detection.
 
-    Writes this rank's heartbeat file (content: the step; see clusterops.protocol) at
+    Reports the step through the supervisor's heartbeat channel (clusterops.heartbeat:
+    node-local, one datagram per node; without an address, this rank's heartbeat file) at
     most once per HEARTBEAT_INTERVAL_S; other calls cost one clock read. Returns True
     when written.
     """
@@ -345,8 +347,17 @@ def heartbeat(step: int, *, force: bool = False) -> bool:
         return False
     _rt.hb_at = now
     rank = _rank()
+    addr = os.environ.get(protocol.ENV_HEARTBEAT_ADDR)
     try:
-        protocol.write_heartbeat(d, rank, step)
+        if addr:
+            # The node channel (clusterops.heartbeat): node-local file, one datagram per node.
+            if _rt.hb_sender is None or _rt.hb_sender.addr != addr or _rt.hb_sender.hb_dir != d:
+                from clusterops.heartbeat import NodeSender
+
+                _rt.hb_sender = NodeSender(addr, d, rank, interval_s=HEARTBEAT_INTERVAL_S)
+            _rt.hb_sender.beat(step)
+        else:
+            protocol.write_heartbeat(d, rank, step)
     except OSError as e:
         # A heartbeat must never kill training; the supervisor sees staleness anyway.
         log.warning("heartbeat of rank %d in %s failed: %s", rank, d, e)

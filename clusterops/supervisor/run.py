@@ -3,7 +3,8 @@
 Runs inside a Slurm allocation (the batch script ``exec``\\ s ``clusterops supervise``,
 so this process itself receives the lead-time ``USR1`` and preemption's ``SIGTERM``).
 Every decision is made by :class:`clusterops.supervisor.Supervisor`; this module
-only turns its actions into job steps and Slurm calls, and what it sees into events.
+only turns its actions into job steps and Slurm calls, and what it sees into events
+(heartbeats arrive through :class:`clusterops.supervisor.channel.Channel`).
 The step argv lists come from :func:`clusterops.slurm.steps.srun_argv`, srun's error
 output is read by :func:`clusterops.slurm.parse.parse_srun_failures`, programs start
 through :class:`clusterops.runner.Runner`, and queries, signals, requeues and drains go
@@ -46,6 +47,7 @@ from clusterops.runner import Process, Runner, current_user, free_port, kill_gro
 from clusterops.slurm import privilege
 from clusterops.slurm.parse import parse_srun_failures
 from clusterops.slurm.steps import srun_argv
+from clusterops.supervisor import channel as hbchannel
 from clusterops.supervisor.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -191,6 +193,7 @@ class RunConfig:
     # The job's Prometheus textfile (node_exporter's textfile collector can read it),
     # rewritten at each state change and at exit; None: <job_dir>/clusterops_job.prom.
     metrics_file: Optional[Path] = None
+    heartbeat: str = field(default_factory=hbchannel.mode_from_env)   # channel mode, see channel.py
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -277,6 +280,7 @@ class SupervisorRun:
         self.step_name: Optional[str] = None
         self.step_id: Optional[str] = None
         self.stop_file: Optional[Path] = None
+        self.channel: Optional[hbchannel.Channel] = None   # this attempt's heartbeat channel
         self.preflight: Optional[Process] = None
         self.preflight_action: Optional[sv.RunPreflight] = None
         self.preflight_dir: Optional[Path] = None
@@ -342,6 +346,9 @@ class SupervisorRun:
                 if p is not None and p.poll() is None:
                     kill_group(p)
             raise
+        finally:
+            if self.channel is not None:
+                self.channel.close()
         return self.exit_code
 
     def _wait(self, seconds: float) -> None:
@@ -365,10 +372,10 @@ class SupervisorRun:
             if step is not None and (self.seen_ckpt is None or step > self.seen_ckpt):
                 self.seen_ckpt = step
                 events.append(sv.CheckpointCommitted(now, step, self._ckpt_path(step)))
-            if self.attempt_dir is not None:
-                if self.progress_reader is not None:
-                    self.progress_reader.poll()
-                events.append(sv.Heartbeats(now, protocol.read_heartbeats(protocol.heartbeat_dir(self.attempt_dir))))
+            if self.progress_reader is not None:
+                self.progress_reader.poll()   # a script without the SDK: its output is its heartbeat
+            if self.channel is not None:
+                events.append(sv.Heartbeats(now, self.channel.snapshot(self.sup.expected_ranks)))
             rc = self.train.poll()
             if rc is not None:
                 events.append(self._step_exited(now, rc))
@@ -520,6 +527,10 @@ class SupervisorRun:
         protocol.heartbeat_dir(d).mkdir(parents=True, exist_ok=True)
         self.attempt_dir = d
         self.stop_file = protocol.stop_file(d)
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = hbchannel.Channel(cfg.heartbeat, protocol.heartbeat_dir(d), clock=self.clock,
+                                         advertise_host=self.slurm.node_address(cfg.nodes[0]))
         # Resume from a checkpoint verified now (hashes too): a newest checkpoint that was
         # damaged since it was written is skipped and said so, not loaded.
         resume = ""
@@ -544,7 +555,8 @@ class SupervisorRun:
         ppn = cfg.policy.ranks_per_node
         env = dict(cfg.env)
         env.update({
-            **protocol.rank_env(ckpt_dir=cfg.ckpt_dir, resume_from=resume, attempt=d, restart_count=a.restart_count),
+            **protocol.rank_env(ckpt_dir=cfg.ckpt_dir, resume_from=resume, attempt=d, restart_count=a.restart_count,
+                                heartbeat_addr=self.channel.env_value),
             "MASTER_ADDR": self.slurm.node_address(nodes[0]),
             "MASTER_PORT": str(free_port()),
         })
@@ -688,7 +700,7 @@ class SupervisorRun:
         # SIGUSR2 (a signal NCCL does not use; the SDK treats it as a stop request) only
         # once every rank has beaten: before that a rank may not have its handler yet and
         # USR2's default action would kill it. The stop file reaches those ranks anyway.
-        beats = protocol.read_heartbeats(protocol.heartbeat_dir(self.attempt_dir)) if self.attempt_dir else {}
+        beats = self.channel.snapshot(self.sup.expected_ranks) if self.channel is not None else {}
         if len(beats) < self.sup.expected_ranks:
             return
         # Never signal srun itself: srun 22.05 dies of a USR2 it does not forward, and a dead

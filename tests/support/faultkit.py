@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from clusterops import heartbeat as hbc
+from clusterops import protocol
 from clusterops.errors import ClusteropsError
 from clusterops.runner import Runner, free_port, kill_group, wait_exit
 from support.wait import WaitTimeout, wait_for
@@ -114,15 +116,33 @@ class TrainJob:
     def progress(self) -> Optional[int]:
         """Lowest step over the ranks of the latest attempt (None before the first beat)."""
         att = self.latest_attempt()
-        if att is None:
-            return None
+        steps = self.rank_steps(att) if att is not None else []
+        return min(steps) if steps else None
+
+    @staticmethod
+    def rank_steps(att: Path) -> List[int]:
+        """The ranks' last reported steps in attempt directory ``att``: the per-rank heartbeat
+        files, or on the node channel the ranks' node-local beats (every dev-cluster node is
+        this host)."""
         steps = []
         for f in (att / "heartbeat").glob("rank*"):
             try:
                 steps.append(int(f.read_text().split()[0]))
             except (OSError, ValueError, IndexError):
                 continue
-        return min(steps) if steps else None
+        if steps:
+            return steps
+        env = {}
+        try:
+            for line in (att / "command.txt").read_text().splitlines()[1:]:
+                k, _, v = line.partition("=")
+                env[k] = v
+        except OSError:
+            return []
+        addr = env.get(protocol.ENV_HEARTBEAT_ADDR)
+        if not addr:
+            return []
+        return list(hbc.read_local_steps(addr, env.get(protocol.ENV_HEARTBEAT_DIR, "")).values())
 
     def wait_step(self, step: int, timeout_s: float = 120.0, attempt: Optional[int] = None) -> int:
         def reached() -> Optional[int]:

@@ -1,0 +1,256 @@
+"""The node heartbeat channel: the ranks of a node report together, once per interval.
+
+With one heartbeat file per rank on the job directory, 2,048 nodes x 8 ranks make ~16k
+metadata operations a second in one directory of the parallel filesystem, and as many
+reads on the batch host. This channel costs one small message per *node* and interval,
+and none of it touches the shared filesystem:
+
+1. Each rank writes its beat (step, time of progress, mean step time) to a node-local
+   file, ``<local root>/clusterops-hb-<key>/<node>/rank<R>`` (``/dev/shm`` when it is
+   there, else the temporary directory): a rename in memory, nothing shared.
+2. The first rank of the node to beat in an interval wins that interval (an exclusive
+   create of ``slot-<k>`` in the same directory; each node's intervals start at its own
+   phase, :func:`node_phase`, so that a job in lockstep spreads its sends over the second), reads its node's rank files and sends
+   them as one datagram to the supervisor (UDP, ``protocol.ENV_HEARTBEAT_ADDR``). Any live
+   rank of the node can send, so a stopped rank (SIGSTOP, a deadlock) is still reported
+   -- with its old time -- by its neighbours, and named by rank and node.
+3. When the datagram cannot be sent (no route, bad address) or the address is ``file``,
+   the same bytes go to ``<heartbeat dir>/node-<node>`` on the job directory: one create
+   and one rename per node and interval, the file fallback.
+
+The datagram (version 1) is compact JSON, about 200 bytes for 8 ranks::
+
+    {"v":1,"tok":"<token>","node":"n17","seq":42,"ranks":[[R,step,age_ms,step_ms],...]}
+
+``age_ms`` is how long before the send the rank last made progress (so the receiver
+needs no clock agreement: progress time = receive time - age), ``step_ms`` the rank's
+mean step time over its last beat interval (-1 when not known yet), for straggler work.
+The token, given in the address (``HOST:PORT/TOKEN``), ties a datagram to one attempt
+of one job: the receiver drops any other.
+
+Standard library only: the SDK imports it from ``sdk.heartbeat`` and the supervisor's
+receiver (:mod:`clusterops.supervisor.channel`) decodes with :func:`decode`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from clusterops import protocol
+
+VERSION = 1
+#: A datagram larger than this is not ours (8 ranks take ~200 bytes; 256 ranks ~7 KB).
+MAX_DATAGRAM = 60_000
+
+
+class BadDatagram(ValueError):
+    """Bytes that are not a heartbeat datagram of this version."""
+
+
+@dataclass(frozen=True)
+class RankBeat:
+    rank: int
+    step: int
+    age_ms: int           # progress this long before the send
+    step_ms: int          # mean step time over the last beat interval; -1: not known
+
+
+@dataclass(frozen=True)
+class Datagram:
+    token: str
+    node: str
+    seq: int
+    ranks: Tuple[RankBeat, ...]
+
+
+# ------------------------------------------------------------------------ codec
+
+
+def encode(d: Datagram) -> bytes:
+    body = {"v": VERSION, "tok": d.token, "node": d.node, "seq": int(d.seq),
+            "ranks": [[int(b.rank), int(b.step), int(b.age_ms), int(b.step_ms)] for b in d.ranks]}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Datagram:
+    """The datagram in ``data``; BadDatagram naming what is wrong."""
+    if len(data) > MAX_DATAGRAM:
+        raise BadDatagram(f"{len(data)} bytes, more than {MAX_DATAGRAM}")
+    try:
+        body = json.loads(data)
+    except ValueError as e:
+        raise BadDatagram(f"not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadDatagram("not a JSON object")
+    if body.get("v") != VERSION:
+        raise BadDatagram(f"version {body.get('v')!r}, this receiver reads {VERSION}")
+    tok, node, seq, ranks = body.get("tok"), body.get("node"), body.get("seq"), body.get("ranks")
+    if not isinstance(tok, str) or not isinstance(node, str) or not node:
+        raise BadDatagram("tok and node must be strings")
+    if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(ranks, list):
+        raise BadDatagram("seq must be an integer and ranks a list")
+    beats = []
+    for item in ranks:
+        if (not isinstance(item, list) or len(item) != 4
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
+            raise BadDatagram(f"rank entry {item!r} is not [rank, step, age_ms, step_ms]")
+        r, step, age, sms = item
+        if r < 0 or age < 0:
+            raise BadDatagram(f"rank entry {item!r}: negative rank or age")
+        beats.append(RankBeat(r, step, age, sms))
+    return Datagram(tok, node, seq, tuple(beats))
+
+
+def parse_addr(addr: str) -> Tuple[str, int, str]:
+    """``HOST:PORT/TOKEN`` -> (host, port, token); ValueError when it is not that."""
+    hostport, sep, token = addr.partition("/")
+    host, sep2, port = hostport.rpartition(":")
+    if not sep or not sep2 or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"heartbeat address {addr!r} is not HOST:PORT/TOKEN")
+    return host.strip("[]"), int(port), token
+
+
+# ------------------------------------------------------------------------ sender
+
+
+def local_root() -> str:
+    """Node-local memory when there is some (``/dev/shm``), else the temporary directory."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def local_dir(addr: str, hb_dir: str, node: str, root: Optional[str] = None) -> str:
+    """The node-local directory where the ranks of ``node`` leave their beats for an attempt."""
+    key = hashlib.sha1(f"{addr}\0{hb_dir}".encode()).hexdigest()[:12]
+    return os.path.join(root or local_root(), f"clusterops-hb-{key}", node)
+
+
+def read_local_steps(addr: str, hb_dir: str, root: Optional[str] = None) -> Dict[int, int]:
+    """rank -> step of every node's local beats on this machine (one host, all nodes: the
+    dev cluster), for watching a run from outside it."""
+    base = os.path.dirname(local_dir(addr, hb_dir, "x", root))
+    steps: Dict[int, int] = {}
+    try:
+        nodes = os.listdir(base)
+    except OSError:
+        return steps
+    for node in nodes:
+        try:
+            names = os.listdir(os.path.join(base, node))
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith("rank") and name[4:].isdigit():
+                try:
+                    with open(os.path.join(base, node, name)) as f:
+                        steps[int(name[4:])] = int(f.read().split()[0])
+                except (OSError, ValueError, IndexError):
+                    continue
+    return steps
+
+
+def node_phase(node: str, interval_s: float = 1.0) -> float:
+    """Where in the interval a node's slots begin: spread by the node's name, so that the
+    nodes of a job in lockstep do not all send in the same millisecond (a burst of 2,048
+    datagrams overflows a receive buffer)."""
+    return (zlib.crc32(node.encode()) % 1000) / 1000.0 * interval_s
+
+
+def node_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+class NodeSender:
+    """One rank's end of the node channel (see the module docstring)."""
+
+    def __init__(self, addr: str, hb_dir: str, rank: int, *, node: Optional[str] = None,
+                 root: Optional[str] = None, interval_s: float = 1.0, clock=time.time):
+        self.addr, self.hb_dir, self.rank = addr, str(hb_dir), int(rank)
+        self.node = node or node_name()
+        self.interval_s = interval_s
+        self.clock = clock
+        self.local = local_dir(addr, self.hb_dir, self.node, root)
+        os.makedirs(self.local, exist_ok=True)
+        self.token = ""
+        self.dest: Optional[Tuple[str, int]] = None
+        self.sock: Optional[socket.socket] = None
+        if addr != protocol.HEARTBEAT_ADDR_FILE:
+            try:
+                host, port, self.token = parse_addr(addr)
+                info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+                self.sock = socket.socket(info[0], socket.SOCK_DGRAM)
+                self.dest = info[4]
+            except (OSError, ValueError):
+                self.sock = None        # the file fallback, every interval
+        self.phase_s = node_phase(self.node, interval_s)
+        self.last: Optional[Tuple[int, float]] = None   # (step, time) of the previous beat
+        self.seq = 0
+        self.sent = 0                   # datagrams sent by this rank
+        self.file_writes = 0            # node files written on the shared filesystem
+
+    # -- the rank's beat -------------------------------------------------------------
+    def beat(self, step: int) -> bool:
+        """Record this rank's progress; send the node's datagram when this rank wins the
+        interval. Returns True when this rank sent (or wrote the node file)."""
+        now = self.clock()
+        step_ms = -1
+        if self.last is not None and step > self.last[0]:
+            step_ms = round(1000 * (now - self.last[1]) / (step - self.last[0]))
+        self.last = (step, now)
+        final = os.path.join(self.local, f"rank{self.rank}")
+        tmp = os.path.join(self.local, f".rank{self.rank}.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{int(step)} {now!r} {step_ms}\n")
+        os.replace(tmp, final)
+        slot = int((now - self.phase_s) // self.interval_s)
+        try:
+            os.close(os.open(os.path.join(self.local, f"slot-{slot}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False                # a neighbour sends this interval
+        for old in (slot - 2, slot - 3):
+            try:
+                os.unlink(os.path.join(self.local, f"slot-{old}"))
+            except OSError:
+                pass
+        self.send(now)
+        return True
+
+    def collect(self, now: float) -> List[RankBeat]:
+        """The node's rank files as beats, ages relative to ``now``."""
+        beats = []
+        for name in os.listdir(self.local):
+            if not name.startswith("rank") or not name[4:].isdigit():
+                continue
+            try:
+                with open(os.path.join(self.local, name)) as f:
+                    step, t, sms = f.read().split()
+                beats.append(RankBeat(int(name[4:]), int(step), max(0, round(1000 * (now - float(t)))), int(sms)))
+            except (OSError, ValueError):
+                continue            # torn or foreign: the next interval reads it
+        beats.sort(key=lambda b: b.rank)
+        return beats
+
+    def send(self, now: float) -> None:
+        self.seq += 1
+        self.transmit(encode(Datagram(self.token, self.node, self.seq, tuple(self.collect(now)))))
+
+    def transmit(self, payload: bytes) -> None:
+        """Send one datagram to the supervisor; on failure (or in ``file`` mode) write it as
+        the node's file in the heartbeat directory. OSError when even that fails."""
+        if self.sock is not None:
+            try:
+                self.sock.sendto(payload, self.dest)
+                self.sent += 1
+                return
+            except OSError:
+                pass                    # no route to the supervisor: the file fallback
+        protocol.write_node_heartbeat(self.hb_dir, self.node, payload)
+        self.file_writes += 1
