@@ -272,8 +272,10 @@ class _SQLite:
             raise InputError(f"{p}: not a regular file (a sweep history database is one file)")
         if not create and not p.exists():
             raise ClusteropsError(f"{p}: no sweep history database here (run a sweep first, or give --db)")
-        self.errors: Tuple[type, ...] = (sqlite3.Error,)
-        self.damaged: Tuple[type, ...] = (sqlite3.DatabaseError,)
+        # SQLite's own message about a damaged schema can quote its bytes, and Python
+        # decodes that message strictly: a UnicodeDecodeError is then the damage report.
+        self.errors: Tuple[type, ...] = (sqlite3.Error, UnicodeDecodeError)
+        self.damaged: Tuple[type, ...] = (sqlite3.DatabaseError, UnicodeDecodeError)
         if create:
             try:
                 p.parent.mkdir(parents=True, exist_ok=True)
@@ -451,7 +453,8 @@ class History:
         except Exception as e:
             _close(db)
             if db is not None and isinstance(e, db.damaged):
-                raise InputError(f"{t.display}: not a usable sweep history database: {_one_line(e)}") from None
+                why = "damaged text (not UTF-8) in its schema" if isinstance(e, UnicodeDecodeError) else _one_line(e)
+                raise InputError(f"{t.display}: not a usable sweep history database: {why}") from None
             if isinstance(e, (sqlite3.Error, OSError)) or (db is None and _is_db_error(e)) or \
                     (db is not None and isinstance(e, db.errors)):
                 raise ClusteropsError(f"{t.display}: cannot open the sweep history database: "

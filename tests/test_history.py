@@ -108,3 +108,27 @@ def test_sqlite_text_that_is_not_utf8_is_read_not_crashed_on(tmp_path):
     assert out.exit_code == 0, out.output
     rows = json.loads(out.output)["rows"]
     assert rows and rows[0]["status"] == "fail"
+
+
+def test_a_schema_with_bytes_that_are_not_utf8_is_a_clear_input_error(tmp_path, capsys):
+    # SQLite quotes the damaged schema in its error message; Python's strict decoding of
+    # that message must not escape as a traceback.
+    import sqlite3
+
+    path = tmp_path / "sweep.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE sweeps (sweep_id TEXT, a TEXT)")
+    conn.commit()
+    conn.close()
+    data = bytearray(path.read_bytes())
+    at = data.find(b"CREATE TABLE sweeps")
+    data[at + 7] = 0x80
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputError, match="not a usable sweep history database: damaged text"):
+        History.open(path, create=False)
+    from clusterops.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["health", "history", "--db", str(path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "not a usable sweep history database" in err and "Traceback" not in err
