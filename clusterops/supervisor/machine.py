@@ -325,24 +325,24 @@ class Supervisor:
         self.exit_code: Optional[int] = None
         self.detector: Optional[Detector] = None   # straggler detection of the current step
         self.replacing: Optional[str] = None        # the straggler a planned stop will replace
-        self.straggler_why: Dict[str, str] = {}
+        self.straggler_why: Dict[str, Tuple[str, str]] = {}   # node -> (why, drain reason)
 
     # -- helpers ---------------------------------------------------------------------
     def _usable(self) -> List[str]:
         return [n for n in self.allocation if n not in self.bad]
 
     def _mark_bad(self, node: str, why: str, now: float, out: List[Action], *, drain: bool = True,
-                  origin: str = drains.SUPERVISOR) -> None:
+                  reason: Optional[str] = None) -> None:
         """Keep ``node`` out of later steps; drain it too when the policy says so and ``drain``
         (a check that could not decide -- status error -- excludes but never drains).
-        ``origin``: the drain reason's origin (``straggler`` for a node replaced as slow)."""
+        ``reason``: the drain reason (default: ``clusterops:supervisor: <why>``)."""
         if node in self.bad:
             return
         self.bad[node] = why
         self.memory.bad_nodes[node] = why
         out.append(Record("node_bad", {"node": node, "why": why}))
         if self.policy.drain_bad_nodes and drain:
-            out.append(DrainNodes((node,), drains.make_reason(origin, why)))
+            out.append(DrainNodes((node,), reason or drains.make_reason(drains.SUPERVISOR, why)))
 
     def _exit(self, code: int, reason: str, out: List[Action]) -> List[Action]:
         self.state = DONE
@@ -533,8 +533,10 @@ class Supervisor:
 
     def _straggler(self, f, now: float) -> List[Action]:
         """A node found slow: record it; replace it at a checkpoint when asked and a spare is free."""
-        why = f"straggler: {f.measure} time {f.ratio:g}x the other nodes' median ({f.node_ms:g} vs {f.others_ms:g} ms/step)"
-        self.straggler_why[f.node] = why
+        metric = f"{f.measure} time {f.ratio:g}x the other nodes' median"
+        detail = f"{f.node_ms:g} vs {f.others_ms:g} ms/step"
+        self.straggler_why[f.node] = (f"straggler: {metric} ({detail})",
+                                      drains.make_reason(drains.STRAGGLER, metric, f"{detail}, seen by the job supervisor"))
         rec = {"node": f.node, "ratio": f.ratio, "measure": f.measure, "node_ms": f.node_ms,
                "others_ms": f.others_ms, "ranks": list(f.ranks), "step": f.step}
         free = [n for n in self.spares if n not in self.bad]
@@ -554,11 +556,15 @@ class Supervisor:
                 Record("stop_requested", {"reason": "straggler", "state": RUNNING, "node": f.node}),
                 RequestStop("straggler")]
 
+    def _mark_straggler(self, node: str, now: float, out: List[Action]) -> None:
+        why, reason = self.straggler_why.get(node, ("straggler", drains.make_reason(drains.STRAGGLER, "straggler")))
+        self._mark_bad(node, why, now, out, reason=reason)
+
     def _replace_straggler(self, now: float, out: List[Action], *, clean: bool) -> List[Action]:
         """The planned stop is over: keep the slow node out (drained as a straggler when the
         policy drains) and relaunch on the spare; a clean stop is no failed attempt."""
         node, self.replacing = self.replacing, None
-        self._mark_bad(node, self.straggler_why.get(node, "straggler"), now, out, origin=drains.STRAGGLER)
+        self._mark_straggler(node, now, out)
         self.stop_reason = None
         self.stop_deadline = None
         self.last_cause = "straggler"
@@ -708,8 +714,7 @@ class Supervisor:
                 return self._replace_straggler(ev.now, out, clean=ev.returncode == 0)
             if self.replacing:
                 node, self.replacing = self.replacing, None
-                self._mark_bad(node, self.straggler_why.get(node, "straggler"), ev.now, out,
-                               origin=drains.STRAGGLER)
+                self._mark_straggler(node, ev.now, out)
                 self.stop_reason = self.pending_stop
             return self._requeue(f"stopped for {self.stop_reason}", out)
         if self.state == RUNNING and ev.returncode == 0 and ev.stopped_by:
@@ -732,7 +737,7 @@ class Supervisor:
             if not self.pending_stop:
                 return self._replace_straggler(ev.now, out, clean=False)
             node, self.replacing = self.replacing, None
-            self._mark_bad(node, self.straggler_why.get(node, "straggler"), ev.now, out, origin=drains.STRAGGLER)
+            self._mark_straggler(node, ev.now, out)
         if self.pending_stop:
             self.stop_reason = self.pending_stop
             return self._requeue(f"stopped for {self.pending_stop}", out)

@@ -27,6 +27,7 @@ Needs two nodes at least; the ranks of one node are not compared with each other
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -47,6 +48,18 @@ def median(values: Sequence[float]) -> float:
     if n == 0:
         raise ValueError("median of nothing")
     return float(v[n // 2]) if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2.0
+
+
+def _median_without(ordered: Sequence[float], value: float) -> float:
+    """The median of sorted ``ordered`` with one element equal to ``value`` left out, in
+    O(log n) (every node against all the others: no O(n^2) at thousands of nodes)."""
+    i = bisect_left(ordered, value)
+    m = len(ordered) - 1
+
+    def at(k: int) -> float:
+        return ordered[k] if k < i else ordered[k + 1]
+
+    return float(at(m // 2)) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2.0
 
 
 @dataclass(frozen=True)
@@ -75,74 +88,87 @@ class Detector:
         self.ratio = float(ratio)
         self.window = max(1, int(window))
         self.warmup_steps = max(0, int(warmup_steps))
+        self.node_of: Dict[int, Optional[str]] = {}
         self.first_step: Dict[int, int] = {}
         self.last_step: Dict[int, int] = {}
-        self.samples: Dict[int, Deque[Tuple[int, int]]] = {}    # rank -> (busy_ms, step_ms)
+        self.ranks: Dict[str, List[int]] = {}                    # node -> its ranks seen
+        # node -> the last window x ranks samples of its ranks, pooled: busy and step times
+        self.busy: Dict[str, Deque[int]] = {}
+        self.steps: Dict[str, Deque[int]] = {}
         self.streak: Dict[str, int] = {}
         self.flagged: Dict[str, Finding] = {}
         self.ratios: Dict[str, float] = {}                       # node -> latest ratio
         self.measure: Optional[str] = None                       # of the latest evaluation
 
+    def _node(self, rank: int) -> Optional[str]:
+        node = self.node_of.get(rank, "")
+        if node == "":
+            node = self.node_of[rank] = self.rank_node(rank)
+            if node is not None:
+                mine = self.ranks.setdefault(node, [])
+                mine.append(rank)
+                size = self.window * len(mine)
+                self.busy[node] = deque(self.busy.get(node, ()), maxlen=size)
+                self.steps[node] = deque(self.steps.get(node, ()), maxlen=size)
+        return node
+
     def feed(self, timing: Timing) -> List[Finding]:
         fresh = False
+        first, last, warm, node_of = self.first_step, self.last_step, self.warmup_steps, self.node_of
         for rank, beat in timing.items():
             try:
-                step, step_ms, busy_ms = (int(x) for x in beat)
+                step, step_ms, busy_ms = beat
             except (TypeError, ValueError):
                 continue
-            if self.rank_node(rank) is None:
-                continue
-            if rank not in self.first_step:
-                # The first beat of a rank in this launch: where it started, not a sample.
-                self.first_step[rank] = self.last_step[rank] = step
-                continue
-            if step <= self.last_step[rank]:
-                continue
-            self.last_step[rank] = step
-            if step <= self.first_step[rank] + self.warmup_steps:
-                continue
-            if busy_ms < 0 and step_ms < 0:
-                continue        # a save fell in this interval (or nothing is known)
-            self.samples.setdefault(rank, deque(maxlen=self.window)).append((busy_ms, step_ms))
-            fresh = True
-        return self._evaluate() if fresh else []
-
-    def _figures(self) -> Tuple[Optional[str], Dict[str, float], Dict[str, List[int]]]:
-        per_node: Dict[str, List[Tuple[int, int]]] = {}
-        ranks: Dict[str, List[int]] = {}
-        for rank, dq in self.samples.items():
-            node = self.rank_node(rank)
+            node = node_of.get(rank, "")
+            if node == "":
+                node = self._node(rank)
             if node is None:
                 continue
-            per_node.setdefault(node, []).extend(dq)
-            ranks.setdefault(node, []).append(rank)
-        ready = {n: s for n, s in per_node.items() if len(s) >= self.window}
+            if rank not in first:
+                # The first beat of a rank in this launch: where it started, not a sample.
+                first[rank] = last[rank] = step
+                continue
+            if step <= last[rank]:
+                continue
+            last[rank] = step
+            if step <= first[rank] + warm:
+                continue
+            # -1 for both: a save fell in this interval (or nothing is known).
+            if busy_ms >= 0:
+                self.busy[node].append(busy_ms)
+                fresh = True
+            if step_ms >= 0:
+                self.steps[node].append(step_ms)
+                fresh = True
+        return self._evaluate() if fresh else []
+
+    def _figures(self) -> Tuple[Optional[str], Dict[str, float]]:
+        w = self.window
+        ready = [n for n in self.ranks if len(self.busy[n]) >= w or len(self.steps[n]) >= w]
         if len(ready) < 2:
-            return None, {}, ranks
+            return None, {}
         # Busy time when every node taking part has enough of it, else step time.
-        busy = {n: [b for b, _ in s if b >= 0] for n, s in ready.items()}
-        if all(len(v) >= self.window for v in busy.values()):
-            return "busy", {n: median(v) for n, v in busy.items()}, ranks
-        steps = {n: [t for _, t in s if t >= 0] for n, s in ready.items()}
-        steps = {n: v for n, v in steps.items() if len(v) >= self.window}
-        if len(steps) < 2:
-            return None, {}, ranks
-        return "step", {n: median(v) for n, v in steps.items()}, ranks
+        if all(len(self.busy[n]) >= w for n in ready):
+            return "busy", {n: median(self.busy[n]) for n in ready}
+        steps = {n: median(self.steps[n]) for n in ready if len(self.steps[n]) >= w}
+        return ("step", steps) if len(steps) >= 2 else (None, {})
 
     def _evaluate(self) -> List[Finding]:
-        measure, figs, ranks = self._figures()
+        measure, figs = self._figures()
         if measure is None:
             return []
         self.measure = measure
         found = []
+        ordered = sorted(figs.values())
         for node, value in sorted(figs.items()):
-            others = median([v for n, v in figs.items() if n != node])
+            others = _median_without(ordered, value)
             ratio = value / others if others > 0 else (float("inf") if value > 0 else 1.0)
             self.ratios[node] = round(ratio, 3) if ratio != float("inf") else ratio
             slow = ratio >= self.ratio and value - others >= MIN_EXCESS_MS
             self.streak[node] = self.streak.get(node, 0) + 1 if slow else 0
             if slow and self.streak[node] >= self.window and node not in self.flagged:
-                rs = tuple(sorted(ranks.get(node, ())))
+                rs = tuple(sorted(self.ranks.get(node, ())))
                 f = Finding(node=node, ratio=round(ratio, 3), node_ms=round(value, 1), others_ms=round(others, 1),
                             measure=measure, ranks=rs, step=min(self.last_step[r] for r in rs))
                 self.flagged[node] = f
