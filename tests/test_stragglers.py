@@ -341,3 +341,35 @@ def test_median_of_the_others_matches_the_plain_way():
         values = sorted(rnd.choice([rnd.uniform(0, 100), 50.0]) for _ in range(n))
         for i, v in enumerate(values):
             assert _median_without(values, v) == median(values[:i] + values[i + 1:])
+
+
+# ---------------------------------------------------------------- the timeline and the metrics
+STORY = [
+    {"t": 1.0, "event": "launch", "nodes": ["node1", "node2"], "resume_step": None},
+    {"t": 5.0, "event": "progress", "step": 40, "max_step": 40, "ranks": 2, "slowest": ["node2", 2.4]},
+    {"t": 6.0, "event": "straggler", "node": "node2", "ratio": 2.382, "measure": "busy", "node_ms": 243.0,
+     "others_ms": 102.0, "ranks": [1], "step": 41, "action": "replace", "spare": "node3"},
+    {"t": 7.0, "event": "progress", "step": 45, "max_step": 45, "ranks": 2, "slowest": ["node2", 2.5]},
+    {"t": 9.0, "event": "straggler", "node": "node4", "ratio": 1.9, "measure": "busy", "node_ms": 190.0,
+     "others_ms": 100.0, "ranks": [3], "step": 90, "action": "record", "why": "no spare node"},
+]
+
+
+def test_the_straggler_event_in_text_json_summary_chart_and_metrics():
+    from clusterops.supervisor import timeline as tl
+
+    text = tl.format_text(STORY)
+    assert ("straggler node2: busy time 2.382x the other nodes' median (243.0 vs 102.0 ms/step, ranks 1); "
+            "replacing it with node3 at a checkpoint") in text
+    assert "straggler node4: busy time 1.9x" in text and "recorded only (no spare node)" in text
+    assert tl.summary(STORY)["stragglers"] == [{"node": "node2", "ratio": 2.382, "action": "replace"},
+                                               {"node": "node4", "ratio": 1.9, "action": "record"}]
+    svg = tl.render_svg(STORY)
+    assert svg.count('class="finding" data-event="straggler"') == 2 and ">straggler</text>" in svg
+    prom = tl.prometheus_text(STORY, "j")
+    assert 'clusterops_job_stragglers{job="j"} 2.0' in prom
+    assert 'clusterops_job_stragglers_replaced{job="j"} 1.0' in prom
+    # Each straggler's ratio when found; the slowest node's from the latest progress sample.
+    assert 'clusterops_job_node_slowness_ratio{job="j",node="node2"} 2.5' in prom
+    assert 'clusterops_job_node_slowness_ratio{job="j",node="node4"} 1.9' in prom
+    assert "straggler" not in tl.render_svg(STORY[:2])     # no legend entry without one
