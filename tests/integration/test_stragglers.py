@@ -7,7 +7,8 @@ work per step takes ~2.5x longer while the other rank waits for it in the all-re
 The supervisor must name that rank's node from the ranks' busy time (step time is the
 same on both ranks: the job is synchronous), stop the ranks at a checkpoint, relaunch
 on the spare without the slow node, resume from exactly the step where they stopped,
-finish, and end with weights bitwise equal to an uninterrupted run.
+finish, and end with weights bitwise equal to an uninterrupted run. Without a spare the
+straggler is recorded only and the job runs on, never stopped for it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ pytestmark = pytest.mark.integration
 
 STEPS = 150
 CKPT_EVERY = 50
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Final weights of an uninterrupted 2-rank run (no Slurm, no supervisor, no slowdown)."""
+    ref_dir = tmp_path_factory.mktemp("ref")
+    out = ref_dir / "final.pt"
+    fk.run_local(2, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--step-sleep", "0",
+                     "--out", str(out)], workdir=ref_dir)
+    return out
 
 
 @pytest.fixture
@@ -82,11 +93,8 @@ def events(job, kind):
 
 
 @pytest.mark.timeout(400)
-def test_slowed_rank_node_is_named_and_replaced_at_a_checkpoint_with_no_step_lost(cluster, slurm, tmp_path):
-    ref_dir = tmp_path / "ref"
-    reference = ref_dir / "final.pt"
-    fk.run_local(2, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--step-sleep", "0",
-                     "--out", str(reference)], workdir=ref_dir)
+def test_slowed_rank_node_is_named_and_replaced_at_a_checkpoint_with_no_step_lost(cluster, slurm, reference,
+                                                                                  tmp_path):
     job = fk.TrainJob(root=tmp_path / "strag", name="strag", nodes=2, steps=STEPS, ckpt_every=CKPT_EVERY,
                       step_sleep=0.1,
                       supervise={"spare_nodes": 1, "replace_stragglers": True, "drain_bad_nodes": True,
@@ -142,3 +150,26 @@ def test_slowed_rank_node_is_named_and_replaced_at_a_checkpoint_with_no_step_los
     # The same weights as a run that was never slowed or stopped.
     assert fk.same_weights(job.out, reference), f"final weights differ from an uninterrupted run\n{story}"
     assert fk.damaged_checkpoints(job.ckpt_dir) == []
+
+
+@pytest.mark.timeout(300)
+def test_without_a_spare_the_straggler_is_recorded_and_the_job_runs_on(cluster, slurm, reference, tmp_path):
+    job = fk.TrainJob(root=tmp_path / "strag-rec", name="strag-rec", nodes=2, steps=STEPS, ckpt_every=CKPT_EVERY,
+                      step_sleep=0.1,
+                      supervise={"replace_stragglers": True, "straggler_window": 4, "straggler_warmup_steps": 10})
+    job.submit()
+    job.wait_step(15)
+    with DutyCycle(job.rank_pids(0)) as slow:      # rank 0 this time: node1, the batch host
+        assert slow.pids
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not events(job, "straggler") and slow.thread.is_alive():
+            time.sleep(0.5)
+    info = job.wait_end(slurm, timeout_s=240)
+    story = tl.format_text(job.timeline())
+    assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state} {info.exit_code}\n{story}"
+    found = events(job, "straggler")
+    assert [(r["node"], r["action"], r["why"]) for r in found] == [("node1", "record", "no spare node")], story
+    # Never stopped for it: one launch, no stop, no node dropped, no drain.
+    assert len(events(job, "launch")) == 1 and not events(job, "stop_requested"), story
+    assert not events(job, "node_bad") and not slurm.node("node1").drained, story
+    assert fk.same_weights(job.out, reference), f"final weights differ from an uninterrupted run\n{story}"
