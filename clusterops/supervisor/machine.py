@@ -702,12 +702,10 @@ class Supervisor:
             # can move the latest good one back).
             self.memory.last_ckpt_step = ev.ckpt_step
         failures = [{"node": f.node, "rank": f.rank, "reason": f.reason} for f in ev.failures]
-        if self.state == STOPPING and self.replacing and ev.returncode == 0 and not ev.stopped_by \
-                and not ev.failures and not self.pending_stop:
-            # The training reached its end before it heard the stop.
-            out.append(Record("step_exit", {"returncode": 0, "cause": "finished"}))
-            return self._exit(EXIT_DONE, "training finished", out)
         if self.state == STOPPING:
+            # (A clean exit without the stopped marker may also be a training that reached
+            # its end before it heard the stop; a script without the marker cannot say which.
+            # The relaunch then resumes from its last checkpoint: safe either way.)
             out.append(Record("stopped", {"returncode": ev.returncode, "ckpt_step": self.memory.last_ckpt_step,
                                           "reason": self.stop_reason}))
             if self.replacing and not self.pending_stop:
