@@ -336,20 +336,23 @@ def mark_stopped(step: int, path: Optional[os.PathLike] = None) -> bool:
 # ----------------------------------------------------------------------------- heartbeat
 
 
-class _Compute:
-    """The context manager :func:`compute` returns (re-entrant: nested blocks count once)."""
+_compute_depth = threading.local()
 
-    depth = 0
+
+class _Compute:
+    """The context manager :func:`compute` returns (re-entrant: nested blocks of one thread
+    count once)."""
 
     def __enter__(self):
-        if _Compute.depth == 0:
+        depth = getattr(_compute_depth, "n", 0)
+        if depth == 0:
             self.t0 = time.monotonic()
-        _Compute.depth += 1
+        _compute_depth.n = depth + 1
         return self
 
     def __exit__(self, *exc):
-        _Compute.depth -= 1
-        if _Compute.depth == 0:
+        _compute_depth.n -= 1
+        if _compute_depth.n == 0:
             add_busy(time.monotonic() - self.t0)
         return False
 
