@@ -469,7 +469,8 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
             parts.append(f'<rect class="checkpoint" x="{x(r["t"]) - 3:.1f}" y="{y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
                          f'fill="#fc3" stroke="#960"><title>checkpoint step {esc(str(r["step"]))}</title></rect>')
     row = 0
-    for r in recs:
+    # Findings last, so that a decision taken at the same moment does not hide them.
+    for r in sorted(recs, key=lambda r: r.get("event") in FINDING_KINDS):
         e = r.get("event")
         if e == "step_exit" and r.get("cause") == "finished":
             e = "done"
