@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     rows = []
-    print(f"{'nodes':>6} {'ranks':>6} {'ms/snapshot':>12} {'base ms':>8} {'ratio':>6} {'detect beats':>13} {'false':>6}")
+    print(f"{'nodes':>6} {'ranks':>6} {'ms/snapshot':>12} {'base ms':>8} {'ratio':>6} {'detect beats':>13} "
+          f"{'false':>6}")
     for n in [int(x) for x in a.nodes.split(",")]:
         on = [one_run(n, a.ranks_per_node, a.beats, a.slow_from, a.slow, True, seed) for seed in range(a.reps)]
         off = [one_run(n, a.ranks_per_node, a.beats, a.slow_from, a.slow, False, seed) for seed in range(a.reps)]

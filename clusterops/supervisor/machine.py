@@ -535,8 +535,8 @@ class Supervisor:
         """A node found slow: record it; replace it at a checkpoint when asked and a spare is free."""
         metric = f"{f.measure} time {f.ratio:g}x the other nodes' median"
         detail = f"{f.node_ms:g} vs {f.others_ms:g} ms/step"
-        self.straggler_why[f.node] = (f"straggler: {metric} ({detail})",
-                                      drains.make_reason(drains.STRAGGLER, metric, f"{detail}, seen by the job supervisor"))
+        reason = drains.make_reason(drains.STRAGGLER, metric, f"{detail}, seen by the job supervisor")
+        self.straggler_why[f.node] = (f"straggler: {metric} ({detail})", reason)
         rec = {"node": f.node, "ratio": f.ratio, "measure": f.measure, "node_ms": f.node_ms,
                "others_ms": f.others_ms, "ranks": list(f.ranks), "step": f.step}
         free = [n for n in self.spares if n not in self.bad]
