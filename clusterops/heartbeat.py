@@ -5,7 +5,7 @@ metadata operations a second in one directory of the parallel filesystem, and as
 reads on the batch host. This channel costs one small message per *node* and interval,
 and none of it touches the shared filesystem:
 
-1. Each rank writes its beat (step, time of progress, mean step time) to a node-local
+1. Each rank writes its beat (step, time of progress, mean step and busy time) to a node-local
    file, ``<local root>/clusterops-hb-<key>/<node>/rank<R>`` (``/dev/shm`` when it is
    there, else the temporary directory): a rename in memory, nothing shared.
 2. The first rank of the node to beat in an interval wins that interval (an exclusive
@@ -20,11 +20,19 @@ and none of it touches the shared filesystem:
 
 The datagram (version 1) is compact JSON, about 200 bytes for 8 ranks::
 
-    {"v":1,"tok":"<token>","node":"n17","seq":42,"ranks":[[R,step,age_ms,step_ms],...]}
+    {"v":1,"tok":"<token>","node":"n17","seq":42,"ranks":[[R,step,age_ms,step_ms],...],
+     "busy":[busy_ms,...]}
 
 ``age_ms`` is how long before the send the rank last made progress (so the receiver
 needs no clock agreement: progress time = receive time - age), ``step_ms`` the rank's
-mean step time over its last beat interval (-1 when not known yet), for straggler work.
+mean step time over its last beat interval (-1 when not known yet, or when a checkpoint
+save fell in the interval). ``busy`` (optional, one entry per ``ranks`` entry, same
+order) is each rank's mean *busy* time per step over that interval: the time the script
+spent in ``sdk.compute()`` blocks, i.e. not waiting in a collective (-1: not known). In a
+synchronous job every rank's step takes as long as the slowest rank's, so only busy
+time tells the slow rank apart (clusterops.supervisor.stragglers). A sender without
+busy times leaves the key out; a receiver that does not know the key ignores it, so old
+senders and old receivers keep working.
 The token, given in the address (``HOST:PORT/TOKEN``), ties a datagram to one attempt
 of one job: the receiver drops any other.
 
@@ -61,6 +69,7 @@ class RankBeat:
     step: int
     age_ms: int           # progress this long before the send
     step_ms: int          # mean step time over the last beat interval; -1: not known
+    busy_ms: int = -1     # mean busy (not waiting) time per step over that interval; -1: not known
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,8 @@ class Datagram:
 def encode(d: Datagram) -> bytes:
     body = {"v": VERSION, "tok": d.token, "node": d.node, "seq": int(d.seq),
             "ranks": [[int(b.rank), int(b.step), int(b.age_ms), int(b.step_ms)] for b in d.ranks]}
+    if any(b.busy_ms >= 0 for b in d.ranks):
+        body["busy"] = [int(b.busy_ms) for b in d.ranks]
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -97,15 +108,19 @@ def decode(data: bytes) -> Datagram:
         raise BadDatagram("tok and node must be strings")
     if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(ranks, list):
         raise BadDatagram("seq must be an integer and ranks a list")
+    busy = body.get("busy")
+    if busy is not None and (not isinstance(busy, list) or len(busy) != len(ranks) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in busy)):
+        raise BadDatagram("busy must be a list of integers, one per rank entry")
     beats = []
-    for item in ranks:
+    for i, item in enumerate(ranks):
         if (not isinstance(item, list) or len(item) != 4
                 or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
             raise BadDatagram(f"rank entry {item!r} is not [rank, step, age_ms, step_ms]")
         r, step, age, sms = item
         if r < 0 or age < 0:
             raise BadDatagram(f"rank entry {item!r}: negative rank or age")
-        beats.append(RankBeat(r, step, age, sms))
+        beats.append(RankBeat(r, step, age, sms, busy[i] if busy is not None else -1))
     return Datagram(tok, node, seq, tuple(beats))
 
 
@@ -197,18 +212,24 @@ class NodeSender:
         self.file_writes = 0            # node files written on the shared filesystem
 
     # -- the rank's beat -------------------------------------------------------------
-    def beat(self, step: int) -> bool:
+    def beat(self, step: int, *, busy_s: Optional[float] = None, paused: bool = False) -> bool:
         """Record this rank's progress; send the node's datagram when this rank wins the
-        interval. Returns True when this rank sent (or wrote the node file)."""
+        interval. Returns True when this rank sent (or wrote the node file).
+
+        ``busy_s``: seconds this rank was busy (not waiting) since its previous beat, None
+        when the script does not say; ``paused``: a checkpoint save fell in that time, so
+        neither figure is a step time (both go out as -1)."""
         now = self.clock()
-        step_ms = -1
-        if self.last is not None and step > self.last[0]:
+        step_ms = busy_ms = -1
+        if self.last is not None and step > self.last[0] and not paused:
             step_ms = round(1000 * (now - self.last[1]) / (step - self.last[0]))
+            if busy_s is not None:
+                busy_ms = max(0, round(1000 * busy_s / (step - self.last[0])))
         self.last = (step, now)
         final = os.path.join(self.local, f"rank{self.rank}")
         tmp = os.path.join(self.local, f".rank{self.rank}.tmp")
         with open(tmp, "w") as f:
-            f.write(f"{int(step)} {now!r} {step_ms}\n")
+            f.write(f"{int(step)} {now!r} {step_ms} {busy_ms}\n")
         os.replace(tmp, final)
         slot = int((now - self.phase_s) // self.interval_s)
         try:
@@ -231,8 +252,11 @@ class NodeSender:
                 continue
             try:
                 with open(os.path.join(self.local, name)) as f:
-                    step, t, sms = f.read().split()
-                beats.append(RankBeat(int(name[4:]), int(step), max(0, round(1000 * (now - float(t)))), int(sms)))
+                    fields = f.read().split()
+                step, t, sms = fields[:3]            # a fourth field (busy) since busy times
+                busy = int(fields[3]) if len(fields) > 3 else -1
+                beats.append(RankBeat(int(name[4:]), int(step), max(0, round(1000 * (now - float(t)))), int(sms),
+                                      busy))
             except (OSError, ValueError):
                 continue            # torn or foreign: the next interval reads it
         beats.sort(key=lambda b: b.rank)

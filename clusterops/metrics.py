@@ -70,6 +70,13 @@ CATALOGUE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "clusterops_job_mttr_seconds": ("Mean time from a fault to the first step after it (absent before a "
                                     "recovery).", ("job",)),
     "clusterops_job_last_event_timestamp_seconds": ("When the job's timeline last changed.", ("job",)),
+    "clusterops_job_stragglers": ("Stragglers the supervisor found in the job (nodes whose ranks' busy time per "
+                                  "step stayed above straggler_ratio x the other nodes' median).", ("job",)),
+    "clusterops_job_stragglers_replaced": ("Stragglers replaced by a spare node at a planned checkpoint stop.",
+                                           ("job",)),
+    "clusterops_job_node_slowness_ratio": ("A node's busy time per step over the median of the other nodes': for "
+                                           "each straggler when found, and for the slowest node at the latest "
+                                           "progress sample.", ("job", "node")),
 }
 
 

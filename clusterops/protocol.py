@@ -19,8 +19,11 @@ variable                       meaning for the training process
                                requeues)
 ``CLUSTEROPS_HEARTBEAT_ADDR``  the heartbeat channel: ``HOST:PORT/TOKEN`` (UDP datagrams to the
                                supervisor, one per node and interval, see
-                               :mod:`clusterops.heartbeat`), ``file`` (one file per node in the
-                               heartbeat directory), or empty/unset (one file per rank)
+                               :mod:`clusterops.heartbeat`: per rank the step, its age, the
+                               mean step time and, optionally, the mean busy time per step
+                               -- time in ``sdk.compute()`` -- for straggler detection),
+                               ``file`` (one file per node in the heartbeat directory), or
+                               empty/unset (one file per rank)
 =============================  ===============================================================
 
 All are optional for the training script: without them it trains, saves where told

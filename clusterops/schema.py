@@ -351,6 +351,16 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
             "others", 5.0, min=0),
     _policy("drain_bad_nodes", "bool", "drain nodes judged bad, with a `clusterops:` reason", False),
     _budget("node_fail_threshold", "failures blamed on one node before it is dropped", 2, lo=1),
+    _policy("detect_stragglers", "bool", "watch the ranks' busy time per step (heartbeats) for a node "
+            "consistently slower than the others, and record it (timeline `straggler`, metrics)", True),
+    _policy("straggler_ratio", "number", "a node is slow when its busy time per step is at least this many times "
+            "the median of the other nodes'", 1.5, min=1, gt=True),
+    _policy("straggler_window", "int", "beats (about one a second) a node's figure is the median of, and "
+            "evaluations in a row it must stay slow before it is named", 10, min=1, max=1000),
+    _budget("straggler_warmup_steps", "steps after each (re)start that are not measured", 20),
+    _policy("replace_stragglers", "bool", "when a straggler is found and a spare node is free: stop the ranks "
+            "with a checkpoint, relaunch on the spare without the slow node (no step lost), keep it out (drained "
+            "with a `clusterops:straggler:` reason when `drain_bad_nodes`); without a spare only record it", False),
     _f("verify_deep", "bool", "hash-check the checkpoint a restart resumes from, not only sizes (a flipped "
        "byte is caught, not loaded)", default=True),
     _f("step_wait_s", "int", "`srun --wait` for the supervisor's training steps", min=1, max=86400,

@@ -5,7 +5,9 @@
     ckpt = sdk.resume()                    # None, or the state to continue from
     ...
     for step in range(start, steps):
-        train_one_step()
+        with sdk.compute():                # optional: this rank's own work, for straggler
+            loss = train_one_step()        # detection (leave the collectives outside)
+        sync_gradients()
         sdk.heartbeat(step + 1)            # cheap: at most ~1 write per second
         if (step + 1) % every == 0:
             sdk.save(state, step + 1, async_=True)
@@ -104,6 +106,9 @@ class _Runtime:
         self.stopped_marked = False
         self.hb_at = -1e18
         self.hb_sender = None   # clusterops.heartbeat.NodeSender, made on the first beat
+        self.busy_s = 0.0       # time in compute() blocks since the last beat
+        self.busy_known = False # the script uses compute() (else no busy time is reported)
+        self.hb_paused = False  # a checkpoint save fell in the time since the last beat
         self.inflight: Optional[_AsyncSave] = None
         self.last_async_step: Optional[int] = None
         self.atexit_registered = False
@@ -331,6 +336,46 @@ def mark_stopped(step: int, path: Optional[os.PathLike] = None) -> bool:
 # ----------------------------------------------------------------------------- heartbeat
 
 
+_compute_depth = threading.local()
+
+
+class _Compute:
+    """The context manager :func:`compute` returns (re-entrant: nested blocks of one thread
+    count once)."""
+
+    def __enter__(self):
+        depth = getattr(_compute_depth, "n", 0)
+        if depth == 0:
+            self.t0 = time.monotonic()
+        _compute_depth.n = depth + 1
+        return self
+
+    def __exit__(self, *exc):
+        _compute_depth.n -= 1
+        if _compute_depth.n == 0:
+            add_busy(time.monotonic() - self.t0)
+        return False
+
+
+def compute() -> _Compute:
+    """``with sdk.compute(): ...`` around this rank's own work in a step (forward,
+    backward, optimizer step), leaving out the collectives where it waits for the others.
+
+    Optional. The time inside is this rank's *busy* time; it goes to the supervisor with
+    the heartbeat (mean per step) for straggler detection: in a synchronous job every
+    rank's step takes as long as the slowest one's, but the slow rank is the one that
+    waits least, so its busy time stands out. Costs two clock reads per block.
+    """
+    return _Compute()
+
+
+def add_busy(seconds: float) -> None:
+    """Count ``seconds`` of this rank's own work (what :func:`compute` does for a block),
+    for a framework that measures its compute time itself."""
+    _rt.busy_known = True
+    _rt.busy_s += max(0.0, float(seconds))
+
+
 def heartbeat(step: int, *, force: bool = False) -> bool:
     """Record progress for the supervisor's hang detection.
 
@@ -355,7 +400,8 @@ def heartbeat(step: int, *, force: bool = False) -> bool:
                 from clusterops.heartbeat import NodeSender
 
                 _rt.hb_sender = NodeSender(addr, d, rank, interval_s=HEARTBEAT_INTERVAL_S)
-            _rt.hb_sender.beat(step)
+            _rt.hb_sender.beat(step, busy_s=_rt.busy_s if _rt.busy_known else None, paused=_rt.hb_paused)
+            _rt.busy_s, _rt.hb_paused = 0.0, False
         else:
             protocol.write_heartbeat(d, rank, step)
     except OSError as e:
@@ -493,6 +539,7 @@ def wait() -> Optional[Path]:
     job, _rt.inflight = _rt.inflight, None
     if job is None:
         return None
+    _rt.hb_paused = True
     return job.join()
 
 
@@ -507,6 +554,7 @@ def save(state: dict, step: int, *, async_: bool = False, rank_state: Any = None
     earlier async failure is raised here (or by wait()). Returns the committed path
     (None for an async save still in flight).
     """
+    _rt.hb_paused = True      # the step time around a save is not a step time (stragglers)
     wait()
     _ensure_runtime()
     root = ckpt_root(root)

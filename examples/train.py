@@ -228,25 +228,29 @@ def main(argv=None) -> int:
         if args.hang_at_step is not None and step == args.hang_at_step:
             while True:
                 time.sleep(1)
-        idx = order[batch * args.batch_size:(batch + 1) * args.batch_size]
-        x, y = x_all[idx], y_all[idx]
-        x = x + torch.from_numpy(np.random.normal(0.0, 0.01, size=tuple(x.shape)).astype(np.float32))
-        if random.random() < 0.25:
-            x = x.flip(0).flip(0) * 1.0001
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
+        # This rank's own work goes in sdk.compute() blocks, the gradient all-reduce (where a
+        # fast rank waits for a slow one) outside: the supervisor tells a straggler by it.
+        with sdk.compute():
+            idx = order[batch * args.batch_size:(batch + 1) * args.batch_size]
+            x, y = x_all[idx], y_all[idx]
+            x = x + torch.from_numpy(np.random.normal(0.0, 0.01, size=tuple(x.shape)).astype(np.float32))
+            if random.random() < 0.25:
+                x = x.flip(0).flip(0) * 1.0001
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
         if world > 1:
             average_gradients(model, world)
-        opt.step()
-        sched.step()
-        step += 1
-        batch += 1
-        if batch >= batches_per_epoch:
-            epoch, batch = epoch + 1, 0
-            order = epoch_indices(args.seed, epoch, args.samples, rank, world)
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+        with sdk.compute():
+            opt.step()
+            sched.step()
+            step += 1
+            batch += 1
+            if batch >= batches_per_epoch:
+                epoch, batch = epoch + 1, 0
+                order = epoch_indices(args.seed, epoch, args.samples, rank, world)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)   # stands for more compute
         sdk.heartbeat(step)
         if sdk.async_done():
             drain_async()

@@ -56,6 +56,8 @@ def timeline(job_dir, as_json, chart, progress, prometheus, job_label):
     click.echo(f"-- {s['launches']} launch(es), {s['restarts']} restart(s), {s['requeues']} requeue(s); "
                f"outcome: {s['outcome'] or 'running'}"
                + (f" (exit {s['exit_code']})" if s["exit_code"] is not None else "")
+               + (f"; {len(s['stragglers'])} straggler(s): "
+                  + ", ".join(f"{x['node']} ({x['action']})" for x in s["stragglers"]) if s["stragglers"] else "")
                + (f"; {len(skipped)} unreadable line(s) skipped" if skipped else "")
                + (f"; chart: {chart}" if chart else ""))
     if s["goodput"] is not None:

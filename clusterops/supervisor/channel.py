@@ -47,7 +47,7 @@ def mode_from_env(environ=os.environ) -> str:
 
 class Receiver:
     """A thread that takes heartbeat datagrams on a UDP socket and keeps, per rank, the
-    latest (step, time of progress, step_ms, time received) and per node the time heard."""
+    latest (step, time of progress, step_ms, time received) and its busy_ms, and per node the time heard."""
 
     def __init__(self, token: str, *, bind_host: str = "", clock: Callable[[], float] = time.time):
         self.token = token
@@ -62,6 +62,7 @@ class Receiver:
         self.port = self.sock.getsockname()[1]
         self.lock = threading.Lock()
         self.ranks: Dict[int, Tuple[int, float, int, float]] = {}
+        self.busy: Dict[int, int] = {}     # rank -> busy_ms of the beat in ranks (-1: not known)
         self.nodes: Dict[str, float] = {}
         self.received = 0
         self.dropped = 0          # undecodable, another version, another token
@@ -106,6 +107,7 @@ class Receiver:
                 old = self.ranks.get(b.rank)
                 if old is None or t >= old[1]:
                     self.ranks[b.rank] = (b.step, t, b.step_ms, now)
+                    self.busy[b.rank] = b.busy_ms
                 else:
                     self.ranks[b.rank] = old[:3] + (now,)
         return True
@@ -113,6 +115,11 @@ class Receiver:
     def snapshot(self) -> Dict[int, Tuple[int, float, int, float]]:
         with self.lock:
             return dict(self.ranks)
+
+    def timings(self) -> Dict[int, Tuple[int, int, int]]:
+        """rank -> (step, step_ms, busy_ms) of its latest beat."""
+        with self.lock:
+            return {r: (v[0], v[2], self.busy.get(r, -1)) for r, v in self.ranks.items()}
 
 
 class Channel:
@@ -136,6 +143,7 @@ class Channel:
             self.addr = protocol.HEARTBEAT_ADDR_FILE
         self.file_scans = 0           # times the heartbeat directory was read
         self.files_read = 0           # files read in those scans
+        self.file_timing: Dict[int, Tuple[int, int, int]] = {}   # rank -> (step, step_ms, busy_ms), files
 
     @property
     def env_value(self) -> str:
@@ -175,7 +183,19 @@ class Channel:
                 t = mtime - b.age_ms / 1000.0
                 if b.rank not in ranks or t > ranks[b.rank][1]:
                     ranks[b.rank] = (b.step, t)
+                    self.file_timing[b.rank] = (b.step, b.step_ms, b.busy_ms)
         return ranks
+
+    def timings(self) -> Dict[int, Tuple[int, int, int]]:
+        """rank -> (step, step_ms, busy_ms) of its latest beat (-1: not known), from the
+        network and from the node files last scanned (the newer step wins); for
+        ``sv.Heartbeats.timing`` (straggler detection)."""
+        out = dict(self.file_timing)
+        if self.receiver is not None:
+            for r, beat in self.receiver.timings().items():
+                if r not in out or beat[0] >= out[r][0]:
+                    out[r] = beat
+        return out
 
     def step_times_ms(self) -> Dict[int, int]:
         """rank -> its latest mean step time (ms) heard over the network; for straggler work."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from clusterops import drains, schema
+from clusterops.supervisor.stragglers import Detector
 
 __all__ = [
     "EXIT_DONE",
@@ -143,9 +144,14 @@ class StepExited(Event):
 
 @dataclass(frozen=True)
 class Heartbeats(Event):
-    """Snapshot of the heartbeat files: rank -> (step, mtime); a missing rank has none yet."""
+    """Snapshot of the heartbeat files: rank -> (step, mtime); a missing rank has none yet.
+
+    ``timing``: rank -> (step, step_ms, busy_ms) of its latest beat (-1: not known), what
+    the node channel carries for straggler detection (empty on the per-rank file channel).
+    """
 
     beats: Mapping[int, Tuple[int, float]] = field(default_factory=dict)
+    timing: Mapping[int, Tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -317,21 +323,26 @@ class Supervisor:
         self.ckpt_at_launch: Optional[int] = None
         self.last_cause: Optional[str] = None
         self.exit_code: Optional[int] = None
+        self.detector: Optional[Detector] = None   # straggler detection of the current step
+        self.replacing: Optional[str] = None        # the straggler a planned stop will replace
+        self.straggler_why: Dict[str, Tuple[str, str]] = {}   # node -> (why, drain reason)
 
     # -- helpers ---------------------------------------------------------------------
     def _usable(self) -> List[str]:
         return [n for n in self.allocation if n not in self.bad]
 
-    def _mark_bad(self, node: str, why: str, now: float, out: List[Action], *, drain: bool = True) -> None:
+    def _mark_bad(self, node: str, why: str, now: float, out: List[Action], *, drain: bool = True,
+                  reason: Optional[str] = None) -> None:
         """Keep ``node`` out of later steps; drain it too when the policy says so and ``drain``
-        (a check that could not decide -- status error -- excludes but never drains)."""
+        (a check that could not decide -- status error -- excludes but never drains).
+        ``reason``: the drain reason (default: ``clusterops:supervisor: <why>``)."""
         if node in self.bad:
             return
         self.bad[node] = why
         self.memory.bad_nodes[node] = why
         out.append(Record("node_bad", {"node": node, "why": why}))
         if self.policy.drain_bad_nodes and drain:
-            out.append(DrainNodes((node,), drains.make_reason(drains.SUPERVISOR, why)))
+            out.append(DrainNodes((node,), reason or drains.make_reason(drains.SUPERVISOR, why)))
 
     def _exit(self, code: int, reason: str, out: List[Action]) -> List[Action]:
         self.state = DONE
@@ -416,6 +427,12 @@ class Supervisor:
         self.hung_ranks = ()
         self.hang_culprits = ()
         self.last_progress_step = None
+        self.stop_reason = None
+        self.stop_deadline = None
+        self.replacing = None
+        p = self.policy
+        self.detector = (Detector(self.rank_node, ratio=p.straggler_ratio, window=p.straggler_window,
+                                  warmup_steps=p.straggler_warmup_steps) if p.detect_stragglers else None)
         attempt = self.memory.attempts
         self.memory.attempts += 1
         self.ckpt_at_launch = self.memory.last_ckpt_step
@@ -482,7 +499,11 @@ class Supervisor:
             if self.last_progress_step != low and (
                     self.last_progress_record is None
                     or ev.now - self.last_progress_record >= p.progress_interval_s):
-                out.append(Record("progress", {"step": low, "max_step": max(steps), "ranks": len(steps)}))
+                rec = {"step": low, "max_step": max(steps), "ranks": len(steps)}
+                slowest = self.detector.slowest() if self.detector is not None else None
+                if slowest is not None:
+                    rec["slowest"] = [slowest[0], slowest[1]]   # node, its ratio to the others (metrics)
+                out.append(Record("progress", rec))
                 self.last_progress_step = low
                 self.last_progress_record = ev.now
         stale = []
@@ -504,7 +525,53 @@ class Supervisor:
                                                  "culprits": list(self.hang_culprits)}))
             out.append(CaptureStacks(self.hung_ranks, nodes))
             out += self._kill(ev.now, "hang")
+            return out
+        if self.detector is not None and ev.timing:
+            for f in self.detector.feed(ev.timing):
+                out += self._straggler(f, ev.now)
         return out
+
+    def _straggler(self, f, now: float) -> List[Action]:
+        """A node found slow: record it; replace it at a checkpoint when asked and a spare is free."""
+        metric = f"{f.measure} time {f.ratio:g}x the other nodes' median"
+        detail = f"{f.node_ms:g} vs {f.others_ms:g} ms/step"
+        reason = drains.make_reason(drains.STRAGGLER, metric, f"{detail}, seen by the job supervisor")
+        self.straggler_why[f.node] = (f"straggler: {metric} ({detail})", reason)
+        rec = {"node": f.node, "ratio": f.ratio, "measure": f.measure, "node_ms": f.node_ms,
+               "others_ms": f.others_ms, "ranks": list(f.ranks), "step": f.step}
+        free = [n for n in self.spares if n not in self.bad]
+        if not self.policy.replace_stragglers:
+            return [Record("straggler", dict(rec, action="record", why="replace_stragglers is off"))]
+        if not free:
+            return [Record("straggler", dict(rec, action="record", why="no spare node"))]
+        if self.state != RUNNING or self.replacing:
+            return [Record("straggler", dict(rec, action="record", why="a stop is already under way"))]
+        # A planned stop through the ordinary stop path: the ranks agree on a step, save it
+        # and exit; the relaunch resumes from exactly that step without the slow node.
+        self.replacing = f.node
+        self.stop_reason = "straggler"
+        self.state = STOPPING
+        self.stop_deadline = now + self.policy.stop_timeout_s
+        return [Record("straggler", dict(rec, action="replace", spare=free[0])),
+                Record("stop_requested", {"reason": "straggler", "state": RUNNING, "node": f.node}),
+                RequestStop("straggler")]
+
+    def _mark_straggler(self, node: str, now: float, out: List[Action]) -> None:
+        why, reason = self.straggler_why.get(node, ("straggler", drains.make_reason(drains.STRAGGLER, "straggler")))
+        self._mark_bad(node, why, now, out, reason=reason)
+
+    def _replace_straggler(self, now: float, out: List[Action], *, clean: bool) -> List[Action]:
+        """The planned stop is over: keep the slow node out (drained as a straggler when the
+        policy drains) and relaunch on the spare; a clean stop is no failed attempt."""
+        node, self.replacing = self.replacing, None
+        self._mark_straggler(node, now, out)
+        self.stop_reason = None
+        self.stop_deadline = None
+        self.last_cause = "straggler"
+        if not clean:
+            self.restarts_here += 1
+            self.memory.restarts += 1
+        return self._plan_launch(now, out)
 
     def _hang_culprits(self, beats: Mapping[int, Tuple[int, float]], ranks) -> Tuple[int, ...]:
         """Ranks that stopped first. One stuck rank soon blocks all the others in their next
@@ -551,6 +618,11 @@ class Supervisor:
 
     def _on_stop_requested(self, ev: StopRequested) -> List[Action]:
         out: List[Action] = [Record("stop_requested", {"reason": ev.reason, "state": self.state})]
+        if self.replacing and not self.pending_stop:
+            # The ranks are already stopping (to replace a straggler): their checkpoint
+            # serves this stop too, which then wins (requeue, not relaunch).
+            self.pending_stop = ev.reason
+            return out
         if self.stop_reason or self.pending_stop:
             return out          # one stop is enough; the first deadline stands
         if self.state == RUNNING:
@@ -579,7 +651,8 @@ class Supervisor:
         if self.state == STOPPING and self.stop_deadline is not None and ev.now > self.stop_deadline:
             out.append(Record("stop_timeout", {"after_s": self.policy.stop_timeout_s}))
             out += self._kill(ev.now, "stop_timeout")
-            self.pending_stop = self.stop_reason
+            if not self.replacing:      # a straggler's stop that timed out: relaunch, not requeue
+                self.pending_stop = self.stop_reason
         elif self.state == KILLING and self.kill_sent_at is not None:
             if ev.now - self.kill_sent_at > self.policy.kill_timeout_s:
                 self.kill_sent_at = ev.now
@@ -630,8 +703,17 @@ class Supervisor:
             self.memory.last_ckpt_step = ev.ckpt_step
         failures = [{"node": f.node, "rank": f.rank, "reason": f.reason} for f in ev.failures]
         if self.state == STOPPING:
+            # (A clean exit without the stopped marker may also be a training that reached
+            # its end before it heard the stop; a script without the marker cannot say which.
+            # The relaunch then resumes from its last checkpoint: safe either way.)
             out.append(Record("stopped", {"returncode": ev.returncode, "ckpt_step": self.memory.last_ckpt_step,
                                           "reason": self.stop_reason}))
+            if self.replacing and not self.pending_stop:
+                return self._replace_straggler(ev.now, out, clean=ev.returncode == 0)
+            if self.replacing:
+                node, self.replacing = self.replacing, None
+                self._mark_straggler(node, ev.now, out)
+                self.stop_reason = self.pending_stop
             return self._requeue(f"stopped for {self.stop_reason}", out)
         if self.state == RUNNING and ev.returncode == 0 and ev.stopped_by:
             # Exit 0 is not "finished" when the ranks were told to stop behind our back.
@@ -646,6 +728,14 @@ class Supervisor:
         cause, blamed = self.classify(ev)
         out.append(Record("step_exit", {"returncode": ev.returncode, "cause": cause, "blamed": blamed,
                                         "failures": failures[:8]}))
+        if self.replacing:
+            # The straggler's planned stop timed out and the step was killed: relaunch
+            # without the slow node from the latest checkpoint (or requeue for a stop that
+            # came meanwhile).
+            if not self.pending_stop:
+                return self._replace_straggler(ev.now, out, clean=False)
+            node, self.replacing = self.replacing, None
+            self._mark_straggler(node, ev.now, out)
         if self.pending_stop:
             self.stop_reason = self.pending_stop
             return self._requeue(f"stopped for {self.pending_stop}", out)

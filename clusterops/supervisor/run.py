@@ -375,7 +375,8 @@ class SupervisorRun:
             if self.progress_reader is not None:
                 self.progress_reader.poll()   # a script without the SDK: its output is its heartbeat
             if self.channel is not None:
-                events.append(sv.Heartbeats(now, self.channel.snapshot(self.sup.expected_ranks)))
+                events.append(sv.Heartbeats(now, self.channel.snapshot(self.sup.expected_ranks),
+                                            timing=self.channel.timings()))
             rc = self.train.poll()
             if rc is not None:
                 events.append(self._step_exited(now, rc))

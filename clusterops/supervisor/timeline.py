@@ -24,6 +24,8 @@ FILE_NAME = "timeline.jsonl"
 # Event kinds drawn as markers on the chart, and how.
 FAULT_KINDS = {"heartbeat_lost", "node_down", "node_bad", "step_exit", "stop_timeout", "kill_escalated"}
 DECISION_KINDS = {"restart", "requeue", "give_up", "spare_used", "shrink", "stop_requested", "stopped", "done"}
+# Findings that are neither a fault nor a decision: a slow node (drawn in orange).
+FINDING_KINDS = {"straggler"}
 
 
 class Timeline:
@@ -149,6 +151,13 @@ def describe(rec: Mapping) -> str:
             f0 = failures[0]
             s += f"; first failure: rank {f0.get('rank')} on {f0.get('node')}: {f0.get('reason')}"
         return s
+    if e == "straggler":
+        s = (f"straggler {fields.get('node')}: {fields.get('measure', 'busy')} time {fields.get('ratio')}x the other "
+             f"nodes' median ({fields.get('node_ms')} vs {fields.get('others_ms')} ms/step"
+             + (f", ranks {_join(fields['ranks'])}" if fields.get("ranks") else "") + ")")
+        if fields.get("action") == "replace":
+            return s + f"; replacing it with {fields.get('spare')} at a checkpoint"
+        return s + f"; recorded only ({fields.get('why', 'no replacement')})"
     if e == "give_up":
         return f"GIVE UP (exit {fields.get('code')}): {fields.get('reason')}"
     if e == "done":
@@ -182,7 +191,7 @@ def summary(records: Iterable[Mapping]) -> dict:
     """Counts a test or a report wants: restarts, requeues, outcome, final step."""
     recs = list(records)
     out = {"events": len(recs), "restarts": 0, "requeues": 0, "launches": 0, "faults": [],
-           "outcome": None, "exit_code": None, "last_step": None, "checkpoints": []}
+           "outcome": None, "exit_code": None, "last_step": None, "checkpoints": [], "stragglers": []}
     for r in recs:
         e = r.get("event")
         if e == "restart":
@@ -200,6 +209,8 @@ def summary(records: Iterable[Mapping]) -> dict:
             out["last_step"] = r.get("step")
         elif e == "checkpoint" and r.get("step") is not None and r["step"] not in out["checkpoints"]:
             out["checkpoints"].append(r["step"])
+        elif e == "straggler":
+            out["stragglers"].append({"node": r.get("node"), "ratio": r.get("ratio"), "action": r.get("action")})
     return out
 
 
@@ -376,6 +387,18 @@ def job_metrics(records: Iterable[Mapping], job: str):
             prom.set("clusterops_job_lost_seconds", dict(lab, cause=cause), v)
         if rep["mttr_s"] is not None:
             prom.set("clusterops_job_mttr_seconds", lab, rep["mttr_s"])
+    prom.set("clusterops_job_stragglers", lab, len(s["stragglers"]))
+    prom.set("clusterops_job_stragglers_replaced", lab, sum(1 for x in s["stragglers"] if x["action"] == "replace"))
+    ratios = {}
+    for r in recs:
+        if r.get("event") == "straggler" and isinstance(r.get("node"), str) and _finite(r.get("ratio")) is not None:
+            ratios[r["node"]] = _finite(r["ratio"])
+    last = next((r for r in reversed(recs) if r.get("event") == "progress"), None)
+    slow = last.get("slowest") if last is not None else None
+    if isinstance(slow, list) and len(slow) == 2 and isinstance(slow[0], str) and _finite(slow[1]) is not None:
+        ratios[slow[0]] = _finite(slow[1])
+    for node, ratio in sorted(ratios.items()):
+        prom.set("clusterops_job_node_slowness_ratio", dict(lab, node=node), ratio)
     times = [_finite(r.get("t")) for r in recs if _finite(r.get("t")) is not None]
     if times:
         prom.set("clusterops_job_last_event_timestamp_seconds", lab, max(times))
@@ -446,26 +469,31 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
             parts.append(f'<rect class="checkpoint" x="{x(r["t"]) - 3:.1f}" y="{y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
                          f'fill="#fc3" stroke="#960"><title>checkpoint step {esc(str(r["step"]))}</title></rect>')
     row = 0
-    for r in recs:
+    # Findings last, so that a decision taken at the same moment does not hide them.
+    for r in sorted(recs, key=lambda r: r.get("event") in FINDING_KINDS):
         e = r.get("event")
         if e == "step_exit" and r.get("cause") == "finished":
             e = "done"
-        if e in FAULT_KINDS or e in DECISION_KINDS:
-            color = "#d22" if e in FAULT_KINDS else "#25c"
-            kind = "fault" if e in FAULT_KINDS else "decision"
+        if e in FAULT_KINDS or e in DECISION_KINDS or e in FINDING_KINDS:
+            color = "#d22" if e in FAULT_KINDS else ("#e80" if e in FINDING_KINDS else "#25c")
+            kind = "fault" if e in FAULT_KINDS else ("finding" if e in FINDING_KINDS else "decision")
             xx = x(r["t"])
             label = esc(describe(r))[:80]
             parts.append(f'<line class="{kind}" data-event="{esc(e)}" x1="{xx:.1f}" y1="{pad_t}" x2="{xx:.1f}" y2="{pad_t + h}" stroke="{color}" '
                          f'stroke-dasharray="4,3"><title>{label}</title></line>')
-            short = esc(e.replace("_", " ") + (f": {r.get('cause')}" if r.get("cause") else ""))
+            short = esc(e.replace("_", " ") + (f": {r.get('cause')}" if r.get("cause") else "")
+                        + (f": {r.get('node')}" if e in FINDING_KINDS and r.get("node") else ""))
             ly = pad_t + h + 46 + 12 * (row % 3)
             parts.append(f'<text class="{kind}-label" x="{xx + 2:.1f}" y="{ly}" fill="{color}">{short}</text>')
             row += 1
-    parts.append(f'<g transform="translate({pad_l + w - 250},{pad_t - 14})">'
+    findings = any(r.get("event") in FINDING_KINDS for r in recs)
+    parts.append(f'<g transform="translate({pad_l + w - (320 if findings else 250)},{pad_t - 14})">'
                  '<line x1="0" y1="0" x2="16" y2="0" stroke="#2a7" stroke-width="2"/><text x="20" y="4">step</text>'
                  '<rect x="60" y="-4" width="7" height="7" fill="#fc3" stroke="#960"/><text x="70" y="4">checkpoint</text>'
                  '<line x1="140" y1="-6" x2="140" y2="6" stroke="#d22"/><text x="144" y="4">fault</text>'
-                 '<line x1="185" y1="-6" x2="185" y2="6" stroke="#25c"/><text x="189" y="4">decision</text></g>')
+                 '<line x1="185" y1="-6" x2="185" y2="6" stroke="#25c"/><text x="189" y="4">decision</text>'
+                 + ('<line x1="240" y1="-6" x2="240" y2="6" stroke="#e80"/><text x="244" y="4">straggler</text>'
+                    if findings else "") + '</g>')
     parts.append("</svg>")
     return "\n".join(parts)
 
