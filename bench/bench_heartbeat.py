@@ -8,7 +8,8 @@ For each channel mode and node count (8 ranks a node), the real supervisor code 
 this process -- ``SupervisorRun``'s watch loop and state machine, the real channel
 (:mod:`clusterops.supervisor.channel`: UDP receiver thread on 127.0.0.1, file fallback) --
 against a fake Slurm, and a load generator process plays the job's nodes through the real
-sending side (:class:`clusterops.heartbeat.NodeSender`'s transmit with the real codec, or
+sending side (:class:`clusterops.heartbeat.NodeSender`'s transmit with the real codec, each
+rank with a busy time per step so the straggler detector runs as in a real job, or
 ``protocol.write_heartbeat`` per rank for the old channel). After a warm-up and a
 steady-state window, one random rank goes silent at a random moment; the run ends when
 the supervisor records ``heartbeat_lost``.
@@ -95,9 +96,11 @@ def generate(args) -> None:
                 beats = []
                 for r in range(i * PPN, (i + 1) * PPN):
                     if r == victim and victim_t is not None:
-                        beats.append(hbc.RankBeat(r, victim_step, int(1000 * (time.time() - victim_t)), 1000))
+                        beats.append(hbc.RankBeat(r, victim_step, int(1000 * (time.time() - victim_t)), 1000, -1))
                     else:
-                        beats.append(hbc.RankBeat(r, step, 0, 1000))
+                        # busy time per step (100 ms +-25%): the straggler detector's input,
+                        # so its pass over the nodes is part of the supervisor's CPU
+                        beats.append(hbc.RankBeat(r, step, 0, 1000, 75 + rng.randrange(51)))
                 s.seq += 1
                 before = s.file_writes
                 s.transmit(hbc.encode(hbc.Datagram(s.token, s.node, s.seq, tuple(beats))))

@@ -23,8 +23,11 @@ def test_file_fallback_stopped_rank_is_named_by_rank_and_node(cluster, slurm, re
     job.wait_step(25)
     hb = protocol.heartbeat_dir(protocol.attempt_dir(job.job_dir, 0))
     # One file per node on the job directory, none per rank.
-    assert sorted(p.name for p in hb.iterdir() if not p.name.startswith(".")) == [
-        f"{protocol.NODE_HEARTBEAT_PREFIX}node{i}" for i in range(1, 5)]
+    from clusterops.supervisor import timeline as tl
+
+    got = sorted(p.name for p in hb.iterdir() if not p.name.startswith("."))
+    assert got == [f"{protocol.NODE_HEARTBEAT_PREFIX}node{i}" for i in range(1, 5)], \
+        f"{got}\n{sorted(p.name for p in job.job_dir.iterdir())}\n{tl.format_text(job.timeline())}"
     job.signal_rank(1, signal.SIGSTOP)
     info, story = assert_healed(job, slurm, reference, 4)
     lost = events(job, "heartbeat_lost")
