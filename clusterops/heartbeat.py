@@ -14,9 +14,14 @@ and none of it touches the shared filesystem:
    them as one datagram to the supervisor (UDP, ``protocol.ENV_HEARTBEAT_ADDR``). Any live
    rank of the node can send, so a stopped rank (SIGSTOP, a deadlock) is still reported
    -- with its old time -- by its neighbours, and named by rank and node.
-3. When the datagram cannot be sent (no route, bad address) or the address is ``file``,
-   the same bytes go to ``<heartbeat dir>/node-<node>`` on the job directory: one create
-   and one rename per node and interval, the file fallback.
+3. When the datagram cannot be sent (no route, bad address) or the address is ``file``
+   (``file/TOKEN``), the same bytes go to ``<heartbeat dir>/node-<node>`` on the job
+   directory: one create and one rename per node and interval, the file fallback.
+
+``<key>`` hashes the address (with its per-attempt token) and the heartbeat directory, so
+no attempt reads another's beats. The node-local directories are left behind when a job
+ends (a rank killed with kill -9 cannot clean up): each new sender removes this user's
+``clusterops-hb-*`` directories that no rank has written to for :data:`STALE_AFTER_S`.
 
 The datagram (version 1) is compact JSON, about 200 bytes for 8 ranks::
 
@@ -45,6 +50,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -136,6 +142,38 @@ def parse_addr(addr: str) -> Tuple[str, int, str]:
 # ------------------------------------------------------------------------ sender
 
 
+#: A node-local beat directory untouched this long belongs to no running job.
+STALE_AFTER_S = 3600.0
+LOCAL_PREFIX = "clusterops-hb-"
+
+
+def remove_stale(root: str, now: float, keep: str = "") -> int:
+    """Remove this user's node-local beat directories under ``root`` that no rank has
+    written to for :data:`STALE_AFTER_S` (their node directories' times: every beat renames
+    a file in one); ``keep`` is never removed. Returns how many were removed."""
+    removed = 0
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return 0
+    uid = os.getuid()
+    for e in entries:
+        if not e.name.startswith(LOCAL_PREFIX) or e.path == keep:
+            continue
+        try:
+            if not e.is_dir(follow_symlinks=False) or e.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            newest = e.stat(follow_symlinks=False).st_mtime
+            for sub in os.scandir(e.path):
+                newest = max(newest, sub.stat(follow_symlinks=False).st_mtime)
+        except OSError:
+            continue
+        if now - newest > STALE_AFTER_S:
+            shutil.rmtree(e.path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 def local_root() -> str:
     """Node-local memory when there is some (``/dev/shm``), else the temporary directory."""
     shm = "/dev/shm"
@@ -145,7 +183,7 @@ def local_root() -> str:
 def local_dir(addr: str, hb_dir: str, node: str, root: Optional[str] = None) -> str:
     """The node-local directory where the ranks of ``node`` leave their beats for an attempt."""
     key = hashlib.sha1(f"{addr}\0{hb_dir}".encode()).hexdigest()[:12]
-    return os.path.join(root or local_root(), f"clusterops-hb-{key}", node)
+    return os.path.join(root or local_root(), f"{LOCAL_PREFIX}{key}", node)
 
 
 def read_local_steps(addr: str, hb_dir: str, root: Optional[str] = None) -> Dict[int, int]:
@@ -194,10 +232,12 @@ class NodeSender:
         self.clock = clock
         self.local = local_dir(addr, self.hb_dir, self.node, root)
         os.makedirs(self.local, exist_ok=True)
+        remove_stale(os.path.dirname(os.path.dirname(self.local)), clock(),
+                     keep=os.path.dirname(self.local))
         self.token = ""
         self.dest: Optional[Tuple[str, int]] = None
         self.sock: Optional[socket.socket] = None
-        if addr != protocol.HEARTBEAT_ADDR_FILE:
+        if not protocol.is_file_addr(addr):
             try:
                 host, port, self.token = parse_addr(addr)
                 info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
@@ -228,8 +268,14 @@ class NodeSender:
         self.last = (step, now)
         final = os.path.join(self.local, f"rank{self.rank}")
         tmp = os.path.join(self.local, f".rank{self.rank}.tmp")
-        with open(tmp, "w") as f:
-            f.write(f"{int(step)} {now!r} {step_ms} {busy_ms}\n")
+        line = f"{int(step)} {now!r} {step_ms} {busy_ms}\n"
+        try:
+            with open(tmp, "w") as f:
+                f.write(line)
+        except FileNotFoundError:       # removed while the job was suspended for hours
+            os.makedirs(self.local, exist_ok=True)
+            with open(tmp, "w") as f:
+                f.write(line)
         os.replace(tmp, final)
         slot = int((now - self.phase_s) // self.interval_s)
         try:

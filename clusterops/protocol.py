@@ -75,8 +75,15 @@ ENV_HEARTBEAT_ADDR = "CLUSTEROPS_HEARTBEAT_ADDR"
 CONTRACT_ENV = (ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_HEARTBEAT_DIR, ENV_STOP_FILE, ENV_RESTART_COUNT,
                 ENV_HEARTBEAT_ADDR)
 
-#: ENV_HEARTBEAT_ADDR's value that selects the per-node file channel (the forced fallback).
+#: ENV_HEARTBEAT_ADDR's value that selects the per-node file channel (the forced fallback):
+#: ``file/TOKEN`` (the supervisor's, a fresh token per attempt, so that the node-local
+#: beats of two attempts never share a directory), or plain ``file``.
 HEARTBEAT_ADDR_FILE = "file"
+
+
+def is_file_addr(addr: str) -> bool:
+    """Whether a heartbeat address selects the per-node file channel."""
+    return addr == HEARTBEAT_ADDR_FILE or addr.startswith(HEARTBEAT_ADDR_FILE + "/")
 
 # ------------------------------------------------------------------------ layout
 

@@ -162,7 +162,7 @@ def test_forced_file_mode_writes_one_file_per_node(tmp_path):
     hb.mkdir()
     clock = Clock(3000.0)
     c = ch.Channel("file", hb, clock=clock)
-    assert c.env_value == protocol.HEARTBEAT_ADDR_FILE and c.receiver is None
+    assert protocol.is_file_addr(c.env_value) and c.receiver is None
     senders = [hbc.NodeSender(c.env_value, str(hb), r, node=f"n{r // 8}", root=str(tmp_path / "shm"), clock=clock)
                for r in range(32)]
     for s in senders:
@@ -255,5 +255,58 @@ def test_supervisor_names_the_silent_rank_and_its_node(world, tmp_path, monkeypa
         assert host == "127.0.0.1" and token
         assert seen["files"] == []          # steady state: nothing on the job directory
     else:
-        assert env0[protocol.ENV_HEARTBEAT_ADDR] == "file"
+        assert protocol.is_file_addr(env0[protocol.ENV_HEARTBEAT_ADDR])
         assert seen["files"] == ["node-n1", "node-n2"]
+
+
+def test_file_mode_attempts_never_read_each_others_node_local_beats(tmp_path):
+    # Two attempts (or two jobs) with the same heartbeat directory path on the same node:
+    # the second must not report the first one's leftover beats as its own progress.
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    shm = str(tmp_path / "shm")
+    clock = Clock(3000.0)
+    first = ch.Channel("file", hb, clock=clock)
+    hbc.NodeSender(first.env_value, str(hb), 0, node="n0", root=shm, clock=clock).beat(40)
+    second = ch.Channel("file", hb, clock=clock)
+    assert first.env_value != second.env_value
+    assert protocol.is_file_addr(second.env_value) and not protocol.is_file_addr("127.0.0.1:5/x")
+    s1 = hbc.NodeSender(second.env_value, str(hb), 1, node="n0", root=shm, clock=clock)
+    assert [b.rank for b in s1.collect(clock())] == []
+    s1.beat(2)
+    assert [(b.rank, b.step) for b in s1.collect(clock())] == [(1, 2)]
+    assert hbc.read_local_steps(second.env_value, str(hb), shm) == {1: 2}
+    assert hbc.read_local_steps(first.env_value, str(hb), shm) == {0: 40}
+
+
+def test_a_new_sender_removes_node_local_beats_nobody_wrote_for_an_hour(tmp_path):
+    import os
+    import time
+
+    shm = tmp_path / "shm"
+    now = time.time()
+    old = shm / f"{hbc.LOCAL_PREFIX}old" / "n0"
+    recent = shm / f"{hbc.LOCAL_PREFIX}recent" / "n0"
+    other = shm / "not-ours"
+    for d in (old, recent, other):
+        d.mkdir(parents=True)
+    (old / "rank0").write_text("5 1.0 -1 -1\n")
+    (recent / "rank0").write_text("5 1.0 -1 -1\n")
+    stale = now - hbc.STALE_AFTER_S - 60
+    for path in (old / "rank0", old, old.parent, other):
+        os.utime(path, (stale, stale))
+    # the key directory is old but a rank renamed a file in its node directory a minute ago
+    os.utime(recent.parent, (stale, stale))
+    os.utime(recent, (now - 60, now - 60))
+    (tmp_path / "hb").mkdir()
+    s = hbc.NodeSender("file/abc", str(tmp_path / "hb"), 0, node="n0", root=str(shm))
+    left = sorted(p.name for p in shm.iterdir())
+    assert f"{hbc.LOCAL_PREFIX}old" not in left
+    assert f"{hbc.LOCAL_PREFIX}recent" in left and "not-ours" in left
+    assert os.path.isdir(s.local)
+    # a beat recreates its directory if it went away (a job suspended past the limit)
+    import shutil
+
+    shutil.rmtree(os.path.dirname(s.local))
+    s.beat(1)
+    assert hbc.read_local_steps("file/abc", str(tmp_path / "hb"), str(shm)) == {0: 1}

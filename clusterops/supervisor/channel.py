@@ -140,7 +140,7 @@ class Channel:
             self.receiver = Receiver(token, clock=clock).start()
             self.addr = f"{advertise_host}:{self.receiver.port}/{token}"
         elif mode == "file":
-            self.addr = protocol.HEARTBEAT_ADDR_FILE
+            self.addr = f"{protocol.HEARTBEAT_ADDR_FILE}/{secrets.token_hex(8)}"
         self.file_scans = 0           # times the heartbeat directory was read
         self.files_read = 0           # files read in those scans
         self.file_timing: Dict[int, Tuple[int, int, int]] = {}   # rank -> (step, step_ms, busy_ms), files
