@@ -53,6 +53,9 @@ from clusterops.supervisor.timeline import Timeline
 log = logging.getLogger(__name__)
 
 STATE_FILE = "supervisor-state.json"
+#: Straggler samples go to the state machine every ``ranks / TIMING_RANKS_PER_S`` seconds
+#: (every second up to 2,048 ranks; every 8 s at 16,384).
+TIMING_RANKS_PER_S = 2048
 # Values torchrun would set: srun-native ranks take theirs from SLURM_PROCID/SLURM_NTASKS/
 # SLURM_LOCALID, so none may leak in from the supervisor's own environment.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -288,6 +291,7 @@ class SupervisorRun:
         self.exit_code: Optional[int] = None
         self.seen_ckpt: Optional[int] = None
         self.next_node_poll = 0.0
+        self.next_timing = 0.0
         self.node_poll_failures = 0
         self.launched_at: Optional[float] = None
         self.preempt_seen = False
@@ -375,8 +379,13 @@ class SupervisorRun:
             if self.progress_reader is not None:
                 self.progress_reader.poll()   # a script without the SDK: its output is its heartbeat
             if self.channel is not None:
-                events.append(sv.Heartbeats(now, self.channel.snapshot(self.sup.expected_ranks),
-                                            timing=self.channel.timings()))
+                # Straggler samples at most once per TIMING_RANKS_PER_S ranks a second: the
+                # detector's pass over every rank stays a small share of a core at 16k ranks.
+                timing = {}
+                if now >= self.next_timing:
+                    timing = self.channel.timings()
+                    self.next_timing = now + max(1.0, self.sup.expected_ranks / TIMING_RANKS_PER_S)
+                events.append(sv.Heartbeats(now, self.channel.snapshot(self.sup.expected_ranks), timing=timing))
             rc = self.train.poll()
             if rc is not None:
                 events.append(self._step_exited(now, rc))
