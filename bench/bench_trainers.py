@@ -13,7 +13,9 @@ Target: supervised <= 1.05x plain.
 
 Fairness on a shared machine: one unmeasured plain run per framework first (the first
 import of torch/lightning/transformers from a cold page cache costs seconds, and it
-used to land on whichever run came first: always the supervised one); then the pairs
+used to land on whichever run came first: always the supervised one), and all pairs of
+a framework right after its warm-up (this host keeps little page cache: with the
+frameworks interleaved, the first run of a pair often imported from disk); then the pairs
 alternate their order (supervised first on even repetitions, plain first on odd: an
 even --reps balances it), every run starts after a settle pause (the previous job's
 teardown and Slurm's bookkeeping of its end otherwise overlap the next job's start),
@@ -145,11 +147,12 @@ def main(argv=None) -> int:
     slurm = Slurm.from_environment()
     raw = {k: [] for k in SCRIPTS}
     try:
-        for kind in SCRIPTS:     # warm-up, not measured: page cache, first imports
-            w = timed_run(make_job(root, kind, "-warmup", args.steps, False), slurm)
+        for kind in SCRIPTS:
+            # Warm-up, not measured: the framework's files into the page cache (this host
+            # keeps little page cache, so each framework's pairs run together, after it).
+            w = timed_run(make_job(root, kind, "-warmup", args.steps, False, args.phases), slurm)
             print(f"{kind} warm-up (plain, not counted): {w['wall_s']:.1f}s", flush=True)
-        for rep in range(args.reps):
-            for kind in SCRIPTS:
+            for rep in range(args.reps):
                 r = pair(root, slurm, kind, rep, args.steps, args.phases)
                 raw[kind].append(r)
                 print(f"{kind} pair {rep} ({'plain' if r['plain_first'] else 'supervised'} first): "
