@@ -6,7 +6,9 @@
 
 Tiny regression model and synthetic dataset built here, CPU, no hub downloads
 (HF_HUB_OFFLINE=1). Deterministic with the Trainer's own seed and data order (it skips
-the batches already seen when it resumes mid-epoch). One process.
+the batches already seen when it resumes mid-epoch). One process, or many with DDP
+over gloo: srun tasks (importing the integration gives them torchrun's rank variables,
+before TrainingArguments is built) or torchrun workers.
 
 Output: ``stopped step=N`` (a stop request: checkpoint committed, exit 0) or
 ``done step=N out=FILE`` (finished; FILE = torch.save of the model's state_dict).
@@ -82,7 +84,8 @@ def main(argv=None) -> int:
         learning_rate=1e-2, lr_scheduler_type="constant", seed=args.seed, data_seed=args.seed,
         save_strategy="steps" if args.ckpt_every else "no", save_steps=args.ckpt_every or 1,
         logging_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
-        dataloader_num_workers=0, full_determinism=True, remove_unused_columns=False)
+        dataloader_num_workers=0, full_determinism=True, remove_unused_columns=False,
+        ddp_find_unused_parameters=False)
     cb = ClusteropsTrainerCallback()
     trainer = Trainer(model=model, args=targs, train_dataset=Synthetic(256, args.seed), callbacks=[cb])
     ckpt = resume_path()

@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """A Lightning script healed by the supervisor: two lines of clusterops.
 
-    trainer = L.Trainer(..., callbacks=[ClusteropsCallback(every_n_steps=K)])
+    trainer = L.Trainer(..., **trainer_layout(), callbacks=[ClusteropsCallback(every_n_steps=K)])
     trainer.fit(model, loader, ckpt_path=resume_path())
 
 Tiny regression model built here, CPU, no downloads. Deterministic: the batch of step s
-comes from a generator seeded with (seed, s), so where the data loader restarts after
-a resume does not matter and a resumed run ends with the same weights, bitwise, as an
-uninterrupted one. One process (Lightning's SLURM environment, or none).
+on rank r comes from a generator seeded with (seed, s, r), so where the data loader
+restarts after a resume does not matter and a resumed run ends with the same weights,
+bitwise, as an uninterrupted one of the same world size. One process, or many with
+DDP over gloo: srun tasks (Lightning's SLURM environment: the supervisor's training
+step, or the plain srun launcher) or torchrun workers; ``trainer_layout()`` sizes the
+Trainer from the launcher's variables.
 
 Output: ``stopped step=N`` (a stop request: checkpoint committed, exit 0) or
 ``done step=N out=FILE`` (finished; FILE = torch.save of the model's state_dict).
@@ -31,7 +34,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from clusterops import protocol, sdk
-from clusterops.integrations.lightning import ClusteropsCallback, resume_path
+from clusterops.integrations.lightning import ClusteropsCallback, resume_path, trainer_layout
 
 
 class Regressor(L.LightningModule):
@@ -42,7 +45,8 @@ class Regressor(L.LightningModule):
         self.register_buffer("target", torch.linspace(-1, 1, 16))
 
     def training_step(self, batch, batch_idx):
-        g = torch.Generator().manual_seed(self.seed * 1000003 + int(self.global_step) * 131)
+        # The batch depends on (seed, step, rank) alone: never on where the loader restarted.
+        g = torch.Generator().manual_seed(self.seed * 1000003 + int(self.global_step) * 131 + self.global_rank * 7)
         x = torch.randn(8, 16, generator=g)
         loss = ((self.net(x).squeeze(1) - x @ self.target) ** 2).mean()
         if self.step_sleep:
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
     model = Regressor(args.seed, args.step_sleep)
     loader = DataLoader(TensorDataset(torch.arange(args.steps * 4)), batch_size=1, shuffle=False)
     cb = ClusteropsCallback(every_n_steps=args.ckpt_every)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, deterministic=True, logger=False,
+    trainer = L.Trainer(accelerator="cpu", **trainer_layout(), max_steps=args.steps, deterministic=True, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[cb])
     ckpt = resume_path()

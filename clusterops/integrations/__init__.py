@@ -4,7 +4,8 @@
 Lightning callback, ``clusterops.integrations.transformers`` (extra ``clusterops[hf]``)
 a Hugging Face ``TrainerCallback``. Each module imports its framework itself; this package imports
 nothing, so ``import clusterops`` and the CLI never load a framework. The shared
-piece, :func:`resume_dir`, uses only the SDK's environment contract.
+pieces, :func:`resume_dir` and :func:`rank_layout`, use only the SDK's environment
+contract and the launcher's variables.
 """
 
 from __future__ import annotations
@@ -12,9 +13,72 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 log = logging.getLogger(__name__)
+
+
+def _env_int(*names: str) -> Optional[int]:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            return int(v)
+    return None
+
+
+_leave_registered = False
+
+
+def leave_process_group_at_exit() -> None:
+    """Leave torch's process group when the process exits (registered once).
+
+    torch 2.13's gloo process group, left to the interpreter's teardown, sometimes aborts
+    the process ("terminate called without an active exception", SIGABRT, about one
+    exit in 20 on the dev machine) after the script returned 0: the supervisor would read a
+    clean stop or a finished run as a crashed rank. The frameworks do not leave the
+    group themselves; the callbacks register this at the start of training.
+    """
+    global _leave_registered
+    if _leave_registered:
+        return
+    import atexit
+
+    def leave() -> None:
+        import sys
+
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(leave)
+    _leave_registered = True
+
+
+def rank_layout() -> Dict[str, int]:
+    """This process's place in the job, from the launcher's variables, with no collective.
+
+    torchrun's (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``) win; else an
+    srun task's (``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``/``SLURM_NTASKS_PER_NODE``,
+    what the supervisor's training step and the plain srun launcher give every rank);
+    else one process. Keys: rank, world_size, local_rank, local_world_size, num_nodes.
+    """
+    world = _env_int("WORLD_SIZE")
+    if world is not None:
+        rank = _env_int("RANK") or 0
+        local = _env_int("LOCAL_RANK") or 0
+        per_node = _env_int("LOCAL_WORLD_SIZE") or world
+    elif _env_int("SLURM_NTASKS") is not None and os.environ.get("SLURM_STEP_ID") is not None:
+        world = _env_int("SLURM_NTASKS") or 1
+        rank = _env_int("SLURM_PROCID") or 0
+        local = _env_int("SLURM_LOCALID") or 0
+        # SLURM_NTASKS_PER_NODE may read "2(x3)" on uneven layouts; an even step is required.
+        raw = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+        per_node = int(raw.split("(")[0]) if raw.split("(")[0].isdigit() else world
+    else:
+        world, rank, local, per_node = 1, 0, 0, 1
+    per_node = max(1, min(per_node, world))
+    return {"rank": rank, "world_size": world, "local_rank": local, "local_world_size": per_node,
+            "num_nodes": max(1, world // per_node)}
 
 
 def resume_dir(root: Optional[os.PathLike] = None, *, deep: bool = True) -> Optional[Path]:

@@ -1,8 +1,16 @@
 """Self-healing for PyTorch Lightning: one callback (``pip install clusterops[lightning]``).
 
-    from clusterops.integrations.lightning import ClusteropsCallback, resume_path
-    trainer = L.Trainer(max_steps=..., callbacks=[ClusteropsCallback(every_n_steps=50)])
+    from clusterops.integrations.lightning import ClusteropsCallback, resume_path, trainer_layout
+    trainer = L.Trainer(max_steps=..., **trainer_layout(), callbacks=[ClusteropsCallback(every_n_steps=50)])
     trainer.fit(model, data, ckpt_path=resume_path())
+
+Many ranks: ``trainer_layout()`` gives ``num_nodes`` and ``devices`` from the launcher
+(Lightning checks both against ``SLURM_NNODES``/``SLURM_NTASKS_PER_NODE`` and refuses a
+mismatch). The rest Lightning finds itself: under an srun step (the supervisor's, or
+the plain srun launcher's) its ``SLURMEnvironment`` reads the rank from
+``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` and the rendezvous from the
+``MASTER_ADDR``/``MASTER_PORT`` the supervisor exports; under torchrun its
+``TorchElasticEnvironment`` reads torchrun's variables.
 
 What the callback does:
 - beats the supervisor's heartbeat after every training batch (``sdk.heartbeat``);
@@ -10,9 +18,11 @@ What the callback does:
   SIGTERM) into a checkpoint at the current step and a clean end of ``fit`` (all ranks
   agree through ``sdk.should_stop``); ``stopped`` is then True and the script exits 0;
 - writes checkpoints (every ``every_n_steps`` and on a stop) with
-  ``trainer.save_checkpoint`` into a clusterops pending checkpoint that rank 0 commits
-  atomically with a manifest (``step_<N>/lightning.ckpt``), so the supervisor sees,
-  verifies and resumes from them;
+  ``trainer.save_checkpoint`` into a clusterops pending checkpoint that global rank 0
+  commits atomically with a manifest (``step_<N>/lightning.ckpt``), so the supervisor
+  sees, verifies and resumes from them. Every rank calls the save (Lightning writes the
+  file on rank 0 and then holds a barrier); with DDP the state is replicated, so rank
+  0's file is the whole checkpoint and every rank resumes from it;
 - when supervised (the heartbeat variable, ``protocol.ENV_HEARTBEAT_DIR``, set), turns off Lightning's SLURM
   auto-requeue (the supervisor requeues, once) and puts the SDK's signal handlers back
   after Lightning installed its own, so SIGTERM is a save-and-stop and never
@@ -33,7 +43,7 @@ import lightning.pytorch as pl
 
 from clusterops import checkpoint as ck
 from clusterops import protocol, sdk
-from clusterops.integrations import resume_dir
+from clusterops.integrations import leave_process_group_at_exit, rank_layout, resume_dir
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +54,12 @@ KIND = "lightning"
 def supervised() -> bool:
     """Running under ``clusterops supervise`` (it sets the heartbeat directory)."""
     return bool(os.environ.get(protocol.ENV_HEARTBEAT_DIR))
+
+
+def trainer_layout() -> dict:
+    """``num_nodes`` and ``devices`` for ``L.Trainer`` from the launcher's variables (one process: 1 and 1)."""
+    lay = rank_layout()
+    return {"num_nodes": lay["num_nodes"], "devices": lay["local_world_size"]}
 
 
 def resume_path(root: Optional[os.PathLike] = None) -> Optional[str]:
@@ -87,6 +103,7 @@ class ClusteropsCallback(pl.Callback):
         # Trainer.fit registered Lightning's SIGTERM handler (and maybe its requeue handler)
         # just before this hook; ours go back on top, so a signal is a stop request only.
         sdk.install_stop_handlers(force=True)
+        leave_process_group_at_exit()
         sdk.heartbeat(trainer.global_step, force=True)
 
     # -- every step ----------------------------------------------------------------------

@@ -16,6 +16,17 @@ What the callback does:
   checkpoint root, so the supervisor sees, verifies and resumes from it. The
   Trainer reads a committed directory as it is (the manifest is one more file).
 
+Many ranks: the Trainer (through ``accelerate``) takes its rank and world only from
+torchrun's variables (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``), which an srun task
+does not have. Importing this module therefore exports them from the srun task's
+``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` (:func:`export_rank_env`) when
+the task is one of several and torchrun's are absent: import it before building
+``TrainingArguments`` (which sets up the process group). The rendezvous is the
+``MASTER_ADDR``/``MASTER_PORT`` the supervisor exports to its training step. On CPU the
+Trainer joins with gloo. Every rank writes its part of a save (rank 0 the model,
+optimizer and state; each rank its RNG state); the callback holds a barrier before
+rank 0 commits, so the commit holds every rank's part, and every rank resumes from it.
+
 ``resume_path()`` is the directory to pass as ``resume_from_checkpoint``:
 the resume variable (``protocol.ENV_RESUME_FROM``) when it verifies, else the newest good checkpoint under
 the checkpoint root (``protocol.ENV_CKPT_DIR``). The Trainer has no SLURM requeue of its own and installs no
@@ -34,12 +45,38 @@ from transformers import TrainerCallback
 
 from clusterops import checkpoint as ck
 from clusterops import sdk
-from clusterops.integrations import resume_dir
+from clusterops.integrations import leave_process_group_at_exit, rank_layout, resume_dir
 
 log = logging.getLogger(__name__)
 
 KIND = "hf"
 PREFIX = "checkpoint-"      # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+
+
+def export_rank_env() -> bool:
+    """Give an srun task of a many-rank step torchrun's rank variables; True when it set them.
+
+    Nothing changes when ``WORLD_SIZE`` is already set (torchrun, or the user) or the
+    process is alone. Called on import (module docstring).
+    """
+    if os.environ.get("WORLD_SIZE"):
+        return False
+    lay = rank_layout()
+    if lay["world_size"] <= 1:
+        return False
+    os.environ.update({"RANK": str(lay["rank"]), "WORLD_SIZE": str(lay["world_size"]),
+                       "LOCAL_RANK": str(lay["local_rank"]), "LOCAL_WORLD_SIZE": str(lay["local_world_size"])})
+    return True
+
+
+export_rank_env()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def resume_path(root: Optional[os.PathLike] = None) -> Optional[str]:
@@ -63,6 +100,7 @@ class ClusteropsTrainerCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         sdk.install_stop_handlers()
+        leave_process_group_at_exit()
         sdk.heartbeat(state.global_step, force=True)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -75,6 +113,9 @@ class ClusteropsTrainerCallback(TrainerCallback):
         return control
 
     def on_save(self, args, state, control, **kwargs):
+        # Every rank wrote its part (its RNG state at least) before this hook; the commit
+        # must hold them all, and no rank may write into the directory once it moved.
+        _barrier()
         if state.is_world_process_zero:
             src = Path(args.output_dir) / f"{PREFIX}{state.global_step}"
             if src.is_dir():
@@ -100,7 +141,7 @@ class ClusteropsTrainerCallback(TrainerCallback):
                 with open(dest, "rb") as f:
                     os.fsync(f.fileno())
                 pending.record_file(str(rel))
-            path = pending.commit(world_size=int(os.environ.get("WORLD_SIZE") or 1), kind=KIND,
+            path = pending.commit(world_size=rank_layout()["world_size"], kind=KIND,
                                   meta={"restart_count": sdk.restart_count(), "framework": "transformers"})
         except BaseException as e:
             if not pending.committed:

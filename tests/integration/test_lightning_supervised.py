@@ -1,10 +1,13 @@
 """Lightning under the supervisor (issue 13), on the real dev cluster with the real `lightning`.
 
-examples/lightning_train.py adds ClusteropsCallback and `ckpt_path=resume_path()`.
-One job (one rank: Lightning's own SLURM environment, one node) gets its rank killed
-with kill -9 mid-run, then a preemption; it heals inside the allocation, requeues once,
-finishes, and its final weights equal an uninterrupted run's bitwise (the batch of
-step s depends on s alone; CPU; deterministic algorithms).
+examples/lightning_train.py adds ClusteropsCallback, `**trainer_layout()` and
+`ckpt_path=resume_path()`. One job on 2 nodes x 1 rank (DDP over gloo; Lightning's own
+SLURM environment reads the supervisor's srun step: SLURM_PROCID/SLURM_NTASKS and the
+exported MASTER_ADDR/MASTER_PORT) gets rank 1 (not the rank that commits) killed with
+kill -9 mid-run, then a preemption; it heals inside the allocation, requeues once,
+finishes, and its final weights equal an uninterrupted local 2-rank run's bitwise (the
+batch of step s on rank r depends on (s, r) alone; CPU; deterministic algorithms; the
+all-reduce of two ranks is a single, commutative addition).
 """
 
 from __future__ import annotations
@@ -36,14 +39,14 @@ def test_lightning_kill9_and_preemption_heal_bitwise(cluster, tmp_path):
 
     slurm = connect()
     ref = tmp_path / "ref"
-    fk.run_local(1, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--out", str(ref / "final.pt")],
-                 workdir=ref, script=SCRIPT)
-    job = fk.TrainJob(root=tmp_path / "lt", name="lt", nodes=1, steps=STEPS, ckpt_every=CKPT_EVERY,
+    fk.run_local(2, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--out", str(ref / "final.pt")],
+                 workdir=ref, script=SCRIPT, one_per_node=True)
+    job = fk.TrainJob(root=tmp_path / "lt", name="lt", nodes=2, steps=STEPS, ckpt_every=CKPT_EVERY,
                       step_sleep=0.25, script=SCRIPT)
     job.submit()
 
     job.wait_step(15)
-    assert job.signal_rank(0, signal.SIGKILL)              # kill -9 the rank
+    assert job.signal_rank(1, signal.SIGKILL)              # kill -9 rank 1 (not the one that commits)
     job.wait_step(35, attempt=1)
     slurm.signal(job.job_id, "TERM", full=True)           # what preemption does
     info = job.wait_end(slurm, timeout_s=280)
@@ -53,7 +56,9 @@ def test_lightning_kill9_and_preemption_heal_bitwise(cluster, tmp_path):
     assert fk.same_weights(job.out, ref / "final.pt"), f"final weights differ from an uninterrupted run\n{story}"
 
     exits = events(job, "step_exit")
-    assert exits[0]["cause"] == "rank_killed", story
+    assert exits[0]["cause"] == "rank_killed" and exits[0]["failures"][0]["rank"] == 1, story
+    launches = events(job, "launch")
+    assert launches[1]["nodes"] == launches[0]["nodes"] and len(launches[0]["nodes"]) == 2, story
     stop = events(job, "stop_requested")
     assert stop and stop[0]["reason"] == "preemption", story
     stopped = events(job, "stopped")[0]
@@ -63,8 +68,8 @@ def test_lightning_kill9_and_preemption_heal_bitwise(cluster, tmp_path):
     assert any(r["step"] == stopped["ckpt_step"] for r in resumes), story
     # Lightning's checkpoints went through clusterops' commit: manifests, hashes, kind.
     assert fk.damaged_checkpoints(job.ckpt_dir) == []
-    kinds = {ck.read_manifest(p)["kind"] for _, p in ck.committed_steps(job.ckpt_dir)}
-    assert kinds == {"lightning"}
+    manifests = [ck.read_manifest(p) for _, p in ck.committed_steps(job.ckpt_dir)]
+    assert {(m["kind"], m["world_size"]) for m in manifests} == {("lightning", 2)}
     # Lightning's SLURM auto-requeue stayed out of it: no requeue of its own, no hpc checkpoint.
     assert "requeing job" not in job.batch_log()
     assert not list(job.root.rglob("hpc_ckpt_*.ckpt"))

@@ -255,8 +255,14 @@ def damaged_checkpoints(ckpt_dir: Path, ignore: Sequence[Path] = ()) -> List[str
 
 # ------------------------------------------------------------------------------ reference runs
 def run_local(world: int, args: Sequence[str], *, workdir: Path, python: str = sys.executable,
-              script: Path = TRAIN_SCRIPT, timeout_s: float = 300.0) -> str:
-    """Run examples/train.py uninterrupted on `world` local gloo ranks (no Slurm); rank 0's output."""
+              script: Path = TRAIN_SCRIPT, timeout_s: float = 300.0, one_per_node: bool = False) -> str:
+    """Run examples/train.py uninterrupted on `world` local gloo ranks (no Slurm); rank 0's output.
+
+    ``one_per_node``: each rank sees itself as torchrun's only worker on its own node
+    (GROUP_RANK=rank, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, TORCHELASTIC_RUN_ID set), the
+    layout of a ``nodes: N`` job with one rank per node, for frameworks that size
+    themselves from it (Lightning's num_nodes/devices).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port("127.0.0.1")
     # No Slurm or supervisor context may leak in: this is a plain local run.
@@ -266,6 +272,8 @@ def run_local(world: int, args: Sequence[str], *, workdir: Path, python: str = s
     for r in range(world):
         env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
                    LOCAL_RANK=str(r), OMP_NUM_THREADS="1", CLUSTEROPS_CKPT_DIR=str(workdir / "ckpt"))
+        if one_per_node:
+            env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(r), TORCHELASTIC_RUN_ID="reference")
         log = workdir / f"rank{r}.log"
         log.write_bytes(b"")
         logs.append(log)
