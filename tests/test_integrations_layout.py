@@ -51,3 +51,18 @@ def test_torchrun_variables_win(env):
     env(RANK=3, WORLD_SIZE=4, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2,
         SLURM_PROCID=1, SLURM_NTASKS=2, SLURM_NTASKS_PER_NODE=1, SLURM_STEP_ID=0)   # one agent per node
     assert rank_layout() == {"rank": 3, "world_size": 4, "local_rank": 1, "local_world_size": 2, "num_nodes": 2}
+
+
+def test_hf_integration_gives_an_srun_task_torchruns_rank_variables(env):
+    import os
+
+    from clusterops.integrations.transformers import export_rank_env
+
+    assert export_rank_env() is False and "WORLD_SIZE" not in os.environ        # alone: nothing
+    env(SLURM_PROCID=3, SLURM_NTASKS=4, SLURM_LOCALID=1, SLURM_NTASKS_PER_NODE=2, SLURM_STEP_ID=0)
+    assert export_rank_env() is True
+    assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == \
+        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    # torchrun (or the user) already said: left alone
+    env(RANK=0, WORLD_SIZE=8, LOCAL_RANK=0)
+    assert export_rank_env() is False and os.environ["WORLD_SIZE"] == "8" and os.environ["RANK"] == "0"
