@@ -381,8 +381,9 @@ class SupervisorRun:
             if self.channel is not None:
                 # Straggler samples at most once per TIMING_RANKS_PER_S ranks a second: the
                 # detector's pass over every rank stays a small share of a core at 16k ranks.
+                # No detector (detect_stragglers: false): no samples to build.
                 timing = {}
-                if now >= self.next_timing:
+                if self.sup.detector is not None and now >= self.next_timing:
                     timing = self.channel.timings()
                     self.next_timing = now + max(1.0, self.sup.expected_ranks / TIMING_RANKS_PER_S)
                 events.append(sv.Heartbeats(now, self.channel.snapshot(self.sup.expected_ranks), timing=timing))
