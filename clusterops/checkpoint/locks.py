@@ -14,11 +14,12 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import stat
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Set, Tuple
 
 from clusterops.checkpoint.format import LOCK_PREFIX, CheckpointError
 
@@ -98,3 +99,90 @@ def lock_state(root: os.PathLike, suffix: str) -> str:
     finally:
         os.close(fd)  # also drops the probe's lock
 
+
+
+# ----------------------------------------------------------------------------- node-local flock
+
+MOUNTINFO = "/proc/self/mountinfo"
+_warned_mounts: set = set()
+_checked_roots: dict = {}
+
+
+def _unescape_mount(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash in paths as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_mountinfo(text: str) -> List[Tuple[str, str, Set[str]]]:
+    """[(mount point, fstype, options)] from /proc/self/mountinfo text; the options are
+    the mount's and its superblock's together. Malformed lines are skipped."""
+    out = []
+    for line in text.splitlines():
+        fields = line.split(" ")
+        try:
+            sep = fields.index("-", 6)
+        except ValueError:
+            continue
+        if len(fields) < sep + 3 or len(fields) < 6:
+            continue
+        opts = set(fields[5].split(",")) | set(fields[sep + 3].split(",") if len(fields) > sep + 3 else ())
+        out.append((_unescape_mount(fields[4]), fields[sep + 1], opts))
+    return out
+
+
+def node_local_flock(path: os.PathLike, mountinfo: Optional[str] = None) -> Optional[str]:
+    """Why flock(2) on the filesystem of path is local to this node, or None.
+
+    On Lustre mounted with ``localflock``, NFS mounted with ``local_lock=flock`` or
+    ``local_lock=all``, or NFS with ``nolock``, the kernel grants flock without asking
+    any other host: a lock held by a writer on another node looks free here. The mount
+    is the longest mount point above path in ``mountinfo`` (default: this process's
+    /proc/self/mountinfo; None when it cannot be read).
+    """
+    if mountinfo is None:
+        try:
+            with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
+                mountinfo = f.read()
+        except OSError:
+            return None
+    # The real path of the nearest existing ancestor, with the part not made yet appended.
+    p, tail = os.path.abspath(os.fspath(path)), ""
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p, tail = os.path.dirname(p), os.path.join(os.path.basename(p), tail)
+    with contextlib.suppress(OSError, ValueError):
+        p = os.path.realpath(p)
+    p = os.path.join(p, tail).rstrip("/") or "/"
+    best = None
+    for mnt, fstype, opts in parse_mountinfo(mountinfo):
+        if p == mnt or p.startswith(mnt.rstrip("/") + "/") or mnt == "/":
+            if best is None or len(mnt) >= len(best[0]):
+                best = (mnt, fstype, opts)
+    if best is None:
+        return None
+    mnt, fstype, opts = best
+    if fstype == "lustre" and "localflock" in opts:
+        why = "Lustre mounted with localflock"
+    elif fstype.startswith("nfs") and ({"local_lock=flock", "local_lock=all"} & opts):
+        why = f"NFS mounted with {sorted({'local_lock=flock', 'local_lock=all'} & opts)[0]}"
+    elif fstype.startswith("nfs") and "nolock" in opts:
+        why = "NFS mounted with nolock"
+    else:
+        return None
+    return (f"{mnt} is {why}: flock is local to each node there, so a checkpoint writer on another "
+            f"host looks dead here; write one checkpoint root from one node at a time, or remount")
+
+
+def warn_node_local_flock(root: os.PathLike, mountinfo: Optional[str] = None) -> Optional[str]:
+    """Log the node-local flock warning for root's mount once per process; returns it.
+    (Each root's mount is read once per process: a save costs one dict lookup.)"""
+    key = os.path.abspath(os.fspath(root))
+    if mountinfo is None and key in _checked_roots:
+        return _checked_roots[key]
+    why = node_local_flock(root, mountinfo)
+    if mountinfo is None:
+        _checked_roots[key] = why
+    if why is not None:
+        if why not in _warned_mounts:
+            _warned_mounts.add(why)
+            log.warning("checkpoint root %s: %s", root, why)
+    return why

@@ -35,6 +35,15 @@ def _root_arg(root: str) -> Path:
     return p
 
 
+def _flock_warning(root) -> None:
+    """One stderr line when the root's filesystem has node-local flock (docs/checkpoint.md)."""
+    from clusterops.checkpoint.locks import node_local_flock
+
+    why = node_local_flock(root)
+    if why:
+        click.echo(f"warning: {why}", err=True)
+
+
 @click.group()
 def ckpt() -> None:
     """List, verify, prune and shrink checkpoints.
@@ -61,6 +70,7 @@ def list_cmd(root: str, deep: bool, as_json: bool) -> None:
     from clusterops import checkpoint as ck
 
     infos = ck.list_checkpoints(_root_arg(root), deep=deep)
+    _flock_warning(root)
     temps = ck.dead_temporaries(root)
     if as_json:
         echo_json({"root": str(root), "checkpoints": [i.to_dict() for i in infos],
@@ -89,6 +99,7 @@ def latest_cmd(root: str, deep: bool, as_json: bool) -> int:
     from clusterops import checkpoint as ck
 
     found = ck.find_latest_good(_root_arg(root), deep=deep)
+    _flock_warning(root)
     for bad in found.skipped:
         click.echo(f"skipped {bad.path}: {'; '.join(bad.problems)}", err=True)
     if as_json:
@@ -146,7 +157,8 @@ def prune_cmd(root: str, keep_last: int, keep_every, dry_run: bool, as_json: boo
     """
     from clusterops import checkpoint as ck
 
-    plan = ck.prune(_root_arg(root), keep_last, keep_every, dry_run=dry_run)
+    _flock_warning(_root_arg(root))
+    plan = ck.prune(root, keep_last, keep_every, dry_run=dry_run)
     if as_json:
         echo_json(dict(plan.to_dict(), dry_run=dry_run))
         return
@@ -157,6 +169,8 @@ def prune_cmd(root: str, keep_last: int, keep_every, dry_run: bool, as_json: boo
         click.echo(plan.note)
     for p in plan.remove:
         click.echo(f"{verb} {p}")
+    for p in plan.changed:
+        click.echo(f"kept {p}: it changed since prune judged it (re-saved meanwhile)")
     for p in plan.temporaries:
         click.echo(f"{verb} {p} (temporary of a dead save)")
     click.echo(f"kept {len(plan.keep)}; latest good: {plan.latest_good or 'none'}")
@@ -179,6 +193,7 @@ def shrink_cmd(path: str, unsafe_load: bool, as_json: bool) -> None:
 
     if "\x00" in path or not os.path.isdir(path) or os.path.islink(path):
         raise InputError(f"{path!r}: not a checkpoint directory")
+    _flock_warning(path)
     rep = ck.shrink(path, unsafe_load=unsafe_load)
     if as_json:
         echo_json(rep.to_dict())
