@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from clusterops.cli.common import echo_json, json_option
+from clusterops.textsafe import terminal
 
 
 def _human(n: int) -> str:
@@ -82,9 +83,9 @@ def list_cmd(root: str, deep: bool, as_json: bool) -> None:
         status = "ok" if i.ok else "BAD"
         extra = "" if i.ok else "  " + "; ".join(i.problems)
         ws = (i.manifest or {}).get("world_size", "-")
-        click.echo(f"{i.path.name}  step={i.step}  {status}  ranks={ws}  {_human(i.size_bytes)}{extra}")
+        click.echo(terminal(f"{i.path.name}  step={i.step}  {status}  ranks={ws}  {_human(i.size_bytes)}{extra}"))
     for p in temps:
-        click.echo(f"{p.name}  (temporary of a dead save; `ckpt prune` removes it)")
+        click.echo(f"{terminal(p.name)}  (temporary of a dead save; `ckpt prune` removes it)")
 
 
 @ckpt.command("latest")
@@ -101,7 +102,7 @@ def latest_cmd(root: str, deep: bool, as_json: bool) -> int:
     found = ck.find_latest_good(_root_arg(root), deep=deep)
     _flock_warning(root)
     for bad in found.skipped:
-        click.echo(f"skipped {bad.path}: {'; '.join(bad.problems)}", err=True)
+        click.echo(terminal(f"skipped {bad.path}: {'; '.join(bad.problems)}"), err=True)
     if as_json:
         echo_json({"latest": found.latest.to_dict() if found.latest else None,
                    "skipped": [b.to_dict() for b in found.skipped]})
@@ -136,7 +137,7 @@ def verify_cmd(path: str, deep: bool, as_json: bool) -> int:
     else:
         click.echo(f"{path}: BAD", err=True)
         for p in info.problems:
-            click.echo(f"  {p}", err=True)
+            click.echo(f"  {terminal(p)}", err=True)
     return 0 if info.ok else 1
 
 
@@ -164,15 +165,16 @@ def prune_cmd(root: str, keep_last: int, keep_every, dry_run: bool, as_json: boo
         return
     verb = "would remove" if dry_run else "removed"
     for a, b in plan.restore:
-        click.echo(f"{'would restore' if dry_run else 'restored'} {a} as {b} (left by a writer that died replacing it)")
+        click.echo(terminal(f"{'would restore' if dry_run else 'restored'} {a} as {b} "
+                            "(left by a writer that died replacing it)"))
     if plan.note:
         click.echo(plan.note)
     for p in plan.remove:
-        click.echo(f"{verb} {p}")
+        click.echo(f"{verb} {terminal(p)}")
     for p in plan.changed:
-        click.echo(f"kept {p}: it changed since prune judged it (re-saved meanwhile)")
+        click.echo(f"kept {terminal(p)}: it changed since prune judged it (re-saved meanwhile)")
     for p in plan.temporaries:
-        click.echo(f"{verb} {p} (temporary of a dead save)")
+        click.echo(f"{verb} {terminal(p)} (temporary of a dead save)")
     click.echo(f"kept {len(plan.keep)}; latest good: {plan.latest_good or 'none'}")
 
 
