@@ -198,3 +198,13 @@ def test_sweep_events_skip_what_they_cannot_read():
     events = notify.sweep_events(doc, drain=True)
     assert [e[0] for e in events] == ["node_drained", "guard_tripped"]
     assert events[1][2]["would_drain"] == ["n2"]
+
+
+def test_job_spec_refuses_a_webhook_with_a_bad_port(tmp_path):
+    from clusterops import launch
+    from test_launch import BASIC, write_spec
+
+    bad = write_spec(tmp_path, BASIC + "supervise: true\nnotify: [https://hooks.example/x, 'http://h:99999/SECRET-TOKEN']\n")
+    with pytest.raises(InputError, match=r"job.yaml:\d+: notify.1: must be an http:// or https:// URL") as e:
+        launch.load_spec(bad)
+    assert "port in 1-65535" in e.value.message and "SECRET-TOKEN" not in e.value.message

@@ -4,6 +4,9 @@ A save holds ``flock(2)`` on ``.lock.<suffix>`` (the suffix of its temporary) fr
 before its temporary exists until its cleanup is done; the kernel drops the lock when
 the writer dies, however it dies. Retention asks :func:`lock_state` instead of trusting
 the pid in a name, which means nothing across PID namespaces or hosts.
+:func:`node_local_flock` tells, from /proc/self/mountinfo, when a root's filesystem
+grants flock per node (Lustre ``localflock``, NFS ``local_lock=flock|all`` or ``nolock``),
+where a lock held on another host looks free here.
 """
 
 from __future__ import annotations

@@ -6,7 +6,11 @@ their writer's lock (see :mod:`clusterops.checkpoint.locks`): a live writer's ar
 alone; a dead writer's are removed, except the only copy of a step (a dead ``.prev.``,
 or a dead ``.tmp.`` whose manifest verifies with hashes), which is renamed back to
 ``step_<N>``. Directories are removed by renaming them to ``.trash.`` first, so a
-half-deleted directory never keeps a checkpoint's name.
+half-deleted directory never keeps a checkpoint's name, and only when they are still the
+directory prune judged (same device, inode and mtime as when it listed the root): a step
+re-saved by rename-exchange during the deep hash is kept. Where flock is node-local
+(:func:`clusterops.checkpoint.locks.node_local_flock`) another host's free lock proves
+nothing, and its entries are judged by age.
 """
 
 from __future__ import annotations
