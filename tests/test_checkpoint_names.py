@@ -183,6 +183,7 @@ def test_nfs_nolock_is_node_local():
 
 
 def _mountinfo_for(tmp_path: Path, opts: str) -> Path:
+    cklocks._scope_cache.clear()     # answers are cached for a minute per (file, root)
     f = tmp_path / "mountinfo"
     f.write_text(f"27 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
                  f"61 27 0:52 / {tmp_path.resolve()}/root rw - lustre mgs:/fs rw,{opts}\n")

@@ -109,10 +109,14 @@ def lock_state(root: os.PathLike, suffix: str) -> str:
 MOUNTINFO = "/proc/self/mountinfo"
 _warned_mounts: set = set()
 _checked_roots: dict = {}
+_scope_cache: dict = {}     # (mountinfo file, path) -> (monotonic time, answer)
+SCOPE_CACHE_S = 60.0
 
 
 def _unescape_mount(field: str) -> str:
     """mountinfo writes space, tab, newline and backslash in paths as octal escapes."""
+    if "\\" not in field:
+        return field
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
@@ -143,11 +147,22 @@ def node_local_flock(path: os.PathLike, mountinfo: Optional[str] = None) -> Opti
     /proc/self/mountinfo; None when it cannot be read).
     """
     if mountinfo is None:
+        # Every save asks (through the leftover scan): answer from a short-lived cache.
+        key = (MOUNTINFO, os.path.abspath(os.fspath(path)))
+        hit = _scope_cache.get(key)
+        now = time.monotonic()
+        if hit is not None and now - hit[0] < SCOPE_CACHE_S:
+            return hit[1]
         try:
             with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
-                mountinfo = f.read()
+                text = f.read()
         except OSError:
-            return None
+            text = ""
+        why = node_local_flock(path, text) if text else None
+        if len(_scope_cache) > 256:
+            _scope_cache.clear()
+        _scope_cache[key] = (now, why)
+        return why
     # The real path of the nearest existing ancestor, with the part not made yet appended.
     p, tail = os.path.abspath(os.fspath(path)), ""
     while not os.path.exists(p) and os.path.dirname(p) != p:
