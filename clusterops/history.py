@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.jsonout import finite
@@ -109,8 +109,8 @@ class Target:
 
     @property
     def display(self) -> str:
-        """For messages: the path, or the URL without its password."""
-        return str(self.path) if self.kind == "sqlite" else redact(self.url or "")
+        """For messages: the path, or the URL without its secrets (see :func:`redact`)."""
+        return redact_text(str(self.path)) if self.kind == "sqlite" else redact(self.url or "")
 
 
 _PG_SCHEMES = ("postgresql", "postgres")
@@ -142,24 +142,89 @@ def parse_target(text: "os.PathLike | str") -> Target:
                      "or postgresql://user@host/db)")
 
 
+# libpq connection parameters whose value is a secret, or names where one is kept.
+SECRET_KEYS = frozenset({"password", "passfile", "sslpassword"})
+_KV_SECRET = re.compile(r"(?i)\b(password|passfile|sslpassword)(\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s&]*)")
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^/?#@\s]*)@")
+
+
+def _redact_query(query: str) -> str:
+    out = []
+    for piece in query.split("&"):
+        key, eq, _ = piece.partition("=")
+        # libpq percent-decodes the keys of a URI's query too (pass%77ord= is password=).
+        if eq and unquote(key).strip().lower() in SECRET_KEYS:
+            piece = f"{key}=***"
+        out.append(piece)
+    return "&".join(out)
+
+
 def redact(url: str) -> str:
-    """The URL with its password replaced by ``***`` (messages and reports never show it)."""
+    """The database target with every secret replaced by ``***``: the password of the
+    userinfo, ``password``/``passfile``/``sslpassword`` in a URL's query (also
+    percent-encoded keys) or in a ``key=value`` connection string. Messages, JSON output
+    and spool records show only this."""
+    if not isinstance(url, str):
+        url = str(url)
+    if "://" not in url:
+        return _KV_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}***", url)
     try:
         parts = urlsplit(url)
     except ValueError:
-        return "<unparsable URL>"
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    user = parts.username or ""
+        return redact_text(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{hostport}" if colon else netloc
+    query = _redact_query(parts.query) if parts.query else parts.query
+    fragment = _redact_query(parts.fragment) if parts.fragment else parts.fragment
     try:
-        port = parts.port
+        out = urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
     except ValueError:
-        port = None
-    netloc = f"{user}:***@{host}" + (f":{port}" if port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+        return redact_text(url)
+    return _KV_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}***", out) if "=" in parts.path else out
+
+
+def secrets_of(url: Optional[str]) -> List[str]:
+    """The secret values a target carries (as written and percent-decoded), longest first."""
+    if not url:
+        return []
+    found = []
+    try:
+        parts = urlsplit(url)
+        if "@" in parts.netloc:
+            userinfo = parts.netloc.rpartition("@")[0]
+            if ":" in userinfo:
+                found.append(userinfo.partition(":")[2])
+        for piece in (parts.query + "&" + parts.fragment).split("&"):
+            key, eq, value = piece.partition("=")
+            if eq and unquote(key).strip().lower() in SECRET_KEYS:
+                found.append(value)
+    except ValueError:
+        pass
+    for m in _KV_SECRET.finditer(url):
+        found.append(m.group(3).strip("'"))
+    out = set()
+    for v in found:
+        out.update({v, unquote(v), v.strip(), unquote(v).strip()})
+    return sorted((v for v in out if len(v) >= 3), key=len, reverse=True)
+
+
+def redact_text(text: str, url: Optional[str] = None) -> str:
+    """Free text (a driver's error message, a log line) with secrets replaced by ``***``:
+    the secret values of ``url`` wherever they appear, the password of any
+    ``scheme://user:password@`` in it, and any ``password=...``/``passfile=...``."""
+    text = str(text)
+    for v in secrets_of(url):
+        text = text.replace(v, "***")
+
+    def userinfo(m: "re.Match") -> str:
+        user, colon, _ = m.group(2).partition(":")
+        return f"{m.group(1)}{user}:***@" if colon else m.group(0)
+
+    text = _URL_USERINFO.sub(userinfo, text)
+    return _KV_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}***", text)
 
 
 def default_db_path() -> Path:
@@ -727,12 +792,9 @@ def _is_db_error(e: BaseException) -> bool:
 
 
 def _one_line(e: BaseException, target: Optional[Target] = None) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    if target is not None and target.url:
-        # libpq may echo parts of the connection string; never the password.
-        pw = urlsplit(target.url).password
-        if pw:
-            text = text.replace(pw, "***")
+    # libpq may echo parts of the connection string; never a secret (redacted before
+    # shortening, so a cut never leaves part of one).
+    text = redact_text(" ".join(str(e).split()) or type(e).__name__, target.url if target is not None else None)
     return text[:300]
 
 

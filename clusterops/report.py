@@ -8,12 +8,16 @@ collector and a browser never see half a file.
 
 from __future__ import annotations
 
-import html
 import os
 import time
 from typing import Dict, List, Mapping
 
 from clusterops.fsutil import write_atomic  # noqa: F401  (re-exported for callers)
+from clusterops.textsafe import html_text
+
+# Every value rendered into the page or the chart goes through this: shortened raw first
+# (``limit``), control characters made visible, then &<>"' escaped.
+esc = html_text
 
 STATUSES = ("pass", "warn", "fail", "error", "unreachable", "skipped")
 COLORS = {"pass": "#2e7d32", "warn": "#f9a825", "fail": "#c62828", "error": "#6a1b9a",
@@ -178,11 +182,11 @@ def svg_chart(doc: Mapping, width: int = 900) -> str:
         slot = max(4.0, (width - left - 10) / n)
         bar = max(2.0, slot * 0.7)
     width = int(left + 10 + slot * n)
-    title = f"{html.escape(label)} per node"
+    title = f"{esc(label)} per node"
     if large:
         title += f", {n} nodes sorted lowest first; problem nodes named"
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + height + 70}" '
-             f'role="img" aria-label="{html.escape(label)} per node" class="{"large" if large else "small"}">',
+             f'role="img" aria-label="{esc(label)} per node" class="{"large" if large else "small"}">',
              f'<text x="{left}" y="16" font-size="13" font-family="sans-serif">{title}'
              f'{" (dashed: fleet median)" if median is not None else ""}</text>',
              f'<line x1="{left}" y1="{top + height}" x2="{width - 5}" y2="{top + height}" stroke="#444"/>',
@@ -200,14 +204,14 @@ def svg_chart(doc: Mapping, width: int = 900) -> str:
         color = COLORS.get(status, "#555")
         if status in ("pass", "warn") and nd.get("stragglers"):
             color = "#ef6c00"
-        tip = html.escape(f"{nd['node']}: {status}" + (f", {v:.4g}" if isinstance(v, (int, float)) else "")
+        tip = esc(f"{nd['node']}: {status}" + (f", {v:.4g}" if isinstance(v, (int, float)) else "")
                           + (" straggler" if nd.get("stragglers") else "")
                           + (f" - {nd.get('detail')}" if nd.get("detail") else ""))
         if isinstance(v, (int, float)):
             h = max(1.0, v / vmax * height)
         else:
             h = 4.0 if not large or status in ("pass", "warn") else height * 0.15
-        parts.append(f'<rect class="bar {html.escape(str(status))}" data-node="{html.escape(str(nd["node"]))}" '
+        parts.append(f'<rect class="bar {esc(str(status))}" data-node="{esc(str(nd["node"]))}" '
                      f'x="{x:.2f}" y="{top + height - h:.1f}" width="{max(bar, 0.5):.2f}" height="{h:.1f}" '
                      f'fill="{color}"><title>{tip}</title></rect>')
         problem = _problem(nd)
@@ -222,7 +226,7 @@ def svg_chart(doc: Mapping, width: int = 900) -> str:
             parts.append(f'<text class="label" x="{x + bar / 2:.1f}" y="{top + height + 12}" font-size="9" '
                          f'font-family="sans-serif" text-anchor="end" '
                          f'transform="rotate(-60 {x + bar / 2:.1f} {top + height + 12})">'
-                         f'{html.escape(nd["node"])}</text>')
+                         f'{esc(nd["node"])}</text>')
     if callouts:
         # Problem nodes sit side by side (the chart is sorted): their names are spread
         # evenly along the axis, each tied to its bar by a thin leader line.
@@ -234,7 +238,7 @@ def svg_chart(doc: Mapping, width: int = 900) -> str:
                          f'fill="none" stroke="{color}" stroke-width="0.8"/>')
             parts.append(f'<text class="label" x="{lx:.1f}" y="{base + 24}" font-size="10" '
                          f'font-family="sans-serif" text-anchor="end" fill="{color}" '
-                         f'transform="rotate(-45 {lx:.1f} {base + 24})">{html.escape(name)}</text>')
+                         f'transform="rotate(-45 {lx:.1f} {base + 24})">{esc(name)}</text>')
     if median is not None and vmax:
         y = top + height - median / vmax * height
         parts.append(f'<line class="median" x1="{left}" y1="{y:.1f}" x2="{width - 5}" y2="{y:.1f}" '
@@ -255,7 +259,6 @@ th{background:#f0f0f0}.s-pass{color:#2e7d32}.s-warn{color:#b28704}.s-fail,.s-unr
 
 
 def html_report(doc: Mapping) -> str:
-    esc = html.escape
     counts = doc.get("counts") or {}
     plan = doc.get("plan") or {}
     opts = doc.get("options") or {}
@@ -289,13 +292,13 @@ def html_report(doc: Mapping) -> str:
     guard = ""
     if plan.get("guard_tripped"):
         guard = f'<p class="guard"><b>{esc(plan.get("message", "safety guard tripped"))}</b></p>'
-    summary = " ".join(f'<span class="s-{s}">{s}: <b>{counts.get(s, 0)}</b></span>' for s in STATUSES)
-    summary += f' <span>stragglers: <b>{counts.get("stragglers", 0)}</b></span>'
+    summary = " ".join(f'<span class="s-{s}">{s}: <b>{esc(counts.get(s, 0))}</b></span>' for s in STATUSES)
+    summary += f' <span>stragglers: <b>{esc(counts.get("stragglers", 0))}</b></span>'
     errors = "".join(f"<li>{esc(e)}</li>" for e in doc.get("errors", []))
     pairs = ""
     if doc.get("pairs"):
         prow = "".join(f"<tr><td>{esc(','.join(p['nodes']))}</td><td class=\"s-{esc(p['status'])}\">"
-                       f"{esc(p['status'])}</td><td>{'' if p.get('busbw_gbps') is None else p['busbw_gbps']}</td>"
+                       f"{esc(p['status'])}</td><td>{'' if p.get('busbw_gbps') is None else esc(p['busbw_gbps'])}</td>"
                        f"<td>{esc(p.get('detail') or '')}</td></tr>" for p in doc["pairs"])
         pairs = ("<h2>Node pairs (2-node all-reduce)</h2><table><tr><th>nodes</th><th>status</th>"
                  f"<th>busbw GB/s</th><th>detail</th></tr>{prow}</table>")
@@ -313,7 +316,7 @@ def html_report(doc: Mapping) -> str:
 <h1>clusterops health sweep</h1>
 <p>Sweep <code>{esc(doc.get("sweep_id", ""))}</code>, started {esc(started)}, took {doc.get("duration_s", 0):.1f} s;
 profile <code>{esc(str(opts.get("profile", "")))}</code> via {esc(str(opts.get("via", "")))};
-{"dry run; " if opts.get("dry_run") else ""}{"drain on" if opts.get("drain") else "drain off"}; exit code {doc.get("exit_code")}.</p>
+{"dry run; " if opts.get("dry_run") else ""}{"drain on" if opts.get("drain") else "drain off"}; exit code {esc(doc.get("exit_code"))}.</p>
 {guard}
 <p class="summary">{summary}</p>
 {svg_chart(doc)}

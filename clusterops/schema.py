@@ -100,10 +100,10 @@ class Field:
 
 
 # Kinds of the job spec, as the docs name them. "text" may span lines, "str" may not.
-_KIND_NAMES = {"text": "text", "path": "path", "hostlist": "hostlist", "time": "Slurm time",
+_KIND_NAMES = {"url": "http(s) URL", "text": "text", "path": "path", "hostlist": "hostlist", "time": "Slurm time",
                "mem": "size", "lines": "lines", "profile": "profile or false"}
 # Kinds whose YAML scalars are taken as written (no 1.1 booleans, octal, floats).
-TEXT_KINDS = frozenset({"str", "text", "path", "hostlist", "time", "mem", "lines"})
+TEXT_KINDS = frozenset({"str", "url", "text", "path", "hostlist", "time", "mem", "lines"})
 
 
 def _f(name, kind, doc="", **kw) -> Field:
@@ -277,15 +277,15 @@ HISTORY = Field("history", "map", "where health checks record their results (clu
     _f("timeout_s", "number", "the longest a check waits on the database", default=3.0, min=0.5, max=120),
 ))
 WEBHOOK = Field("webhook", "map", "a webhook: generic JSON or Slack-compatible (clusterops.notify)", fields=(
-    _f("url", "str", "http:// or https:// URL", required=True),
+    _f("url", "url", "http:// or https:// URL", required=True),
     _f("format", "enum", "payload shape", default="json", choices=("json", "slack")),
     _f("events", "list", "events to send (default: all)", item=_f("event", "enum", choices=(
         "node_drained", "node_resumed", "guard_tripped", "sweep_cannot_run", "job_given_up", "job_requeued"))),
     _f("timeout_s", "number", "per attempt", default=5.0, min=0.1, max=60),
-    _f("retries", "int", "attempts after the first", default=2, min=0, max=10),
+    _f("retries", "int", "attempts after the first", default=1, min=0, max=10),
 ))
 NOTIFY = Field("notify", "list", "webhooks told about drains, resumes, guard trips and sweeps that could "
-               "not run", item=Field("target", "union", options=(_f("url", "str"), WEBHOOK)))
+               "not run", item=Field("target", "union", options=(_f("url", "url"), WEBHOOK)))
 SITE = Field("site", "map", fields=(
     Field("gpu_models", "dict", "merged over the built-in gpu_models.yaml", item=GPU_MODEL),
     Field("defaults", "map", "merged into every profile", fields=(GPUS, PROBES)),
@@ -592,6 +592,12 @@ def _check(v: Any, f: Field, path: Path_, w: _Where) -> None:
             raise w.error(path, f"must be a string, got {_name(v)}")
         if not v.strip():
             raise w.error(path, "must not be empty")
+    elif k == "url":
+        from clusterops.notify import url_problem   # the one webhook URL rule
+
+        why = url_problem(v)
+        if why is not None:
+            raise w.error(path, why)   # the URL itself is not echoed: its path is often the secret
     elif k == "enum":
         if v not in f.choices or isinstance(v, bool):
             raise w.error(path, f"must be one of {', '.join(map(str, f.choices))}, got {_name(v)}"
@@ -626,7 +632,7 @@ def _check(v: Any, f: Field, path: Path_, w: _Where) -> None:
                 errors.append(e)
         # The option of the value's own shape explains best.
         for opt, e in zip(f.options, errors):
-            if (opt.kind == "map" and isinstance(v, dict)) or (opt.kind == "str" and isinstance(v, str)):
+            if (opt.kind == "map" and isinstance(v, dict)) or (opt.kind in ("str", "url") and isinstance(v, str)):
                 raise e
         raise w.error(path, f"must be {f.type_text()}, got {_name(v)}")
     elif k == "probe":

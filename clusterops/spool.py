@@ -194,31 +194,129 @@ def flush(s: RecordSettings, *, batch: int = FLUSH_BATCH) -> Dict[str, Any]:
         os.close(fd)
 
 
+MAX_SPOOL_FILE_BYTES = 16 << 20    # a spooled report is a few KiB; more is not one of ours
+MAX_BAD_FILES = 200                # set-aside files kept for inspection; older ones go
+
+
+def _read_spooled(p: Path) -> bytes:
+    """A spooled file's bytes: a regular file (no FIFO, device or symlink), bounded."""
+    import stat
+
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > MAX_SPOOL_FILE_BYTES:
+            raise ValueError(f"too large ({st.st_size} bytes)")
+        chunks, total = [], 0
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                return b"".join(chunks)
+            total += len(b)
+            if total > MAX_SPOOL_FILE_BYTES:
+                raise ValueError("too large")
+            chunks.append(b)
+    finally:
+        os.close(fd)
+
+
+def spooled_problem(doc: Any) -> Optional[str]:
+    """Why a decoded spool file is not a check report that can be stored (None if it is)."""
+    if not isinstance(doc, dict):
+        return f"not a spooled check report (a JSON {type(doc).__name__}, not an object)"
+    cid = doc.get("id")
+    if not isinstance(cid, str) or not 0 < len(cid) <= 200:
+        return "not a spooled check report (no id string)"
+    for key in ("node", "status", "profile", "host"):
+        if doc.get(key) is not None and not isinstance(doc[key], str):
+            return f"field {key!r} is not a string"
+    if doc.get("time") is not None and (isinstance(doc["time"], bool) or not isinstance(doc["time"], (int, float))):
+        return "field 'time' is not a number"
+    results = doc.get("results")
+    if results is not None and (not isinstance(results, list) or not all(isinstance(r, dict) for r in results)):
+        return "field 'results' is not a list of objects"
+    return None
+
+
+def _set_aside(p: Path, why: str) -> Optional[Path]:
+    """Rename a spooled file that can never be stored to ``.<name>.bad`` and write its
+    reason beside it (``.<name>.bad.why``); unlink it when it cannot be renamed, so it
+    never blocks the spool. Keeps the newest MAX_BAD_FILES set-aside files."""
+    bad = p.with_name("." + p.name + ".bad")
+    try:
+        os.replace(p, bad)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+        return None
+    try:
+        with open(bad.with_name(bad.name + ".why"), "w", encoding="utf-8") as f:
+            f.write(why + "\n")
+    except OSError:
+        pass
+    try:
+        olds = sorted(x for x in p.parent.iterdir() if x.name.endswith(".json.bad"))
+        for x in olds[:max(0, len(olds) - MAX_BAD_FILES)]:
+            for y in (x, x.with_name(x.name + ".why")):
+                try:
+                    y.unlink()
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    return bad
+
+
+def _load_spooled(p: Path) -> Any:
+    """The report in p, or a str saying why it is not one; None when p vanished."""
+    try:
+        raw = _read_spooled(p)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return f"unreadable: {getattr(e, 'strerror', None) or e}"
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except RecursionError:
+        return "not valid JSON (nested too deep)"
+    except ValueError as e:
+        return f"not valid JSON ({' '.join(str(e).split())[:120]})"
+    why = spooled_problem(doc)
+    return why if why is not None else doc
+
+
 def _store(h, files: List[Path], out: Dict[str, Any]) -> bool:
-    """Store ``files`` in order; False at the first database failure."""
+    """Store ``files`` in order; False at the first database failure. A file that can
+    never be stored (damaged, not a report, refused by the writer for its content) is set
+    aside with its reason and the next one is stored: nothing malformed blocks the spool."""
     from clusterops.errors import ClusteropsError
 
     for p in files:
-        try:
-            doc = json.loads(p.read_bytes())
-            if not isinstance(doc, dict) or "id" not in doc:
-                raise ValueError("not a spooled check report")
-        except FileNotFoundError:
+        doc = _load_spooled(p)
+        if doc is None:
             continue
-        except (OSError, ValueError) as e:
-            # A damaged file can never be stored: set it aside, keep going.
+        why = doc if isinstance(doc, str) else None
+        if why is None:
             try:
-                p.rename(p.with_name("." + p.name + ".bad"))
-            except OSError:
-                pass
+                out["rows"] += h.record_check(doc)
+            except ClusteropsError as e:
+                out["error"] = e.message
+                return False
+            except Exception as e:  # noqa: BLE001 - its content, not the database: set it aside
+                why = f"cannot be stored: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        if why is not None:
+            bad = _set_aside(p, why)
             out["damaged"] = out.get("damaged", 0) + 1
-            out["error"] = f"{p}: {e}"
+            out["error"] = f"{p.name}: {why}; set aside as {bad.name if bad else 'nothing (removed)'}"
             continue
-        try:
-            out["rows"] += h.record_check(doc)
-        except ClusteropsError as e:
-            out["error"] = e.message
-            return False
         try:
             p.unlink()
         except FileNotFoundError:
@@ -252,4 +350,9 @@ def record(report: Mapping[str, Any], s: RecordSettings) -> Dict[str, Any]:
         res["error"] = f"{type(e).__name__}: {e}"
     res["pending"] = len(_spooled(s.spool_dir))
     res["duration_s"] = round(time.monotonic() - t0, 3)
+    if res.get("error"):
+        # A driver's message may echo the connection string: never a secret in the report.
+        from clusterops.history import redact_text
+
+        res["error"] = redact_text(res["error"], s.target)
     return res

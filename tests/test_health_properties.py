@@ -52,6 +52,11 @@ def valid(f: schema.Field) -> st.SearchStrategy:
             st.integers(int(lo) + 1, int(hi))
     elif k == "str":
         s = st.text(alphabet=string.ascii_letters + string.digits + "/_-.", min_size=1, max_size=12)
+    elif k == "url":
+        s = st.builds(lambda scheme, host, port, path: f"{scheme}://{host}{port}/{path}",
+                      st.sampled_from(["http", "https"]), st.sampled_from(["hooks.example", "127.0.0.1", "h"]),
+                      st.sampled_from(["", ":1", ":8080", ":65535"]),
+                      st.text(alphabet=string.ascii_letters + string.digits + "/_-.", max_size=12))
     elif k == "enum":
         s = st.sampled_from(f.choices)
     elif k == "version":

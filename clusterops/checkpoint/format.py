@@ -55,8 +55,11 @@ DEFAULT_HASH = os.environ.get("CLUSTEROPS_CKPT_HASH", "crc32")
 if DEFAULT_HASH not in HASH_ALGOS:
     DEFAULT_HASH = "crc32"
 
-_TMP_RE = re.compile(r"^\.(?P<kind>tmp|trash|prev|lock)\.(?P<suffix>step_(?P<step>\d{1,19})\.(?P<host>[^.]*)"
-                     r"\.(?P<pid>\d{1,10})\.[0-9a-f]+)$")
+# The step in a hidden name is written canonically (step_dir_name): 8 digits, or more
+# without a leading zero. A hidden name with another spelling is not one of ours, so
+# nothing is ever put back under a step number read from it.
+_TMP_RE = re.compile(r"^\.(?P<kind>tmp|trash|prev|lock)\.(?P<suffix>step_(?P<step>\d{8}|[1-9]\d{8,18})"
+                     r"\.(?P<host>[^.]*)\.(?P<pid>\d{1,10})\.[0-9a-f]+)$")
 
 
 class CheckpointError(ClusteropsError):
@@ -84,6 +87,27 @@ def parse_step(name: str) -> Optional[int]:
         if digits.isdigit() and digits.isascii() and len(digits) <= MAX_STEP_DIGITS:
             return int(digits)
     return None
+
+
+def is_canonical_step_name(name: str) -> bool:
+    """True when name is exactly step_dir_name of its step (``step_00000010``, not
+    ``step_10``): the only name a save by number writes to."""
+    step = parse_step(name)
+    return step is not None and name == step_dir_name(step)
+
+
+def require_canonical(path: os.PathLike, what: str) -> int:
+    """The step of a directory about to be rewritten by number; InputError when its name is
+    not the canonical name of that step (``step_10`` next to ``step_00000010``: writing
+    step 10 would replace the other, unrelated directory)."""
+    name = os.path.basename(os.fspath(path).rstrip("/")) or os.fspath(path)
+    step = parse_step(name)
+    if step is None:
+        raise InputError(f"{_show(os.fspath(path))}: not a step_<N> checkpoint directory; not {what} it")
+    if name != step_dir_name(step):
+        raise InputError(f"{_show(os.fspath(path))}: {_show(name)} is not the canonical name of step {step} "
+                         f"({step_dir_name(step)}), which is where {what} would write; rename it first")
+    return step
 
 
 def _host() -> str:

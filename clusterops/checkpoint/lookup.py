@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, List, Optional
 
 from clusterops.checkpoint.format import (PREV_PREFIX, CheckpointError, _hidden_step, _show, hash_stream,
-                                          parse_step, read_manifest)
+                                          parse_step, read_manifest, step_dir_name)
 
 log = logging.getLogger(__name__)
 
@@ -192,12 +192,14 @@ def _scan_steps(root: os.PathLike) -> List[tuple]:
         s = parse_step(name)
         if s is not None:
             out.append((s, name))
-            seen.add(s)
+            seen.add(name)
         elif name.startswith(PREV_PREFIX):
             ps = _hidden_step(name)
             if ps is not None and (ps not in prevs or name < prevs[ps]):
                 prevs[ps] = name
-    out.extend((s, name) for s, name in prevs.items() if s not in seen)
+    # A .prev. copy stands in while its step's canonical name is missing (a step_10
+    # beside it is another directory, not that step's copy).
+    out.extend((s, name) for s, name in prevs.items() if step_dir_name(s) not in seen)
     out.sort()
     return out
 

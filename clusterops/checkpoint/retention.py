@@ -6,7 +6,11 @@ their writer's lock (see :mod:`clusterops.checkpoint.locks`): a live writer's ar
 alone; a dead writer's are removed, except the only copy of a step (a dead ``.prev.``,
 or a dead ``.tmp.`` whose manifest verifies with hashes), which is renamed back to
 ``step_<N>``. Directories are removed by renaming them to ``.trash.`` first, so a
-half-deleted directory never keeps a checkpoint's name.
+half-deleted directory never keeps a checkpoint's name, and only when they are still the
+directory prune judged (same device, inode and mtime as when it listed the root): a step
+re-saved by rename-exchange during the deep hash is kept. Where flock is node-local
+(:func:`clusterops.checkpoint.locks.node_local_flock`) another host's free lock proves
+nothing, and its entries are judged by age.
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from clusterops.checkpoint.format import (_TMP_RE, LOCK_PREFIX, PREV_PREFIX, TMP_PREFIX, TRASH_PREFIX, _fsync_dir,
                                           _hidden_step, _host, _tmp_name, parse_step, step_dir_name)
-from clusterops.checkpoint.locks import lock_state
+from clusterops.checkpoint.locks import lock_state, node_local_flock
 from clusterops.checkpoint.lookup import committed_steps, find_latest_good, verify
 from clusterops.errors import InputError
 from clusterops.runner import pid_alive
@@ -35,6 +39,20 @@ log = logging.getLogger(__name__)
 STALE_TMP_S = 6 * 3600.0
 
 
+# What a directory was when a prune judged it: (st_dev, st_ino, st_mtime_ns). A re-save
+# by rename-exchange puts another directory (another inode) under the same name.
+Identity = Tuple[int, int, int]
+
+
+def identity(path: os.PathLike) -> Optional[Identity]:
+    """The identity of path itself (not following a symlink); None when it is gone."""
+    try:
+        st = os.lstat(path)
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
 @dataclass
 class PrunePlan:
     keep: List[Path]
@@ -43,12 +61,17 @@ class PrunePlan:
     latest_good: Optional[Path]
     restore: List[tuple] = field(default_factory=list)   # [(from, to)]: interrupted replaces put back
     note: str = ""
+    # Each victim's identity when it was judged (listed before the deep hash).
+    judged: Dict[Path, Optional[Identity]] = field(default_factory=dict)
+    # Victims left in place because they changed since they were judged (re-saved meanwhile).
+    changed: List[Path] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"keep": [str(p) for p in self.keep], "remove": [str(p) for p in self.remove],
                 "temporaries": [str(p) for p in self.temporaries],
                 "restore": [[str(a), str(b)] for a, b in self.restore],
                 "latest_good": str(self.latest_good) if self.latest_good else None,
+                "changed": [str(p) for p in self.changed],
                 "note": self.note}
 
 
@@ -59,9 +82,18 @@ class Leftovers:
     live: List[Path]            # temporaries of writers that are still running
 
 
-def _writer_dead(root: str, m, age_s: float, stale_s: float) -> bool:
-    """Is the writer of a hidden entry (matched by _TMP_RE) gone?"""
+def _lock_state(root: str, m, local_flock: bool) -> str:
+    """lock_state, except that where flock is node-local (Lustre localflock, NFS
+    local_lock/nolock) a free lock of another host's writer proves nothing: "unknown"."""
     st = lock_state(root, m.group("suffix"))
+    if st == "free" and local_flock and m.group("host") != _host():
+        return "unknown"
+    return st
+
+
+def _writer_dead(root: str, m, age_s: float, stale_s: float, local_flock: bool = False) -> bool:
+    """Is the writer of a hidden entry (matched by _TMP_RE) gone?"""
+    st = _lock_state(root, m, local_flock)
     if st == "live":
         return False
     if st == "free":
@@ -91,7 +123,10 @@ def scan_leftovers(root: os.PathLike, *, stale_s: float = STALE_TMP_S, now: Opti
         entries = list(os.scandir(rootp))
     except (OSError, ValueError):
         return out
-    present = {parse_step(e.name) for e in entries} - {None}
+    # By name, not by number: a step_10 next to a missing step_00000010 does not make
+    # the only copy of step 10 under a hidden name removable.
+    present = {e.name for e in entries if parse_step(e.name) is not None}
+    local_flock = node_local_flock(rootp) is not None
     hidden = []
     for e in entries:
         if not e.name.startswith((TMP_PREFIX, TRASH_PREFIX, PREV_PREFIX, LOCK_PREFIX)):
@@ -112,17 +147,17 @@ def scan_leftovers(root: os.PathLike, *, stale_s: float = STALE_TMP_S, now: Opti
             continue
         kind, step = m.group("kind"), int(m.group("step"))
         if kind == "lock":
-            st = lock_state(rootp, m.group("suffix"))
+            st = _lock_state(rootp, m, local_flock)
             if st == "free" or (st == "unknown" and age > stale_s):
                 out.remove.append(p)
             continue
-        if not _writer_dead(rootp, m, age, stale_s):
+        if not _writer_dead(rootp, m, age, stale_s, local_flock):
             out.live.append(p)
             continue
-        if kind in ("prev", "tmp") and step not in present and e.is_dir(follow_symlinks=False):
+        if kind in ("prev", "tmp") and step_dir_name(step) not in present and e.is_dir(follow_symlinks=False):
             if kind == "prev" or verify(p, deep=True).ok:
                 out.restore.append((p, Path(rootp, step_dir_name(step))))
-                present.add(step)
+                present.add(step_dir_name(step))
                 continue
         out.remove.append(p)
     out.remove.sort()
@@ -150,17 +185,25 @@ def restore_interrupted(root: os.PathLike, *, stale_s: float = STALE_TMP_S) -> L
     return done
 
 
-def _remove_tree(p: Path, root: os.PathLike) -> None:
+def _remove_tree(p: Path, root: os.PathLike, expect: Optional[Identity] = None) -> bool:
     """Remove a directory by renaming it to a trash name first (a half-deleted
-    directory never keeps a checkpoint's name); files, FIFOs and symlinks are unlinked."""
+    directory never keeps a checkpoint's name); files, FIFOs and symlinks are unlinked.
+
+    With ``expect`` (the identity p had when it was judged), p is removed only if it is
+    still that same directory: checked right before the rename, and again on what the
+    rename moved (a re-save may swap in a new directory in between, which is then put
+    back). Returns False when p was left alone because it changed.
+    """
     try:
         st = os.lstat(p)
     except FileNotFoundError:
-        return
+        return True
+    if expect is not None and (st.st_dev, st.st_ino, st.st_mtime_ns) != expect:
+        return False
     if not stat.S_ISDIR(st.st_mode):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(p)
-        return
+        return True
     doomed = p
     if not p.name.startswith(TRASH_PREFIX):
         step = parse_step(p.name)
@@ -170,8 +213,18 @@ def _remove_tree(p: Path, root: os.PathLike) -> None:
         try:
             os.rename(p, doomed)
         except FileNotFoundError:
-            return
+            return True
+        moved = identity(doomed)
+        if expect is not None and (moved is None or moved[:2] != expect[:2]):
+            # Swapped between the check and the rename: what we moved is the new copy.
+            try:
+                os.rename(doomed, p)   # p is free unless yet another save filled it
+            except OSError as e:
+                log.warning("%s changed while being pruned and could not be put back (%s); it stays as %s",
+                            p, e.strerror, doomed)
+            return False
     shutil.rmtree(doomed, ignore_errors=True)
+    return True
 
 
 def plan_prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = None, *,
@@ -191,6 +244,9 @@ def plan_prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = No
     if keep_every is not None and keep_every < 1:
         raise InputError(f"--keep-every must be >= 1, got {keep_every}")
     steps = committed_steps(root)
+    # Identities first: the deep hash below can take long, and a directory re-saved by
+    # exchange meanwhile is not the one judged here.
+    judged = {path: identity(path) for _, path in steps}
     good = find_latest_good(root, deep=True).latest
     leftovers = scan_leftovers(root, stale_s=stale_s)
     keep, remove = [], []
@@ -203,7 +259,8 @@ def plan_prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = No
             remove.append(path)
     note = "" if good is not None or not steps else "no checkpoint passed the hash check; none removed"
     return PrunePlan(keep=keep, remove=remove, temporaries=leftovers.remove,
-                     latest_good=good.path if good else None, restore=leftovers.restore, note=note)
+                     latest_good=good.path if good else None, restore=leftovers.restore, note=note,
+                     judged={p: judged.get(p) for p in remove})
 
 
 def prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = None, *, dry_run: bool = False,
@@ -216,8 +273,14 @@ def prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = None, *
     if dry_run:
         return plan
     plan.restore = restored
-    for p in plan.remove:
-        _remove_tree(p, root)
+    for p in list(plan.remove):
+        expect = plan.judged.get(p)
+        if expect is None or not _remove_tree(p, root, expect):
+            # Gone or changed since it was judged (re-saved meanwhile): not what was judged.
+            if identity(p) is not None:
+                log.warning("not removing %s: it changed since prune judged it (re-saved meanwhile)", p)
+                plan.remove.remove(p)
+                plan.changed.append(p)
     for p in plan.temporaries:
         _remove_tree(p, root)
     return plan

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List
 
-from clusterops.checkpoint.format import CheckpointError, parse_step
+from clusterops.checkpoint.format import CheckpointError, require_canonical
 from clusterops.checkpoint.lookup import UnsafeLoadRefused, load_torch, verify
 from clusterops.checkpoint.writer import PendingCheckpoint, wrap_save_error
 
@@ -72,13 +72,13 @@ def shrink(path: os.PathLike, *, unsafe_load: bool = False) -> ShrinkReport:
     that code and is only for checkpoints from a trusted source.
     """
     path = Path(path)
+    # Before anything else: the commit writes step_dir_name(step), and a directory with
+    # another spelling of the same step (step_10) would swap with that unrelated one.
+    step = require_canonical(path, "shrinking")
     info = verify(path, deep=True)
     if not info.ok:
         raise CheckpointError(f"{path}: not a good checkpoint ({'; '.join(info.problems)}); not shrinking it")
     m = info.manifest
-    step = parse_step(path.name)
-    if step is None:
-        raise CheckpointError(f"{path}: not a step_<N> directory")
     before = info.size_bytes
     pending = PendingCheckpoint(path.parent, step, algo=m["hash_algo"])
     rewritten, shrunk = [], 0

@@ -44,7 +44,7 @@ from typing import Any, Dict, Optional
 from clusterops.checkpoint.format import (DEFAULT_HASH, MANIFEST_NAME, PREV_PREFIX, TMP_PREFIX, TRASH_PREFIX,
                                           CheckpointDiskFull, CheckpointError, _fsync_dir, _suffix, _tmp_name,
                                           build_manifest, hash_file, manifest_bytes, new_hasher, step_dir_name)
-from clusterops.checkpoint.locks import WriterLock
+from clusterops.checkpoint.locks import WriterLock, warn_node_local_flock
 from clusterops.checkpoint.retention import _remove_tree, restore_interrupted
 
 log = logging.getLogger(__name__)
@@ -291,6 +291,8 @@ class PendingCheckpoint:
         self.lock: Optional[WriterLock] = None
         if tmp_path is None:
             _make_root(self.root)
+            with contextlib.suppress(OSError, ValueError):
+                warn_node_local_flock(self.root)   # once per process and mount
             # Put back what a writer killed mid-replace left aside (it holds no lock now).
             with contextlib.suppress(OSError, CheckpointError):
                 restore_interrupted(self.root)

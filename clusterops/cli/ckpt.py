@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from clusterops.cli.common import echo_json, json_option
+from clusterops.textsafe import terminal
 
 
 def _human(n: int) -> str:
@@ -33,6 +34,15 @@ def _root_arg(root: str) -> Path:
     if not p.is_dir():
         raise InputError(f"{root}: checkpoint root is not a directory")
     return p
+
+
+def _flock_warning(root) -> None:
+    """One stderr line when the root's filesystem has node-local flock (docs/checkpoint.md)."""
+    from clusterops.checkpoint.locks import node_local_flock
+
+    why = node_local_flock(root)
+    if why:
+        click.echo(f"warning: {why}", err=True)
 
 
 @click.group()
@@ -61,6 +71,7 @@ def list_cmd(root: str, deep: bool, as_json: bool) -> None:
     from clusterops import checkpoint as ck
 
     infos = ck.list_checkpoints(_root_arg(root), deep=deep)
+    _flock_warning(root)
     temps = ck.dead_temporaries(root)
     if as_json:
         echo_json({"root": str(root), "checkpoints": [i.to_dict() for i in infos],
@@ -72,9 +83,9 @@ def list_cmd(root: str, deep: bool, as_json: bool) -> None:
         status = "ok" if i.ok else "BAD"
         extra = "" if i.ok else "  " + "; ".join(i.problems)
         ws = (i.manifest or {}).get("world_size", "-")
-        click.echo(f"{i.path.name}  step={i.step}  {status}  ranks={ws}  {_human(i.size_bytes)}{extra}")
+        click.echo(terminal(f"{i.path.name}  step={i.step}  {status}  ranks={ws}  {_human(i.size_bytes)}{extra}"))
     for p in temps:
-        click.echo(f"{p.name}  (temporary of a dead save; `ckpt prune` removes it)")
+        click.echo(f"{terminal(p.name)}  (temporary of a dead save; `ckpt prune` removes it)")
 
 
 @ckpt.command("latest")
@@ -89,8 +100,9 @@ def latest_cmd(root: str, deep: bool, as_json: bool) -> int:
     from clusterops import checkpoint as ck
 
     found = ck.find_latest_good(_root_arg(root), deep=deep)
+    _flock_warning(root)
     for bad in found.skipped:
-        click.echo(f"skipped {bad.path}: {'; '.join(bad.problems)}", err=True)
+        click.echo(terminal(f"skipped {bad.path}: {'; '.join(bad.problems)}"), err=True)
     if as_json:
         echo_json({"latest": found.latest.to_dict() if found.latest else None,
                    "skipped": [b.to_dict() for b in found.skipped]})
@@ -125,7 +137,7 @@ def verify_cmd(path: str, deep: bool, as_json: bool) -> int:
     else:
         click.echo(f"{path}: BAD", err=True)
         for p in info.problems:
-            click.echo(f"  {p}", err=True)
+            click.echo(f"  {terminal(p)}", err=True)
     return 0 if info.ok else 1
 
 
@@ -146,19 +158,23 @@ def prune_cmd(root: str, keep_last: int, keep_every, dry_run: bool, as_json: boo
     """
     from clusterops import checkpoint as ck
 
-    plan = ck.prune(_root_arg(root), keep_last, keep_every, dry_run=dry_run)
+    _flock_warning(_root_arg(root))
+    plan = ck.prune(root, keep_last, keep_every, dry_run=dry_run)
     if as_json:
         echo_json(dict(plan.to_dict(), dry_run=dry_run))
         return
     verb = "would remove" if dry_run else "removed"
     for a, b in plan.restore:
-        click.echo(f"{'would restore' if dry_run else 'restored'} {a} as {b} (left by a writer that died replacing it)")
+        click.echo(terminal(f"{'would restore' if dry_run else 'restored'} {a} as {b} "
+                            "(left by a writer that died replacing it)"))
     if plan.note:
         click.echo(plan.note)
     for p in plan.remove:
-        click.echo(f"{verb} {p}")
+        click.echo(f"{verb} {terminal(p)}")
+    for p in plan.changed:
+        click.echo(f"kept {terminal(p)}: it changed since prune judged it (re-saved meanwhile)")
     for p in plan.temporaries:
-        click.echo(f"{verb} {p} (temporary of a dead save)")
+        click.echo(f"{verb} {terminal(p)} (temporary of a dead save)")
     click.echo(f"kept {len(plan.keep)}; latest good: {plan.latest_good or 'none'}")
 
 
@@ -179,6 +195,7 @@ def shrink_cmd(path: str, unsafe_load: bool, as_json: bool) -> None:
 
     if "\x00" in path or not os.path.isdir(path) or os.path.islink(path):
         raise InputError(f"{path!r}: not a checkpoint directory")
+    _flock_warning(path)
     rep = ck.shrink(path, unsafe_load=unsafe_load)
     if as_json:
         echo_json(rep.to_dict())

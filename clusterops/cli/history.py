@@ -56,11 +56,15 @@ def history(node, probe, since, limit, source, db_path, as_json):
     if not rows:
         click.echo("no history rows match")
         return 1 if node else 0
+    from clusterops.textsafe import terminal
+
     for r in rows:
-        val = "" if r.value is None else f"{r.value:.4g}{(' ' + r.unit) if r.unit else ''}"
-        detail = f"  {r.detail}" if r.detail else ""
-        click.echo(f"{_fmt_time(r.time)}  {r.node:<12} {r.probe:<22} {r.status:<11} {val:<14} "
-                   f"{r.source or 'sweep':<6}{detail}")
+        # Every field is stored text (a probe's detail, an admin's node name): control
+        # characters are shown escaped, never sent to the terminal.
+        val = "" if r.value is None else f"{r.value:.4g}{(' ' + terminal(r.unit)) if r.unit else ''}"
+        detail = f"  {terminal(r.detail)}" if r.detail else ""
+        click.echo(f"{_fmt_time(r.time)}  {terminal(r.node):<12} {terminal(r.probe):<22} {terminal(r.status):<11} "
+                   f"{val:<14} {terminal(r.source or 'sweep'):<6}{detail}")
     if summary and summary["n"]:
         click.echo(f"trend ({summary['n']} values): {sparkline(values)}  min {summary['min']:.4g}  "
                    f"median {summary['median']:.4g}  max {summary['max']:.4g}  last {summary['last']:.4g}")

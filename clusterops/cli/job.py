@@ -51,14 +51,16 @@ def timeline(job_dir, as_json, chart, progress, prometheus, job_label):
         echo_json({"records": records, "summary": summary,
                    "skipped_lines": [{"line": n, "why": why} for n, why in skipped]})
         return
-    click.echo(tl.format_text(records, progress=progress))
+    from clusterops.textsafe import terminal
+
+    click.echo(tl.format_text(records, progress=progress))   # each line escaped (stored text)
     s = summary
-    click.echo(f"-- {s['launches']} launch(es), {s['restarts']} restart(s), {s['requeues']} requeue(s); "
+    click.echo(terminal(f"-- {s['launches']} launch(es), {s['restarts']} restart(s), {s['requeues']} requeue(s); "
                f"outcome: {s['outcome'] or 'running'}"
                + (f" (exit {s['exit_code']})" if s["exit_code"] is not None else "")
                + (f"; {len(s['stragglers'])} straggler(s): "
                   + ", ".join(f"{x['node']} ({x['action']})" for x in s["stragglers"]) if s["stragglers"] else "")
                + (f"; {len(skipped)} unreadable line(s) skipped" if skipped else "")
-               + (f"; chart: {chart}" if chart else ""))
+               + (f"; chart: {chart}" if chart else "")))
     if s["goodput"] is not None:
-        click.echo(tl.format_goodput(s["goodput"]))
+        click.echo(terminal(tl.format_goodput(s["goodput"]), multiline=True))

@@ -21,7 +21,6 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from clusterops import schema, yamlio
@@ -570,9 +569,11 @@ def _build_spec(data: Dict[str, Any], locs: _Locations, base_dir: Path, source: 
             raise c.err("script", f"{script}: not executable (the srun launcher runs non-.py scripts directly)")
 
     for i, url in enumerate(kw.get("notify", ())):
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise c.err(("notify", i), f"must be an http:// or https:// URL, got {url!r}")
+        from clusterops.notify import url_problem   # the one webhook URL rule (a bad port too)
+
+        why = url_problem(url)
+        if why is not None:
+            raise c.err(("notify", i), why)
     for i, a in enumerate(kw.get("sbatch_args", ())):
         if not a.startswith("--") or len(a) < 3:
             raise c.err(("sbatch_args", i), f"each item must be one long option like --mail-type=END, got {a!r}")

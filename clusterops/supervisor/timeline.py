@@ -9,7 +9,6 @@ time, with faults, restarts and requeues marked.
 
 from __future__ import annotations
 
-import html
 import json
 import os
 import time
@@ -18,6 +17,7 @@ from typing import Callable, Iterable, List, Mapping, Optional, Tuple
 
 from clusterops.errors import InputError
 from clusterops.jsonout import finite
+from clusterops.textsafe import html_text, terminal
 
 FILE_NAME = "timeline.jsonl"
 
@@ -183,7 +183,8 @@ def format_text(records: Iterable[Mapping], *, progress: bool = False) -> str:
         if r.get("event") == "progress" and not progress:
             continue
         stamp = time.strftime("%H:%M:%S", time.gmtime(r["t"]))
-        lines.append(f"{stamp} +{r['t'] - t0:7.1f}s [{r.get('incarnation', 0)}] {describe(r)}")
+        # Every field comes from the file: control characters are shown, never sent.
+        lines.append(f"{stamp} +{r['t'] - t0:7.1f}s [{terminal(r.get('incarnation', 0))}] {terminal(describe(r))}")
     return "\n".join(lines)
 
 
@@ -434,7 +435,7 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
     def y(s):
         return pad_t + h - (s / smax) * h
 
-    esc = html.escape
+    esc = html_text
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'font-family="sans-serif" font-size="11">',
              f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
@@ -478,11 +479,11 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
             color = "#d22" if e in FAULT_KINDS else ("#e80" if e in FINDING_KINDS else "#25c")
             kind = "fault" if e in FAULT_KINDS else ("finding" if e in FINDING_KINDS else "decision")
             xx = x(r["t"])
-            label = esc(describe(r))[:80]
-            parts.append(f'<line class="{kind}" data-event="{esc(e)}" x1="{xx:.1f}" y1="{pad_t}" x2="{xx:.1f}" y2="{pad_t + h}" stroke="{color}" '
+            label = esc(describe(r), limit=80)   # shortened raw, then escaped: no cut entity
+            parts.append(f'<line class="{kind}" data-event="{esc(e, limit=40)}" x1="{xx:.1f}" y1="{pad_t}" x2="{xx:.1f}" y2="{pad_t + h}" stroke="{color}" '
                          f'stroke-dasharray="4,3"><title>{label}</title></line>')
             short = esc(e.replace("_", " ") + (f": {r.get('cause')}" if r.get("cause") else "")
-                        + (f": {r.get('node')}" if e in FINDING_KINDS and r.get("node") else ""))
+                        + (f": {r.get('node')}" if e in FINDING_KINDS and r.get("node") else ""), limit=60)
             ly = pad_t + h + 46 + 12 * (row % 3)
             parts.append(f'<text class="{kind}-label" x="{xx + 2:.1f}" y="{ly}" fill="{color}">{short}</text>')
             row += 1
@@ -501,10 +502,10 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
 def render_html(records: Iterable[Mapping], *, title: str = "") -> str:
     recs = list(records)
     rows = "\n".join(
-        f"<tr><td>{time.strftime('%H:%M:%S', time.gmtime(r['t']))}</td><td>{r.get('incarnation', 0)}</td>"
-        f"<td>{html.escape(str(r.get('event')))}</td><td>{html.escape(describe(r))}</td></tr>"
+        f"<tr><td>{time.strftime('%H:%M:%S', time.gmtime(r['t']))}</td><td>{html_text(r.get('incarnation', 0))}</td>"
+        f"<td>{html_text(r.get('event'))}</td><td>{html_text(describe(r))}</td></tr>"
         for r in recs if r.get("event") != "progress")
-    t = html.escape(title or "supervised job timeline")
+    t = html_text(title or "supervised job timeline")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{t}</title>"
             "<style>body{font-family:sans-serif;margin:20px}td{padding:2px 8px;border-bottom:1px solid #eee}"
             "</style></head><body>"
@@ -516,7 +517,7 @@ def _goodput_html(recs: List[dict]) -> str:
     rep = goodput_report(recs)
     if rep is None:
         return ""
-    rows = "".join(f"<tr><td>lost: {html.escape(k)}</td><td>{v:.1f} s</td></tr>" for k, v in rep["lost_s"].items())
+    rows = "".join(f"<tr><td>lost: {html_text(k)}</td><td>{v:.1f} s</td></tr>" for k, v in rep["lost_s"].items())
     mttr = f"{rep['mttr_s']:.1f} s" if rep["mttr_s"] is not None else "-"
     return (f"<table class='goodput'><tr><td>goodput</td><td>{rep['goodput']:.1%}</td></tr>"
             f"<tr><td>productive</td><td>{rep['productive_s']:.1f} s</td></tr>"

@@ -166,3 +166,53 @@ def test_health_check_self_drain_and_resume_notify(cluster, hook, tmp_path):
     events = [(d["event"], d["details"]["node"]) for _, _, d in h.got]
     assert events == [("node_drained", "node2"), ("node_resumed", "node2")]
     assert h.got[0][2]["details"]["reason"].startswith("clusterops:health:fast: ")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_a_garbage_webhook_never_stops_the_drain_report_history_or_metrics(cluster, tmp_path):
+    """A webhook answering a garbage status line: node3 is still drained, and the report,
+    the history row and the Prometheus file are all written; the warning says what came
+    back, without the URL's path or userinfo."""
+    import socketserver
+    import threading
+
+    from integration.test_sweep_slurm import PROFILE, BrokenScratch, nodes_state
+
+    class Garbage(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.settimeout(2)
+            try:
+                self.request.recv(65536)
+            except OSError:
+                pass
+            self.request.sendall(b"SPAM\r\n\r\n")
+
+    srv = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Garbage)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        cfg = tmp_path / "notify.yaml"
+        cfg.write_text(f"notify:\n  - http://u:hunter2@127.0.0.1:{srv.server_address[1]}/SECRET-TOKEN\n")
+        profile = tmp_path / "sweeptest.yaml"
+        profile.write_text(PROFILE)
+        db, prom, page = tmp_path / "s.db", tmp_path / "sweep.prom", tmp_path / "sweep.html"
+        with BrokenScratch(cluster, "node3"):
+            o = subprocess.run([CLUSTEROPS, "sweep", "--profile", str(profile), "--db", str(db), "--timeout", "90",
+                                "--drain", "--max-drain-fraction", "0.5", "--quiet", "--notify-config", str(cfg),
+                                "--prometheus", str(prom), "--report", str(page)],
+                               capture_output=True, text=True, timeout=180)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert o.returncode == 1, o.stderr
+    assert "notification node_drained not delivered" in o.stderr and "garbage status line" in o.stderr
+    assert "SECRET-TOKEN" not in o.stderr and "hunter2" not in o.stderr and "Traceback" not in o.stderr
+    assert 'clusterops_sweep_node_healthy{node="node3"} 0' in prom.read_text()
+    assert "node3" in page.read_text()
+    from clusterops.history import History
+
+    with History.open(str(db), create=False) as h:
+        assert [r.status for r in h.rows(node="node3", probe="check")] == ["fail"]
+    st = nodes_state()
+    assert "DRAIN" in st["node3"][0] and st["node3"][1].startswith("clusterops:sweep: ")
