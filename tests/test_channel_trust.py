@@ -106,6 +106,19 @@ def test_the_receiver_listens_on_the_address_the_ranks_were_given(tmp_path):
         c.close()
 
 
+def test_a_name_is_bound_as_the_address_it_resolves_to_unless_that_is_loopback():
+    assert ch.bind_address("127.0.0.1") == ("127.0.0.1", "127.0.0.1", "")
+    assert ch.bind_address("[::1]") == ("::1", "::1", "")
+    bind, advertise, why = ch.bind_address("localhost")     # other nodes cannot reach it
+    assert (bind, advertise) == ("", "localhost") and "loopback" in why
+    c = ch.Channel("net", "hb", advertise_host="localhost")
+    try:
+        assert c.receiver.sock.getsockname()[0] == "0.0.0.0" and "loopback" in c.bind_fallback
+        assert hbc.parse_addr(c.env_value)[0] == "localhost"
+    finally:
+        c.close()
+
+
 def test_a_receiver_that_ended_is_restarted_on_its_port_and_keeps_its_beats():
     r = ch.Receiver("t").start()
     try:
@@ -193,7 +206,7 @@ def test_the_token_is_only_in_files_of_the_user_alone(world, tmp_path, monkeypat
     finally:
         os.umask(old)
     job = tmp_path / "job"
-    token = hbc.addr_token(fast.train_spawns(world)[0]["env"][protocol.ENV_HEARTBEAT_ADDR])
+    token = fast.train_spawns(world)[0]["env"][protocol.ENV_HEARTBEAT_ADDR].partition("/")[2]
     assert token
     assert stat.S_IMODE(job.stat().st_mode) == 0o700
     holders = []
@@ -378,3 +391,44 @@ def test_a_state_file_carries_the_budget_across_incarnations(world, tmp_path):
     svrun.save_memory(job, mem)
     assert svrun.load_memory(job) == mem
     assert svrun.load_memory(tmp_path / "nowhere") == sv.Memory()
+
+
+def test_clusterops_supervise_says_a_corrupt_state_file_in_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    from test_supervisor_cli import run_main
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / svrun.STATE_FILE).write_text("[]")
+    env = {"SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "1"}
+    code = run_main(["supervise", "--job-dir", str(job), "--preflight", "none", "--", "true"], monkeypatch, env)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and svrun.STATE_FILE in err and "Traceback" not in err, err
+    bad = run_main(["supervise", "--job-dir", str(tmp_path / "j2"), "--job-dir-mode", "0777", "--preflight", "none",
+                    "--", "true"], monkeypatch, env)
+    err = capsys.readouterr().err
+    assert bad == 2 and "job_dir_mode" in err and not (tmp_path / "j2").exists(), err
+
+
+def test_a_job_spec_asks_for_another_job_dir_mode(tmp_path):
+    from test_launch import write_spec
+    from clusterops import launch
+
+    spec = launch.load_spec(write_spec(tmp_path, """
+        name: t
+        nodes: 2
+        launcher: srun
+        script: train.py
+        supervise:
+          job_dir_mode: 0750
+        """))
+    assert spec.supervise_dict["job_dir_mode"] == "0750"          # as written, not YAML 1.1 octal
+    with pytest.raises(InputError, match=r"job.yaml:\d+: supervise.job_dir_mode: must be one of 0700, 0750, 0755"):
+        launch.load_spec(write_spec(tmp_path, """
+            name: t
+            nodes: 2
+            launcher: srun
+            script: train.py
+            supervise:
+              job_dir_mode: "0777"
+            """))

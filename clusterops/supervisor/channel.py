@@ -20,6 +20,7 @@ The channel mode is a setting of the supervisor (``CLUSTEROPS_SUPERVISE_HEARTBEA
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import select
@@ -192,6 +193,29 @@ class Receiver:
             return {r: (v[0], v[2], self.busy.get(r, -1)) for r, v in self.ranks.items()}
 
 
+def bind_address(host: str) -> Tuple[str, str, str]:
+    """Where to listen for ranks told to send to ``host``: (address to bind, address to give
+    the ranks, why "" -- every interface -- instead). An IP address is bound as it is. A
+    name is resolved here, and its one address is both bound and given to the ranks, so
+    that they send exactly where the receiver listens; a name that resolves to a loopback
+    address here (Debian's ``127.0.1.1 <hostname>``), to several, or to none is given as
+    it is, with the receiver on every interface."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return host.strip("[]"), host.strip("[]"), ""
+    except ValueError:
+        pass
+    try:
+        found = sorted({info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)})
+    except (OSError, UnicodeError) as e:
+        return "", host, f"cannot resolve {host}: {e}"
+    if len(found) != 1:
+        return "", host, f"{host} resolves to {', '.join(found)} here"
+    if ipaddress.ip_address(found[0]).is_loopback:
+        return "", host, f"{host} resolves to the loopback address {found[0]} here, which other nodes cannot reach"
+    return found[0], found[0], ""
+
+
 class Channel:
     """One attempt's heartbeat channel, supervisor side."""
 
@@ -212,11 +236,15 @@ class Channel:
             token = secrets.token_hex(16)
             # Listen where the ranks send (the batch host's address), not on every interface;
             # the wildcard only when that address is not this host's to bind.
-            try:
-                receiver = Receiver(token, bind_host=advertise_host, clock=clock)
-            except (OSError, OverflowError) as e:
-                receiver = Receiver(token, bind_host="", clock=clock)
-                self.bind_fallback = f"cannot bind {advertise_host}: {getattr(e, 'strerror', None) or e}"
+            bind, advertise_host, self.bind_fallback = bind_address(advertise_host)
+            receiver = None
+            if bind:
+                try:
+                    receiver = Receiver(token, bind_host=bind, clock=clock)
+                except (OSError, OverflowError) as e:
+                    self.bind_fallback = f"cannot bind {bind}: {getattr(e, 'strerror', None) or e}"
+            if receiver is None:
+                receiver = Receiver(token, bind_host="::" if ":" in advertise_host else "", clock=clock)
             self.receiver = receiver.start()
             host = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
             self.addr = f"{host}:{self.receiver.port}/{token}"
