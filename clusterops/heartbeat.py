@@ -19,7 +19,13 @@ and none of it touches the shared filesystem:
    directory: one create and one rename per node and interval, the file fallback.
 
 ``<key>`` hashes the address (with its per-attempt token) and the heartbeat directory, so
-no attempt reads another's beats. The node-local directories are left behind when a job
+no attempt reads another's beats, and nobody without the token can predict the path. The
+node-local root is writable by every user of the node, so the directories are made 0700
+and checked after creation (a directory, not a symlink, this user's, no group or other
+bits: :func:`ensure_private_dir`), files are read with ``O_NOFOLLOW`` and written by
+rename from an ``O_EXCL`` temporary (:func:`clusterops.protocol.write_private`, mode
+0600); anything else there, or an address without a token, is :class:`ChannelRefused`
+(the SDK then writes the rank's own heartbeat file). The node-local directories are left behind when a job
 ends (a rank killed with kill -9 cannot clean up): each new sender removes this user's
 ``clusterops-hb-*`` directories that no rank has written to for :data:`STALE_AFTER_S`.
 
@@ -39,7 +45,8 @@ time tells the slow rank apart (clusterops.supervisor.stragglers). A sender with
 busy times leaves the key out; a receiver that does not know the key ignores it, so old
 senders and old receivers keep working.
 The token, given in the address (``HOST:PORT/TOKEN``), ties a datagram to one attempt
-of one job: the receiver drops any other.
+of one job: the receiver drops any other, before parsing it (:func:`decode` with the
+token: size, token, then nesting, then ``json.loads``; it raises only BadDatagram).
 
 Standard library only: the SDK imports it from ``sdk.heartbeat`` and the supervisor's
 receiver (:mod:`clusterops.supervisor.channel`) decodes with :func:`decode`.

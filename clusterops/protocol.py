@@ -40,6 +40,7 @@ Files, per attempt of the training step (``<job_dir>/attempt-<N>/``)::
     heartbeat/node-<N>  node N's heartbeat datagram (the same bytes the network channel
                         sends; its mtime is the send time), written atomically by one rank
                         of the node per interval: the file fallback of the node channel.
+                        Mode 0600, as every file that may hold the token (:func:`write_private`).
     heartbeat/stopped   the stopped marker: one JSON object {"step", "path", "reason"},
                         written atomically by rank 0 when the script says it stops on a
                         request before its end (``sdk.mark_stopped``, after the save
