@@ -50,6 +50,14 @@ def test_decode_raises_only_bad_datagram_whatever_the_bytes(data):
         hbc.decode(data)
 
 
+@pytest.mark.parametrize("data, deep", [
+    (b'{"a":[[1]]}', False), (b'{"a":[[[1]]]}', True), (b"[[[]]]", False), (b"[[[[]]]]", True),
+    (b"{[{[]}]}", True), (b"[][][]", False), (b"{torn", False), (b"[[[[", True), (b"[" * 100_000, True),
+])
+def test_the_nesting_check_before_the_parser(data, deep):
+    assert hbc.too_deep(data) is deep
+
+
 def test_decode_checks_the_token_before_it_parses(monkeypatch):
     parsed = []
     real = json.loads
