@@ -22,7 +22,7 @@ variable                       meaning for the training process
                                :mod:`clusterops.heartbeat`: per rank the step, its age, the
                                mean step time and, optionally, the mean busy time per step
                                -- time in ``sdk.compute()`` -- for straggler detection),
-                               ``file`` (one file per node in the heartbeat directory), or
+                               ``file/TOKEN`` (one file per node in the heartbeat directory), or
                                empty/unset (one file per rank)
 =============================  ===============================================================
 
@@ -78,7 +78,9 @@ CONTRACT_ENV = (ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_HEARTBEAT_DIR, ENV_STOP_FILE,
 
 #: ENV_HEARTBEAT_ADDR's value that selects the per-node file channel (the forced fallback):
 #: ``file/TOKEN`` (the supervisor's, a fresh token per attempt, so that the node-local
-#: beats of two attempts never share a directory), or plain ``file``.
+#: beats of two attempts never share a directory, and nobody without the token can predict
+#: that directory). Plain ``file``, without a token, is refused by the node channel
+#: (clusterops.heartbeat): the ranks write their per-rank files instead.
 HEARTBEAT_ADDR_FILE = "file"
 
 
