@@ -19,7 +19,13 @@ and none of it touches the shared filesystem:
    directory: one create and one rename per node and interval, the file fallback.
 
 ``<key>`` hashes the address (with its per-attempt token) and the heartbeat directory, so
-no attempt reads another's beats. The node-local directories are left behind when a job
+no attempt reads another's beats, and nobody without the token can predict the path. The
+node-local root is writable by every user of the node, so the directories are made 0700
+and checked after creation (a directory, not a symlink, this user's, no group or other
+bits: :func:`ensure_private_dir`), files are read with ``O_NOFOLLOW`` and written by
+rename from an ``O_EXCL`` temporary (:func:`clusterops.protocol.write_private`, mode
+0600); anything else there, or an address without a token, is :class:`ChannelRefused`
+(the SDK then writes the rank's own heartbeat file). The node-local directories are left behind when a job
 ends (a rank killed with kill -9 cannot clean up): each new sender removes this user's
 ``clusterops-hb-*`` directories that no rank has written to for :data:`STALE_AFTER_S`.
 
@@ -39,7 +45,8 @@ time tells the slow rank apart (clusterops.supervisor.stragglers). A sender with
 busy times leaves the key out; a receiver that does not know the key ignores it, so old
 senders and old receivers keep working.
 The token, given in the address (``HOST:PORT/TOKEN``), ties a datagram to one attempt
-of one job: the receiver drops any other.
+of one job: the receiver drops any other, before parsing it (:func:`decode` with the
+token: size, token, then nesting, then ``json.loads``; it raises only BadDatagram).
 
 Standard library only: the SDK imports it from ``sdk.heartbeat`` and the supervisor's
 receiver (:mod:`clusterops.supervisor.channel`) decodes with :func:`decode`.
@@ -47,11 +54,14 @@ receiver (:mod:`clusterops.supervisor.channel`) decodes with :func:`decode`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 import zlib
@@ -62,11 +72,25 @@ from clusterops import protocol
 
 VERSION = 1
 #: A datagram larger than this is not ours (8 ranks take ~200 bytes; 256 ranks ~7 KB).
-MAX_DATAGRAM = 60_000
+MAX_DATAGRAM = protocol.MAX_DATAGRAM_BYTES
+#: Nesting of a datagram: the object, its ``ranks`` list, a rank entry. Bytes nested deeper
+#: are refused before the JSON parser sees them (a deeply nested array is a RecursionError
+#: in ``json.loads``, not a ValueError).
+MAX_DEPTH = 3
+#: Longer node names are not a Slurm node's.
+MAX_NODE_NAME = 256
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_PAIR = re.compile(rb"\[\]|\{\}")
 
 
 class BadDatagram(ValueError):
     """Bytes that are not a heartbeat datagram of this version."""
+
+
+class ChannelRefused(OSError):
+    """The node channel will not run with this address or node-local directory: an address
+    without a token (its node-local directory would be predictable), or a directory at the
+    node-local path that is not this user's own private one (planted by someone else)."""
 
 
 @dataclass(frozen=True)
@@ -97,13 +121,46 @@ def encode(d: Datagram) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def decode(data: bytes) -> Datagram:
-    """The datagram in ``data``; BadDatagram naming what is wrong."""
+@functools.lru_cache(maxsize=8)
+def token_mark(token: str) -> bytes:
+    """The bytes every datagram :func:`encode` makes for ``token`` contains."""
+    return b'"tok":' + json.dumps(token).encode()
+
+
+def too_deep(data: bytes, limit: int = MAX_DEPTH) -> bool:
+    """Whether the brackets of ``data`` nest deeper than ``limit`` (exact for brackets that
+    pair up; of brackets that do not, at most ``limit`` left open pass, which bounds what
+    the parser would nest to twice ``limit``: it then rejects them itself).
+
+    Brackets inside JSON strings count too: no string our encoder writes holds one (a token
+    is hex, a Slurm node name has no brackets). At C speed: every byte but the brackets
+    dropped, then ``limit`` passes that each take away the innermost pairs."""
+    s = data.translate(None, _NOT_BRACKETS)
+    for _ in range(limit):
+        if not s:
+            return False
+        s = _BRACKET_PAIR.sub(b"", s)
+    return _BRACKET_PAIR.search(s) is not None or s.count(b"[") + s.count(b"{") > limit
+
+
+def decode(data: bytes, token: Optional[str] = None) -> Datagram:
+    """The datagram in ``data``; BadDatagram naming what is wrong.
+
+    Checked before parsing: the size, the token (when ``token`` is given, bytes without
+    :func:`token_mark` are not parsed at all) and the nesting (:data:`MAX_DEPTH`), so no
+    bytes reach ``json.loads`` that could make it recurse deeply; whatever ``data`` holds,
+    this raises nothing but BadDatagram."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise BadDatagram(f"not bytes: {type(data).__name__}")
     if len(data) > MAX_DATAGRAM:
         raise BadDatagram(f"{len(data)} bytes, more than {MAX_DATAGRAM}")
+    if token is not None and token_mark(token) not in data:
+        raise BadDatagram("not this attempt's token")
+    if too_deep(data):
+        raise BadDatagram(f"nested deeper than {MAX_DEPTH}")
     try:
         body = json.loads(data)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:   # UnicodeDecodeError, int digits: ValueError
         raise BadDatagram(f"not JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadDatagram("not a JSON object")
@@ -112,6 +169,10 @@ def decode(data: bytes) -> Datagram:
     tok, node, seq, ranks = body.get("tok"), body.get("node"), body.get("seq"), body.get("ranks")
     if not isinstance(tok, str) or not isinstance(node, str) or not node:
         raise BadDatagram("tok and node must be strings")
+    if token is not None and tok != token:
+        raise BadDatagram("not this attempt's token")
+    if len(node) > MAX_NODE_NAME or "/" in node or "\0" in node:
+        raise BadDatagram(f"node name {node[:40]!r}... is not a node's")
     if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(ranks, list):
         raise BadDatagram("seq must be an integer and ranks a list")
     busy = body.get("busy")
@@ -174,6 +235,44 @@ def remove_stale(root: str, now: float, keep: str = "") -> int:
     return removed
 
 
+PRIVATE_DIR_MODE = 0o700
+
+
+def ensure_private_dir(path: str) -> None:
+    """Create directory ``path`` (mode 0700) or take the one there, but only when it is safe:
+    a directory (not a symlink: checked with ``lstat``), owned by this user, closed to group
+    and others. ChannelRefused otherwise: another user may have planted it (the node-local
+    root, ``/dev/shm`` or the temporary directory, is writable by everyone)."""
+    try:
+        os.mkdir(path, PRIVATE_DIR_MODE)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ChannelRefused(f"{path}: not a directory (a link or file is in its place)")
+    if st.st_uid != os.getuid():
+        raise ChannelRefused(f"{path}: owned by uid {st.st_uid}, not by this user ({os.getuid()})")
+    if st.st_mode & 0o077:
+        raise ChannelRefused(f"{path}: mode {stat.S_IMODE(st.st_mode):04o}, open to other users")
+
+
+def make_local_dir(local: str) -> None:
+    """Create the node-local beat directory ``<root>/clusterops-hb-<key>/<node>`` and its key
+    directory, each checked by :func:`ensure_private_dir` (the root is only created when it
+    is missing: a custom root; ``/dev/shm`` is there)."""
+    key_dir = os.path.dirname(local)
+    root = os.path.dirname(key_dir)
+    if not os.path.isdir(root):
+        os.makedirs(root, mode=PRIVATE_DIR_MODE, exist_ok=True)
+    ensure_private_dir(key_dir)
+    ensure_private_dir(local)
+
+
+def addr_token(addr: str) -> str:
+    """The token of a heartbeat address (``HOST:PORT/TOKEN`` or ``file/TOKEN``); "" when none."""
+    return addr.partition("/")[2] if "/" in addr else ""
+
+
 def local_root() -> str:
     """Node-local memory when there is some (``/dev/shm``), else the temporary directory."""
     shm = "/dev/shm"
@@ -203,11 +302,19 @@ def read_local_steps(addr: str, hb_dir: str, root: Optional[str] = None) -> Dict
         for name in names:
             if name.startswith("rank") and name[4:].isdigit():
                 try:
-                    with open(os.path.join(base, node, name)) as f:
-                        steps[int(name[4:])] = int(f.read().split()[0])
+                    steps[int(name[4:])] = int(_read_small(os.path.join(base, node, name)).split()[0])
                 except (OSError, ValueError, IndexError):
                     continue
     return steps
+
+
+def _read_small(path: str, limit: int = 256) -> str:
+    """The start of a small file, never through a symlink (``O_NOFOLLOW``); OSError/ValueError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        return os.read(fd, limit).decode("ascii")
+    finally:
+        os.close(fd)
 
 
 def node_phase(node: str, interval_s: float = 1.0) -> float:
@@ -230,16 +337,20 @@ class NodeSender:
         self.node = node or node_name()
         self.interval_s = interval_s
         self.clock = clock
+        # The token keys the node-local directory: without one its path is predictable, and
+        # anyone on the node could plant a directory there first. Refused, not served.
+        self.token = addr_token(addr)
+        if not self.token:
+            raise ChannelRefused(f"heartbeat address {addr!r} has no token: the node channel needs one")
         self.local = local_dir(addr, self.hb_dir, self.node, root)
-        os.makedirs(self.local, exist_ok=True)
+        make_local_dir(self.local)
         remove_stale(os.path.dirname(os.path.dirname(self.local)), clock(),
                      keep=os.path.dirname(self.local))
-        self.token = ""
         self.dest: Optional[Tuple[str, int]] = None
         self.sock: Optional[socket.socket] = None
         if not protocol.is_file_addr(addr):
             try:
-                host, port, self.token = parse_addr(addr)
+                host, port, _ = parse_addr(addr)
                 info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
                 self.sock = socket.socket(info[0], socket.SOCK_DGRAM)
                 self.dest = info[4]
@@ -267,19 +378,17 @@ class NodeSender:
                 busy_ms = max(0, round(1000 * busy_s / (step - self.last[0])))
         self.last = (step, now)
         final = os.path.join(self.local, f"rank{self.rank}")
-        tmp = os.path.join(self.local, f".rank{self.rank}.tmp")
-        line = f"{int(step)} {now!r} {step_ms} {busy_ms}\n"
+        line = f"{int(step)} {now!r} {step_ms} {busy_ms}\n".encode()
         try:
-            with open(tmp, "w") as f:
-                f.write(line)
+            protocol.write_private(final, line)
         except FileNotFoundError:       # removed while the job was suspended for hours
-            os.makedirs(self.local, exist_ok=True)
-            with open(tmp, "w") as f:
-                f.write(line)
-        os.replace(tmp, final)
+            make_local_dir(self.local)
+            protocol.write_private(final, line)
         slot = int((now - self.phase_s) // self.interval_s)
         try:
-            os.close(os.open(os.path.join(self.local, f"slot-{slot}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(os.path.join(self.local, f"slot-{slot}"),
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             protocol.PRIVATE_FILE_MODE))
         except FileExistsError:
             return False                # a neighbour sends this interval
         for old in (slot - 2, slot - 3):
@@ -297,8 +406,7 @@ class NodeSender:
             if not name.startswith("rank") or not name[4:].isdigit():
                 continue
             try:
-                with open(os.path.join(self.local, name)) as f:
-                    fields = f.read().split()
+                fields = _read_small(os.path.join(self.local, name)).split()
                 step, t, sms = fields[:3]            # a fourth field (busy) since busy times
                 busy = int(fields[3]) if len(fields) > 3 else -1
                 beats.append(RankBeat(int(name[4:]), int(step), max(0, round(1000 * (now - float(t)))), int(sms),

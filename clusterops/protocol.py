@@ -22,7 +22,7 @@ variable                       meaning for the training process
                                :mod:`clusterops.heartbeat`: per rank the step, its age, the
                                mean step time and, optionally, the mean busy time per step
                                -- time in ``sdk.compute()`` -- for straggler detection),
-                               ``file`` (one file per node in the heartbeat directory), or
+                               ``file/TOKEN`` (one file per node in the heartbeat directory), or
                                empty/unset (one file per rank)
 =============================  ===============================================================
 
@@ -40,6 +40,7 @@ Files, per attempt of the training step (``<job_dir>/attempt-<N>/``)::
     heartbeat/node-<N>  node N's heartbeat datagram (the same bytes the network channel
                         sends; its mtime is the send time), written atomically by one rank
                         of the node per interval: the file fallback of the node channel.
+                        Mode 0600, as every file that may hold the token (:func:`write_private`).
     heartbeat/stopped   the stopped marker: one JSON object {"step", "path", "reason"},
                         written atomically by rank 0 when the script says it stops on a
                         request before its end (``sdk.mark_stopped``, after the save
@@ -77,7 +78,9 @@ CONTRACT_ENV = (ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_HEARTBEAT_DIR, ENV_STOP_FILE,
 
 #: ENV_HEARTBEAT_ADDR's value that selects the per-node file channel (the forced fallback):
 #: ``file/TOKEN`` (the supervisor's, a fresh token per attempt, so that the node-local
-#: beats of two attempts never share a directory), or plain ``file``.
+#: beats of two attempts never share a directory, and nobody without the token can predict
+#: that directory). Plain ``file``, without a token, is refused by the node channel
+#: (clusterops.heartbeat): the ranks write their per-rank files instead.
 HEARTBEAT_ADDR_FILE = "file"
 
 
@@ -93,6 +96,8 @@ HEARTBEAT_PREFIX = "rank"
 NODE_HEARTBEAT_PREFIX = "node-"
 STOP_FILE = "stop"
 STOPPED_MARKER = "stopped"
+#: The largest heartbeat datagram (and node file: reading stops past it); clusterops.heartbeat.
+MAX_DATAGRAM_BYTES = 60_000
 
 # The fallback: a rank-0 line of the step's output (``srun --label`` prefixes "0: ").
 STOPPED_LINE = re.compile(r"^(?:0: )?stopped step=\d+", re.MULTILINE)
@@ -141,24 +146,45 @@ def rank_env(*, ckpt_dir: os.PathLike, resume_from: str, attempt: os.PathLike, r
 # ------------------------------------------------------------------------ heartbeats
 
 
-def write_heartbeat(hb_dir: os.PathLike, rank: int, step: int) -> Path:
-    """Write rank's heartbeat (the step) atomically; OSError when it cannot."""
-    final = os.path.join(hb_dir, f"{HEARTBEAT_PREFIX}{int(rank)}")
-    tmp = os.path.join(hb_dir, f".{HEARTBEAT_PREFIX}{int(rank)}.tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{int(step)}\n")
-    os.replace(tmp, final)
+#: Mode of every file of the channel (it may carry the attempt's token): the user's alone.
+PRIVATE_FILE_MODE = 0o600
+
+
+def write_private(final: os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``final`` atomically, mode 0600: a temporary of an unpredictable
+    name created exclusively (``O_EXCL``, never through a symlink: ``O_NOFOLLOW``), then a
+    rename over ``final`` (which replaces a link there rather than following it). OSError
+    when it cannot; no temporary is left behind then."""
+    final = os.fspath(final)
+    head, name = os.path.split(final)
+    tmp = os.path.join(head, f".{name}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     return Path(final)
+
+
+def write_heartbeat(hb_dir: os.PathLike, rank: int, step: int) -> Path:
+    """Write rank's heartbeat (the step) atomically, mode 0600; OSError when it cannot."""
+    return write_private(os.path.join(hb_dir, f"{HEARTBEAT_PREFIX}{int(rank)}"), f"{int(step)}\n".encode())
 
 
 def write_node_heartbeat(hb_dir: os.PathLike, node: str, payload: bytes) -> Path:
-    """Write a node's heartbeat datagram as ``node-<node>`` atomically; OSError when it cannot."""
-    final = os.path.join(hb_dir, f"{NODE_HEARTBEAT_PREFIX}{node}")
-    tmp = os.path.join(hb_dir, f".{NODE_HEARTBEAT_PREFIX}{node}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-    os.replace(tmp, final)
-    return Path(final)
+    """Write a node's heartbeat datagram (it carries the attempt's token) as ``node-<node>``
+    atomically, mode 0600; OSError when it cannot."""
+    return write_private(os.path.join(hb_dir, f"{NODE_HEARTBEAT_PREFIX}{node}"), payload)
 
 
 def read_heartbeat_files(hb_dir: os.PathLike) -> Tuple[Dict[int, Tuple[int, float]], Dict[str, Tuple[bytes, float]]]:
@@ -173,10 +199,13 @@ def read_heartbeat_files(hb_dir: os.PathLike) -> Tuple[Dict[int, Tuple[int, floa
     n, nn = len(HEARTBEAT_PREFIX), len(NODE_HEARTBEAT_PREFIX)
     for e in entries:
         if e.name.startswith(NODE_HEARTBEAT_PREFIX):
-            try:
-                mtime = e.stat().st_mtime
-                with open(e.path, "rb") as f:
-                    nodes[e.name[nn:]] = (f.read(), mtime)
+            try:     # never through a link; never more than a datagram's size
+                fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                try:
+                    mtime = os.fstat(fd).st_mtime
+                    nodes[e.name[nn:]] = (os.read(fd, MAX_DATAGRAM_BYTES + 1), mtime)
+                finally:
+                    os.close(fd)
             except OSError:
                 pass
             continue

@@ -304,6 +304,9 @@ SITE = Field("site", "map", fields=(
 # and the tables in docs/launch.md and docs/supervisor.md all come from it.
 
 MAX_COUNT = 100000
+#: The modes a job directory may be created with (supervise.job_dir_mode): the user's alone,
+#: or readable (never writable) by the group or everyone, for timelines and metrics.
+JOB_DIR_MODES = ("0700", "0750", "0755")
 
 
 def _policy(name: str, kind: str, doc: str, default: Any = None, **kw) -> Field:
@@ -325,6 +328,9 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
        default_text="`<workdir>/checkpoints`"),
     _f("job_dir", "path", "the supervisor's timeline and state; relative to `workdir`",
        default_text="`<log_dir>/<name>-<job id>`"),
+    _f("job_dir_mode", "str", "mode of the job directory when the supervisor creates it: "
+       + ", ".join(f"`{m}`" for m in JOB_DIR_MODES) + " (the attempts' directories, which hold the "
+       "heartbeat token, stay 0700 whatever it says)", default="0700"),
     _budget("spare_nodes", "extra nodes allocated to replace bad ones", 0, flags=("--spares",)),
     _policy("min_nodes", "int", "continue on fewer nodes, down to this many (at most `nodes`), instead of "
             "requeueing", min=1, max=MAX_COUNT, default_text="`nodes`", flags=("--nodes-min",)),

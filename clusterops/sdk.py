@@ -106,6 +106,7 @@ class _Runtime:
         self.stopped_marked = False
         self.hb_at = -1e18
         self.hb_sender = None   # clusterops.heartbeat.NodeSender, made on the first beat
+        self.hb_refused = None  # (addr, dir) whose node channel was refused: per-rank files instead
         self.busy_s = 0.0       # time in compute() blocks since the last beat
         self.busy_known = False # the script uses compute() (else no busy time is reported)
         self.hb_paused = False  # a checkpoint save fell in the time since the last beat
@@ -394,14 +395,22 @@ def heartbeat(step: int, *, force: bool = False) -> bool:
     rank = _rank()
     addr = os.environ.get(protocol.ENV_HEARTBEAT_ADDR)
     try:
-        if addr:
+        if addr and _rt.hb_refused != (addr, d):
             # The node channel (clusterops.heartbeat): node-local file, one datagram per node.
-            if _rt.hb_sender is None or _rt.hb_sender.addr != addr or _rt.hb_sender.hb_dir != d:
-                from clusterops.heartbeat import NodeSender
+            from clusterops.heartbeat import ChannelRefused, NodeSender
 
-                _rt.hb_sender = NodeSender(addr, d, rank, interval_s=HEARTBEAT_INTERVAL_S)
-            _rt.hb_sender.beat(step, busy_s=_rt.busy_s if _rt.busy_known else None, paused=_rt.hb_paused)
-            _rt.busy_s, _rt.hb_paused = 0.0, False
+            try:
+                if _rt.hb_sender is None or _rt.hb_sender.addr != addr or _rt.hb_sender.hb_dir != d:
+                    _rt.hb_sender = NodeSender(addr, d, rank, interval_s=HEARTBEAT_INTERVAL_S)
+                _rt.hb_sender.beat(step, busy_s=_rt.busy_s if _rt.busy_known else None, paused=_rt.hb_paused)
+                _rt.busy_s, _rt.hb_paused = 0.0, False
+            except ChannelRefused as e:
+                # No token, or a node-local directory that is not ours alone (planted by
+                # another user?): this rank's heartbeat file on the job directory, which
+                # every channel mode of the supervisor also reads. Said once.
+                log.warning("heartbeat channel refused (%s); rank %d writes its heartbeat file instead", e, rank)
+                _rt.hb_sender, _rt.hb_refused = None, (addr, d)
+                protocol.write_heartbeat(d, rank, step)
         else:
             protocol.write_heartbeat(d, rank, step)
     except OSError as e:

@@ -72,7 +72,7 @@ def test_policy_is_made_from_the_table():
     assert {f.name: f.default for f in fields} == {f.name: f.default for f in schema.policy_fields()}
     # Every supervise key is a Policy field, or one of the run's own settings.
     run_only = {f.name for f in schema.SUPERVISE.fields if not f.policy}
-    assert run_only == {"ckpt_dir", "job_dir", "verify_deep", "step_wait_s",
+    assert run_only == {"ckpt_dir", "job_dir", "job_dir_mode", "verify_deep", "step_wait_s",
                         "progress", "checkpoint_glob", "resume_args"}   # the last three: no-SDK scripts
     assert SUPERVISE_NAMES - run_only <= {f.name for f in fields}
     # ... and the class spells none of them itself.

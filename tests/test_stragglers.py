@@ -297,7 +297,8 @@ def test_busy_times_ride_on_the_datagram_and_old_datagrams_still_decode():
 
 def test_sender_reports_busy_per_step_and_nothing_for_an_interval_with_a_save(tmp_path):
     clock = [100.0]
-    s = hbc.NodeSender("file", str(tmp_path), 0, node="n1", root=str(tmp_path / "shm"), clock=lambda: clock[0])
+    s = hbc.NodeSender("file/" + "ab" * 16, str(tmp_path), 0, node="n1", root=str(tmp_path / "shm"),
+                       clock=lambda: clock[0])
     s.beat(10)
     clock[0] = 101.0
     s.beat(20, busy_s=0.4)
@@ -318,7 +319,7 @@ def test_sdk_compute_blocks_become_the_busy_time_of_the_beat(tmp_path, monkeypat
     hb = tmp_path / "hb"
     hb.mkdir()
     monkeypatch.setenv(protocol.ENV_HEARTBEAT_DIR, str(hb))
-    monkeypatch.setenv(protocol.ENV_HEARTBEAT_ADDR, protocol.HEARTBEAT_ADDR_FILE)
+    monkeypatch.setenv(protocol.ENV_HEARTBEAT_ADDR, f"{protocol.HEARTBEAT_ADDR_FILE}/{'ab' * 16}")  # with a token
     monkeypatch.setenv("SLURMD_NODENAME", "nx")
     monkeypatch.setattr(hbc, "local_root", lambda: str(tmp_path / "shm"))
     try:

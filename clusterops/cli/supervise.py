@@ -212,6 +212,12 @@ def supervise(spec_json, command, **settings):
         raise InputError(f"supervise: {problems[0]}")
     env = {str(k): str(v) for k, v in (spec.get("env") or {}).items()}
     extra = {}
+    mode = sup.get("job_dir_mode")
+    if mode is not None:
+        if str(mode) not in schema.JOB_DIR_MODES:
+            raise InputError(f"supervise.job_dir_mode: must be one of {', '.join(schema.JOB_DIR_MODES)}, "
+                             f"got {mode!r}")
+        extra["job_dir_mode"] = int(str(mode), 8)
     if "verify_deep" in sup:
         extra["deep_verify"] = bool(sup["verify_deep"])
     if "step_wait_s" in sup:

@@ -621,6 +621,9 @@ def _build_supervise(c: _Checker, value: Any, kw: Dict[str, Any], workdir: Path)
     def p(key):
         return ("supervise", key)
 
+    if out.get("job_dir_mode", "0700") not in schema.JOB_DIR_MODES:
+        raise c.err(p("job_dir_mode"), f"must be one of {', '.join(schema.JOB_DIR_MODES)}, "
+                                       f"got {out['job_dir_mode']!r}")
     lead = kw.get("signal_lead_s", DEFAULT_SIGNAL_LEAD_S)
     stop = out.get("stop_timeout_s")
     if lead and stop is not None and stop >= lead:

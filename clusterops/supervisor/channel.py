@@ -20,6 +20,7 @@ The channel mode is a setting of the supervisor (``CLUSTEROPS_SUPERVISE_HEARTBEA
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import select
@@ -49,39 +50,89 @@ def mode_from_env(environ=os.environ) -> str:
     return mode
 
 
-class Receiver:
-    """A thread that takes heartbeat datagrams on a UDP socket and keeps, per rank, the
-    latest (step, time of progress, step_ms, time received) and its busy_ms, and per node the time heard."""
-
-    def __init__(self, token: str, *, bind_host: str = "", clock: Callable[[], float] = time.time):
-        self.token = token
-        self.clock = clock
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+def _udp_socket(host: str, port: int = 0) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
         try:    # room for a second of datagrams from thousands of nodes (the kernel may cap it)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
         except OSError:
             pass
-        self.sock.bind((bind_host, 0))
-        self.sock.setblocking(False)
+        sock.bind((host, port))
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Receiver:
+    """A thread that takes heartbeat datagrams on a UDP socket and keeps, per rank, the
+    latest (step, time of progress, step_ms, time received) and its busy_ms, and per node the time heard.
+
+    Bound to ``bind_host`` (the address the ranks were given; "" is every interface). Any
+    local user can send to the port: a datagram is checked for size, token and nesting
+    before it is parsed (:func:`clusterops.heartbeat.decode`), and nothing a datagram holds
+    ends the thread (what cannot be taken is counted in ``dropped``). Should the thread end
+    all the same (a bug, the socket gone), :attr:`alive` says so, :attr:`error` says why,
+    and :meth:`restart` starts it again on the same port; the supervisor does both."""
+
+    def __init__(self, token: str, *, bind_host: str = "", port: int = 0, clock: Callable[[], float] = time.time):
+        self.token = token
+        self.clock = clock
+        self.bind_host = bind_host
+        self.sock = _udp_socket(bind_host, port)
         self.port = self.sock.getsockname()[1]
         self.lock = threading.Lock()
         self.ranks: Dict[int, Tuple[int, float, int, float]] = {}
         self.busy: Dict[int, int] = {}     # rank -> busy_ms of the beat in ranks (-1: not known)
         self.nodes: Dict[str, float] = {}
         self.received = 0
-        self.dropped = 0          # undecodable, another version, another token
+        self.dropped = 0          # undecodable, too big or deep, another version, another token
+        self.restarts = 0         # times restart() started the thread again
+        self.error = ""           # why the thread ended on its own ("": it did not)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="clusterops-heartbeats", daemon=True)
+        self._thread = self._new_thread()
+
+    def _new_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name="clusterops-heartbeats", daemon=True)
 
     def start(self) -> "Receiver":
         self._thread.start()
         return self
+
+    @property
+    def alive(self) -> bool:
+        """Whether the receiving thread runs (False once it ended, or before start)."""
+        return self._thread.is_alive()
+
+    def restart(self) -> None:
+        """Start the thread again after it ended; on the same socket when that is still
+        open, else on a new one bound to the same address and port (the ranks know only
+        that one). OSError when the port cannot be had again."""
+        if self.alive or self._stop.is_set():
+            return
+        if self.sock.fileno() < 0:
+            self.sock = _udp_socket(self.bind_host, self.port)
+        self.restarts += 1
+        self.error = ""
+        self._thread = self._new_thread()
+        self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
         self.sock.close()
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - said in .error; the supervisor restarts the thread
+            self.error = f"{type(e).__name__}: {e}"
+            return
+        if not self._stop.is_set():
+            self.error = self.error or "the receiver stopped"
 
     def _loop(self) -> None:
         # Wait until something arrives, take everything queued, then let the next
@@ -102,19 +153,21 @@ class Receiver:
                     data = self.sock.recv(hbc.MAX_DATAGRAM + 1)
                 except (BlockingIOError, InterruptedError):
                     break
-                except OSError:
+                except OSError as e:
+                    if not self._stop.is_set():
+                        self.error = f"receiving: {e}"
                     return
-                self.feed(data, now)
+                try:
+                    self.feed(data, now)
+                except Exception:  # noqa: BLE001 - no datagram may end the receiver
+                    self.dropped += 1
             self._stop.wait(DRAIN_S)
 
     def feed(self, data: bytes, now: float) -> bool:
         """Take one datagram received at ``now``; False when it is dropped."""
         try:
-            d = hbc.decode(data)
+            d = hbc.decode(data, self.token)
         except hbc.BadDatagram:
-            self.dropped += 1
-            return False
-        if d.token != self.token:
             self.dropped += 1
             return False
         with self.lock:
@@ -140,6 +193,29 @@ class Receiver:
             return {r: (v[0], v[2], self.busy.get(r, -1)) for r, v in self.ranks.items()}
 
 
+def bind_address(host: str) -> Tuple[str, str, str]:
+    """Where to listen for ranks told to send to ``host``: (address to bind, address to give
+    the ranks, why "" -- every interface -- instead). An IP address is bound as it is. A
+    name is resolved here, and its one address is both bound and given to the ranks, so
+    that they send exactly where the receiver listens; a name that resolves to a loopback
+    address here (Debian's ``127.0.1.1 <hostname>``), to several, or to none is given as
+    it is, with the receiver on every interface."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return host.strip("[]"), host.strip("[]"), ""
+    except ValueError:
+        pass
+    try:
+        found = sorted({info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)})
+    except (OSError, UnicodeError) as e:
+        return "", host, f"cannot resolve {host}: {e}"
+    if len(found) != 1:
+        return "", host, f"{host} resolves to {', '.join(found)} here"
+    if ipaddress.ip_address(found[0]).is_loopback:
+        return "", host, f"{host} resolves to the loopback address {found[0]} here, which other nodes cannot reach"
+    return found[0], found[0], ""
+
+
 class Channel:
     """One attempt's heartbeat channel, supervisor side."""
 
@@ -153,15 +229,40 @@ class Channel:
         self.clock = clock
         self.receiver: Optional[Receiver] = None
         self.addr = ""
+        #: Why the receiver listens on every interface rather than on ``advertise_host``
+        #: alone ("": it does not); for the timeline.
+        self.bind_fallback = ""
         if mode == "net":
-            token = secrets.token_hex(8)
-            self.receiver = Receiver(token, clock=clock).start()
-            self.addr = f"{advertise_host}:{self.receiver.port}/{token}"
+            token = secrets.token_hex(16)
+            # Listen where the ranks send (the batch host's address), not on every interface;
+            # the wildcard only when that address is not this host's to bind.
+            bind, advertise_host, self.bind_fallback = bind_address(advertise_host)
+            receiver = None
+            if bind:
+                try:
+                    receiver = Receiver(token, bind_host=bind, clock=clock)
+                except (OSError, OverflowError) as e:
+                    self.bind_fallback = f"cannot bind {bind}: {getattr(e, 'strerror', None) or e}"
+            if receiver is None:
+                receiver = Receiver(token, bind_host="::" if ":" in advertise_host else "", clock=clock)
+            self.receiver = receiver.start()
+            host = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
+            self.addr = f"{host}:{self.receiver.port}/{token}"
         elif mode == "file":
-            self.addr = f"{protocol.HEARTBEAT_ADDR_FILE}/{secrets.token_hex(8)}"
+            self.addr = f"{protocol.HEARTBEAT_ADDR_FILE}/{secrets.token_hex(16)}"
         self.file_scans = 0           # times the heartbeat directory was read
         self.files_read = 0           # files read in those scans
         self.file_timing: Dict[int, Tuple[int, int, int]] = {}   # rank -> (step, step_ms, busy_ms), files
+
+    def revive(self) -> Optional[str]:
+        """Restart the receiver when its thread ended; None when it runs (or there is none),
+        else what happened, for the timeline. OSError when it cannot be restarted."""
+        r = self.receiver
+        if r is None or r.alive:
+            return None
+        why = r.error or "the receiver thread ended"
+        r.restart()
+        return why
 
     @property
     def env_value(self) -> str:
@@ -190,12 +291,11 @@ class Channel:
         ranks, nodes = protocol.read_heartbeat_files(self.hb_dir)
         self.file_scans += 1
         self.files_read += len(ranks) + len(nodes)
+        token = self.receiver.token if self.receiver is not None else hbc.addr_token(self.addr) or None
         for payload, mtime in nodes.values():
             try:
-                d = hbc.decode(payload)
+                d = hbc.decode(payload, token)
             except hbc.BadDatagram:
-                continue
-            if self.receiver is not None and d.token != self.receiver.token:
                 continue
             for b in d.ranks:
                 t = mtime - b.age_ms / 1000.0

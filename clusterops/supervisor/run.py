@@ -197,6 +197,7 @@ class RunConfig:
     # rewritten at each state change and at exit; None: <job_dir>/clusterops_job.prom.
     metrics_file: Optional[Path] = None
     heartbeat: str = field(default_factory=hbchannel.mode_from_env)   # channel mode, see channel.py
+    job_dir_mode: int = 0o700               # mode of a job directory the supervisor creates
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -243,11 +244,67 @@ def torchrun_command(command: Sequence[str], python: str, nodes: int, nproc_per_
 # ------------------------------------------------------------------------------ helpers
 
 
-def load_memory(job_dir: Path) -> sv.Memory:
+_STATE_COUNTS = ("attempts", "restarts", "no_progress")   # the restart budgets spent so far
+_STATE_FIX = "; fix it, or remove it to start over with a fresh restart budget and no remembered bad nodes"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_memory(text: str, where: str) -> sv.Memory:
+    """The supervisor's memory from the text of its state file; InputError (one line naming
+    the file and the field) for anything that is not what :func:`save_memory` writes: a
+    corrupt file must never silently reset the restart budget, nor end in a traceback."""
     try:
-        return sv.Memory.from_dict(json.loads((job_dir / STATE_FILE).read_text()))
-    except (OSError, ValueError):
+        body = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise InputError(f"{where}: not JSON ({str(e)[:80]}){_STATE_FIX}") from None
+    if not isinstance(body, dict):
+        raise InputError(f"{where}: must be a JSON object, got {type(body).__name__}{_STATE_FIX}")
+    for key in _STATE_COUNTS:
+        v = body.get(key)
+        if key not in body or not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            got = "nothing" if key not in body else _short(v)
+            raise InputError(f"{where}: {key}: must be a whole number >= 0, got {got}{_STATE_FIX}")
+    last = body.get("last_ckpt_step")
+    if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 0):
+        raise InputError(f"{where}: last_ckpt_step: must be a whole number >= 0 or null, got {_short(last)}"
+                         f"{_STATE_FIX}")
+    bad = body.get("bad_nodes", {})
+    if not isinstance(bad, dict) or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in bad.items()):
+        raise InputError(f"{where}: bad_nodes: must map node names to reasons (strings), got {_short(bad)}"
+                         f"{_STATE_FIX}")
+    return sv.Memory(bad_nodes=dict(bad), attempts=body["attempts"], restarts=body["restarts"],
+                     no_progress=body["no_progress"], last_ckpt_step=last)
+
+
+def load_memory(job_dir: Path) -> sv.Memory:
+    """What earlier incarnations left in ``<job_dir>/supervisor-state.json``; a fresh memory
+    when there is no such file (the first incarnation); InputError when it cannot be read
+    or is not a state file (:func:`parse_memory`)."""
+    path = job_dir / STATE_FILE
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
         return sv.Memory()
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text{_STATE_FIX}") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the supervisor state: {e.strerror or e}") from None
+    return parse_memory(text, str(path))
+
+
+def make_job_dir(path: Path, mode: int = 0o700) -> None:
+    """Create the job directory (its parents as usual) with ``mode`` (0700 by default: the
+    attempts' files carry the heartbeat token); one that exists is left as it is."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=mode)
+    except FileExistsError:
+        return
+    os.chmod(path, mode)   # exactly the mode asked for, whatever the umask
 
 
 def save_memory(job_dir: Path, memory: sv.Memory) -> None:
@@ -284,6 +341,7 @@ class SupervisorRun:
         self.step_id: Optional[str] = None
         self.stop_file: Optional[Path] = None
         self.channel: Optional[hbchannel.Channel] = None   # this attempt's heartbeat channel
+        self.revive_failed = False   # the receiver ended and could not be restarted (said once)
         self.preflight: Optional[Process] = None
         self.preflight_action: Optional[sv.RunPreflight] = None
         self.preflight_dir: Optional[Path] = None
@@ -326,10 +384,14 @@ class SupervisorRun:
         cfg = self.cfg
         if cfg.policy.drain_bad_nodes:
             self._guard_settings()   # a bad drain: setting is a usage error now, not mid-run
-        cfg.job_dir.mkdir(parents=True, exist_ok=True)
+        make_job_dir(cfg.job_dir, cfg.job_dir_mode)
         cfg.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            memory = load_memory(cfg.job_dir)
+        except InputError as e:
+            self._record("state_invalid", {"error": e.message})   # nothing launched: stop here
+            raise
         self.install_signals()
-        memory = load_memory(cfg.job_dir)
         latest = self._latest_ckpt(deep=False)
         self.seen_ckpt = latest
         self.sup = sv.Supervisor(cfg.policy, cfg.nodes, slurm_restart_count=cfg.slurm_restart_count,
@@ -379,6 +441,7 @@ class SupervisorRun:
             if self.progress_reader is not None:
                 self.progress_reader.poll()   # a script without the SDK: its output is its heartbeat
             if self.channel is not None:
+                self._revive_receiver()
                 # Straggler samples at most once per TIMING_RANKS_PER_S ranks a second: the
                 # detector's pass over every rank stays a small share of a core at 16k ranks.
                 # No detector (detect_stragglers: false): no samples to build.
@@ -396,6 +459,22 @@ class SupervisorRun:
                 events.append(ev)
         events.append(sv.Tick(now))
         return events
+
+    def _revive_receiver(self) -> None:
+        """A receiver thread that ended (it should not: no datagram can end it) is an error
+        said in the timeline and restarted on the same port, before the watch loop reads
+        heartbeats that would otherwise stop arriving and read as a hang."""
+        try:
+            why = self.channel.revive()
+        except OSError as e:
+            if not self.revive_failed:      # said once; tried again every poll
+                self._record("warning", {"what": f"heartbeat receiver ended and cannot be restarted: {e}"})
+            self.revive_failed = True
+            return
+        self.revive_failed = False
+        if why is not None:
+            self._record("heartbeat_receiver_restarted", {"error": why, "port": self.channel.receiver.port,
+                                                          "restarts": self.channel.receiver.restarts})
 
     # -- actions ---------------------------------------------------------------------
     def _do(self, actions: List[sv.Action]) -> None:
@@ -535,13 +614,16 @@ class SupervisorRun:
 
         cfg = self.cfg
         d = protocol.attempt_dir(cfg.job_dir, a.attempt)
-        protocol.heartbeat_dir(d).mkdir(parents=True, exist_ok=True)
+        d.mkdir(mode=0o700, exist_ok=True)           # its files carry the heartbeat token
+        protocol.heartbeat_dir(d).mkdir(mode=0o700, exist_ok=True)
         self.attempt_dir = d
         self.stop_file = protocol.stop_file(d)
         if self.channel is not None:
             self.channel.close()
         self.channel = hbchannel.Channel(cfg.heartbeat, protocol.heartbeat_dir(d), clock=self.clock,
                                          advertise_host=self.slurm.node_address(cfg.nodes[0]))
+        if self.channel.bind_fallback:
+            self._record("heartbeat_bind", {"listening": "every interface", "why": self.channel.bind_fallback})
         # Resume from a checkpoint verified now (hashes too): a newest checkpoint that was
         # damaged since it was written is skipped and said so, not loaded.
         resume = ""
@@ -589,11 +671,9 @@ class SupervisorRun:
                                        unset=TORCHRUN_VARS)
         self.launched_at = self.clock()
         save_memory(cfg.job_dir, self.sup.memory)   # attempts survive even a lost batch host
-        with open(d / "command.txt", "w") as f:
-            f.write(shlex.join(argv) + "\n")
-            for k in sorted(env):
-                if k.startswith("CLUSTEROPS_") or k.startswith("MASTER_"):
-                    f.write(f"{k}={env[k]}\n")
+        # Mode 0600: the heartbeat address in it carries the attempt's token.
+        protocol.write_private(d / "command.txt", (shlex.join(argv) + "\n" + "".join(
+            f"{k}={env[k]}\n" for k in sorted(env) if k.startswith("CLUSTEROPS_") or k.startswith("MASTER_"))).encode())
         self._do(self.sup.handle(sv.StepLaunched(self.clock(), None)))
 
     def _step_exited(self, now: float, rc: int) -> sv.StepExited:
