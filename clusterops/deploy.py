@@ -90,8 +90,12 @@ class Written:
 
 # -- inputs ----------------------------------------------------------------------------
 def default_prefix() -> str:
-    """This install's prefix: the environment (virtualenv or ``pip install --prefix``) whose
-    ``bin/clusterops`` is running."""
+    """This install's prefix: the directory above the ``bin/clusterops`` that is running (a
+    virtualenv, pip's ``--prefix`` or ``--user`` base), else the running interpreter's
+    environment (``python -m clusterops``)."""
+    argv0 = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if os.path.basename(argv0) == "clusterops" and os.path.basename(os.path.dirname(argv0)) == "bin":
+        return os.path.dirname(os.path.dirname(argv0))
     return sys.prefix
 
 
@@ -179,15 +183,20 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
 def _open_dir(name: str, dir_fd: Optional[int], create: bool, shown: str) -> int:
+    made = False
     if create:
         try:
-            os.mkdir(name, 0o755, dir_fd=dir_fd)
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+            made = True
         except FileExistsError:
             pass
     try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         raise InputError(f"--out: {shown} is a symlink or not a directory ({e.strerror}); nothing written") from None
+    if made:
+        os.fchmod(fd, 0o755)    # whatever the umask: every node and service reads these
+    return fd
 
 
 def _preflight(fd: int, files: Dict[str, tuple], shown: Path) -> None:

@@ -5,6 +5,7 @@ rules and the Grafana dashboard use is one clusterops really exports."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -310,3 +311,18 @@ def test_setup_finds_every_code_package_and_maps_every_data_package():
     assert "clusterops.integrations" in on_disk
     assert sorted(got["packages"]) == sorted(on_disk | set(data))
     assert {k: v for k, v in got["package_dir"].items() if k} == data
+
+
+def test_the_files_are_readable_by_everyone_whatever_the_umask(tmp_path):
+    prefix = fake_prefix(tmp_path)
+    (tmp_path / "empty").mkdir(mode=0o755)    # an existing DIR keeps its own mode
+    old = os.umask(0o077)
+    try:
+        dp.write_files(prefix=str(prefix), out=str(tmp_path / "site"))
+        dp.write_files(prefix=str(prefix), out=str(tmp_path / "empty"))
+    finally:
+        os.umask(old)
+    for d in ("site", "empty"):
+        for p in [tmp_path / d, *(tmp_path / d).rglob("*")]:
+            mode = p.stat().st_mode & 0o777
+            assert mode in ((0o755,) if p.is_dir() or p.name.endswith(".sh") else (0o644,)), (p, oct(mode))
