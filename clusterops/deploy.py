@@ -39,7 +39,7 @@ from clusterops.errors import InputError
 
 # The only install path the shipped files spell (the conventional install).
 SHIPPED_PREFIX = "/opt/clusterops"
-_PLAIN_PATH = re.compile(r"^/[A-Za-z0-9._+@/-]*$")
+_PLAIN_PATH = re.compile(r"/[A-Za-z0-9._+@/-]*")
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def check_prefix(prefix: str) -> str:
     if not prefix or not os.path.isabs(prefix):
         raise InputError(f"{where}: not an absolute path")
     norm = os.path.normpath(prefix)
-    if not _PLAIN_PATH.match(norm):
+    if not _PLAIN_PATH.fullmatch(norm):
         raise InputError(f"{where}: only letters, digits and . _ + @ - / may appear (the path is written "
                          "unquoted into sh, cron, systemd and slurm.conf lines)")
     exe = os.path.join(norm, "bin", "clusterops")
@@ -121,7 +121,7 @@ def check_out(out: str, force: bool) -> Path:
     if not out:
         raise InputError(f"{where}: empty path")
     path = Path(os.path.abspath(out))
-    if not _PLAIN_PATH.match(str(path)):
+    if not _PLAIN_PATH.fullmatch(str(path)):
         raise InputError(f"{where}: only letters, digits and . _ + @ - / may appear (slurm.conf names "
                          "the scripts by this path)")
     if not path.parent.is_dir():

@@ -206,7 +206,7 @@ def test_the_default_prefix_is_the_running_install(tmp_path):
 
 
 @pytest.mark.parametrize("bad", ["relative/prefix", "/with space", "/per%cent", "/dollar$HOME", "/semi;colon",
-                                 "/no/such/prefix", "NOT_EXECUTABLE", "/new\nline"])
+                                 "/no/such/prefix", "NOT_EXECUTABLE", "/new\nline", "/trailing\n"])
 def test_a_bad_prefix_is_exit_2_one_line_and_nothing_written(tmp_path, bad):
     if bad == "NOT_EXECUTABLE":
         bad = str(fake_prefix(tmp_path, "noexec"))
