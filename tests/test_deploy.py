@@ -5,6 +5,7 @@ rules and the Grafana dashboard use is one clusterops really exports."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -130,3 +131,198 @@ def test_every_metric_used_is_one_clusterops_exports():
     fed = {m for t in yaml.safe_load(RULE_TESTS.read_text())["tests"] for s in t["input_series"]
            for m in METRIC.findall(s["series"])}
     assert fed <= exported, sorted(fed - exported)
+
+
+# -- `clusterops deploy files`: the shipped files written out for a site -----------------
+from clusterops import deploy as dp  # noqa: E402
+from clusterops.errors import InputError  # noqa: E402
+from clusterops.resources import _DATA, data_dir  # noqa: E402
+
+SHELL = ("slurm/clusterops-healthcheck.sh", "slurm/prolog.sh", "slurm/epilog.sh")
+
+
+def deploy_cli(*args, cwd=None):
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "clusterops", "deploy", "files", *map(str, args)],
+                          capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+def fake_prefix(root: Path, name: str = "pre+fix@1") -> Path:
+    """An install prefix with an executable bin/clusterops (what --prefix checks)."""
+    exe = root / name / "bin" / "clusterops"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(0o755)
+    return root / name
+
+
+def tree(d: Path) -> dict:
+    return {p.relative_to(d).as_posix(): (p.read_bytes(), p.stat().st_mode & 0o777)
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_every_shipped_file_is_written_with_the_prefix_and_out_filled_in(tmp_path):
+    prefix, out = fake_prefix(tmp_path), tmp_path / "site"
+    r = deploy_cli("--prefix", prefix, "--out", out, "--json")
+    assert r.returncode == 0, r.stderr
+    listed = {Path(f["path"]).relative_to(out).as_posix(): f["mode"] for f in json.loads(r.stdout)["files"]}
+    on_disk = tree(out)
+    assert set(listed) == set(on_disk) == {f.out for f in dp.FILES} | {dp.README}
+    assert all(f"{on_disk[k][1]:04o}" == m for k, m in listed.items())
+    for f in dp.FILES:
+        src = (data_dir(f.package) / f.source).read_text().splitlines()
+        got = on_disk[f.out][0].decode().splitlines()
+        assert len(src) == len(got), f.out
+        for a, b in zip(src, got):
+            # Only the install's paths change, line for line.
+            want = (a.replace("file:///opt/clusterops/docs/sweep.md", f"file://{out}/README")
+                     .replace("/opt/clusterops/bin/clusterops", f"{prefix}/bin/clusterops")
+                     .replace("/opt/clusterops/slurm/", f"{out}/slurm/"))
+            assert b == want, (f.out, a, b)
+        assert "/opt/clusterops" not in "\n".join(got), f.out
+    for rel in SHELL:
+        assert on_disk[rel][1] == 0o755 and f"{prefix}/bin/clusterops" in on_disk[rel][0].decode()
+        assert subprocess.run(["bash", "-n", str(out / rel)], capture_output=True).returncode == 0, rel
+    conf = (out / "slurm/slurm.conf.health").read_text()
+    assert f"HealthCheckProgram={out}/slurm/clusterops-healthcheck.sh\n" in conf
+    assert f"{prefix}/bin/clusterops sweep " in (out / "cron.d/clusterops-sweep").read_text()
+    assert f"ExecStart={prefix}/bin/clusterops sweep " in (out / "systemd/clusterops-sweep.service").read_text()
+    assert json.loads((out / "grafana/clusterops-fleet.json").read_text()) == json.loads(DASHBOARD.read_text())
+    # The rules and their unit tests are written as shipped (the tests above run promtool on those).
+    assert (out / "prometheus/clusterops-alerts.yml").read_bytes() == RULES.read_bytes()
+    assert (out / "prometheus/clusterops-alerts.test.yml").read_bytes() == RULE_TESTS.read_bytes()
+    # Nothing staged is left next to DIR.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pre+fix@1", "site"]
+
+
+def test_the_default_prefix_is_the_running_install(tmp_path):
+    import sys
+
+    r = deploy_cli("--out", tmp_path / "site")
+    assert r.returncode == 0, r.stderr
+    assert f"CLUSTEROPS=${{CLUSTEROPS:-{sys.prefix}/bin/clusterops}}" in \
+        (tmp_path / "site/slurm/clusterops-healthcheck.sh").read_text()
+
+
+@pytest.mark.parametrize("bad", ["relative/prefix", "/with space", "/per%cent", "/dollar$HOME", "/semi;colon",
+                                 "/no/such/prefix", "NOT_EXECUTABLE", "/new\nline", "/trailing\n"])
+def test_a_bad_prefix_is_exit_2_one_line_and_nothing_written(tmp_path, bad):
+    if bad == "NOT_EXECUTABLE":
+        bad = str(fake_prefix(tmp_path, "noexec"))
+        (Path(bad) / "bin" / "clusterops").chmod(0o644)
+    elif bad.startswith("/") and bad != "/no/such/prefix":
+        # A real install at that path, so the refusal is for its spelling alone.
+        bad = str(fake_prefix(tmp_path, bad[1:]))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(InputError) as e:
+        dp.write_files(prefix=bad, out=str(tmp_path / "site"))
+    assert e.value.exit_code == 2 and e.value.message.startswith(f"--prefix {bad!r}: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_bad_prefix_from_the_command_line_is_one_error_line_exit_2(tmp_path):
+    r = deploy_cli("--prefix", "/per%cent\nx", "--out", tmp_path / "site")
+    assert r.returncode == 2 and r.stderr.startswith("Error: --prefix"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_an_out_dir_that_is_not_plain_is_refused(tmp_path):
+    prefix = fake_prefix(tmp_path)
+    r = deploy_cli("--prefix", prefix, "--out", tmp_path / "a b")
+    assert r.returncode == 2 and r.stderr.startswith("Error: --out") and not (tmp_path / "a b").exists(), r.stderr
+    r = deploy_cli("--prefix", prefix, "--out", tmp_path / "no" / "parent")
+    assert r.returncode == 2 and "does not exist" in r.stderr and not (tmp_path / "no").exists(), r.stderr
+
+
+def test_a_non_empty_out_is_refused_unless_force_and_force_leaves_other_files(tmp_path):
+    prefix, out = fake_prefix(tmp_path), tmp_path / "site"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    r = deploy_cli("--prefix", prefix, "--out", out)
+    assert r.returncode == 2 and "--force" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    r = deploy_cli("--prefix", prefix, "--out", out, "--force")
+    assert r.returncode == 0, r.stderr
+    assert (out / "mine.txt").read_text() == "keep me" and (out / "slurm/prolog.sh").is_file()
+    # Again over its own output: the files are replaced, the same.
+    first = tree(out)
+    assert deploy_cli("--prefix", prefix, "--out", out, "--force").returncode == 0
+    assert tree(out) == first
+    # An empty existing DIR needs no --force.
+    (tmp_path / "empty").mkdir()
+    assert deploy_cli("--prefix", prefix, "--out", tmp_path / "empty").returncode == 0
+
+
+def test_deploy_never_writes_through_a_symlink(tmp_path):
+    prefix = fake_prefix(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # DIR itself a symlink: refused, its target untouched.
+    (tmp_path / "link").symlink_to(elsewhere)
+    r = deploy_cli("--prefix", prefix, "--out", tmp_path / "link", "--force")
+    assert r.returncode == 2 and "symlink" in r.stderr, r.stderr
+    assert list(elsewhere.iterdir()) == []
+    # A symlink planted at a file's name (--force): the link is replaced, its target untouched.
+    out = tmp_path / "site"
+    (out / "slurm").mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (out / "slurm" / "prolog.sh").symlink_to(victim)
+    r = deploy_cli("--prefix", prefix, "--out", out, "--force")
+    assert r.returncode == 0, r.stderr
+    assert victim.read_text() == "precious"
+    assert not (out / "slurm/prolog.sh").is_symlink() and "health check" in (out / "slurm/prolog.sh").read_text()
+    # A symlinked subdirectory: refused before anything is written.
+    out2 = tmp_path / "site2"
+    out2.mkdir()
+    (out2 / "systemd").symlink_to(elsewhere)
+    r = deploy_cli("--prefix", prefix, "--out", out2, "--force")
+    assert r.returncode == 2 and "systemd" in r.stderr and "nothing written" in r.stderr, r.stderr
+    assert list(elsewhere.iterdir()) == [] and [p.name for p in out2.iterdir()] == ["systemd"]
+
+
+def test_a_shipped_file_naming_another_install_path_is_a_bug_not_a_silent_miss(tmp_path):
+    with pytest.raises(RuntimeError, match="names /opt/clusterops"):
+        dp.render("run /opt/clusterops/share/x\n", prefix="/p", out=tmp_path, name="x")
+
+
+def test_the_shipped_files_are_package_data():
+    # Every file deploy writes comes from a data package setup.cfg installs.
+    for f in dp.FILES:
+        assert f.package in _DATA and (data_dir(f.package) / f.source).is_file(), f
+    assert data_dir("site_files") == REPO / "slurm" and data_dir("deploy_files") == REPO / "deploy"
+
+
+def test_setup_finds_every_code_package_and_maps_every_data_package():
+    """The package list setuptools builds from (no hand-kept list): every directory under
+    clusterops/ with an __init__.py, plus each data folder under its installed name."""
+    import sys
+
+    code = ("import json; from distutils.core import run_setup; "
+            "d = run_setup('setup.py', stop_after='config'); "
+            "print(json.dumps({'packages': d.packages, 'package_dir': d.package_dir}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    on_disk = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "clusterops").rglob("__init__.py")
+               if "__pycache__" not in p.parts}
+    data = {f"clusterops.{k}": v for k, v in _DATA.items()}
+    assert "clusterops.integrations" in on_disk
+    assert sorted(got["packages"]) == sorted(on_disk | set(data))
+    assert {k: v for k, v in got["package_dir"].items() if k} == data
+
+
+def test_the_files_are_readable_by_everyone_whatever_the_umask(tmp_path):
+    prefix = fake_prefix(tmp_path)
+    (tmp_path / "empty").mkdir(mode=0o755)    # an existing DIR keeps its own mode
+    old = os.umask(0o077)
+    try:
+        dp.write_files(prefix=str(prefix), out=str(tmp_path / "site"))
+        dp.write_files(prefix=str(prefix), out=str(tmp_path / "empty"))
+    finally:
+        os.umask(old)
+    for d in ("site", "empty"):
+        for p in [tmp_path / d, *(tmp_path / d).rglob("*")]:
+            mode = p.stat().st_mode & 0o777
+            assert mode in ((0o755,) if p.is_dir() or p.name.endswith(".sh") else (0o644,)), (p, oct(mode))

@@ -21,6 +21,7 @@ from clusterops import __version__
 # name -> "module:attribute"; each module owns its command group.
 COMMANDS = {
     "ckpt": "clusterops.cli.ckpt:ckpt",
+    "deploy": "clusterops.cli.deploy:deploy",
     "devcluster": "clusterops.cli.devcluster:devcluster",
     "health": "clusterops.cli.health:health",
     "job": "clusterops.cli.job:job",
@@ -32,6 +33,7 @@ COMMANDS = {
 
 SHORT_HELP = {
     "ckpt": "List, verify, prune and shrink checkpoints.",
+    "deploy": "Write the Slurm, cron, systemd and monitoring files for a site.",
     "devcluster": "Run a real multi-node Slurm cluster on this machine.",
     "health": "Node health probes and checks.",
     "job": "Inspect supervised jobs (timeline).",
