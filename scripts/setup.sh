@@ -34,7 +34,7 @@ if [ ! -x .venv/bin/python ]; then
     echo "setup: creating .venv"
     python3 -m venv .venv
 fi
-if [ ! -f .venv/.clusterops-setup ] || [ setup.cfg -nt .venv/.clusterops-setup ] || [ scripts/setup.sh -nt .venv/.clusterops-setup ]; then
+if [ ! -f .venv/.clusterops-setup ] || [ setup.cfg -nt .venv/.clusterops-setup ] || [ setup.py -nt .venv/.clusterops-setup ] || [ scripts/setup.sh -nt .venv/.clusterops-setup ]; then
     echo "setup: installing torch==2.13.0 and clusterops[dev,ssh,gpu,fleet] into .venv"
     .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v -e '^WARNING: Location' || true
     .venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v -e '^WARNING: Location' || true
