@@ -109,6 +109,10 @@ def make_reason(origin: str, probe: str, detail: str = "", *, profile: Optional[
     head = PREFIX + origin + (f":{_token(profile)}" if profile is not None else "") + ":"
     fields = [f for f in (_one_line(probe), _one_line(detail)) if f]
     text = head + (" " + ": ".join(fields) if fields else "")
+    if text.endswith('"'):
+        # scontrol update drops a reason's last character when it is a double quote
+        # (seen on 22.05): end with something it keeps, so the reason reads back as written.
+        text += "."
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 

@@ -453,3 +453,8 @@ def test_excess_drain_orders_by_time_then_name_and_unknown_times_last():
     assert [k for k in "abcd" if v[k].keep] == ["a", "d"]
     assert v["b"].rank == 3 and v["c"].rank == 4 and v["b"].ahead == ("d", "a")
     assert drains.excess_drain("i0", fleet, GuardSettings(0.25)).keep       # no drain of its own
+
+
+def test_reason_never_ends_with_a_double_quote_that_scontrol_would_drop():
+    text = make_reason("admin", "ticket", 'user said "drain it"')
+    assert text == 'clusterops:admin: ticket: user said "drain it".' and parse_reason(text).origin == "admin"
