@@ -129,7 +129,9 @@ def _confirm(slurm, node: str, reason: str, guard: drains.GuardSettings, out: Dr
         if t is not None and clock() < t + 1 + settle_s:
             # A drain made later in the same second would sort before ours by name: read
             # again once nobody can still write a drain with our reason time.
-            sleep(t + 1 + settle_s - clock())
+            # Never longer than one second and the slack: a controller whose clock runs
+            # far ahead of this host's must not hold the node for that long.
+            sleep(min(t + 1 + settle_s - clock(), 1 + settle_s))
             fleet = slurm.nodes()
     except ClusteropsError as e:
         return _undo(slurm, node, reason, out, f"guard: undone: the fleet could not be re-read after the "
