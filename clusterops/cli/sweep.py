@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
-from typing import Optional
 
 import click
 
 from clusterops.cli.common import echo_json, json_option
-
-
-import contextlib
 
 
 @contextlib.contextmanager

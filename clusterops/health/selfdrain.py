@@ -89,19 +89,17 @@ def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, sl
 
     def work():
         from clusterops import drain_apply as da
-        from clusterops.errors import NotFoundError
         from clusterops.slurm.settings import connect
 
         # Each call bounded well inside timeout_s, so the whole stays inside it.
         s = slurm or connect(timeout_s=max(2.0, timeout_s / 3), read_attempts=2, backoff_s=0.5)
-        fleet = s.nodes()
-        info = next((n for n in fleet if n.name == node), None)
-        if info is None:
-            raise NotFoundError(f"node {node} not found")
+        # This node only: a passing check on every node of a big fleet must not make every
+        # node read the whole fleet. The fleet is read only for a drain (apply_drain).
+        info = s.node(node)
         action, why = drain_decision(report, info.drained, info.is_down, info.reason or None)
         box.update(action=action, why=why, previous_reason=info.reason)
         if action == "drain":
-            out = da.apply_drain(s, node, drain_reason(report), guard, fleet=fleet, relabel=True,
+            out = da.apply_drain(s, node, drain_reason(report), guard, relabel=True,
                                  settle_s=settle_s, on_stage=lambda at: stage.update(at=at))
             action = {da.DRAINED: "drain", da.RELABELLED: "drain", da.REFUSED: "refused",
                       da.UNDONE: "undone"}.get(out.action, "none")

@@ -44,7 +44,6 @@ from clusterops import protocol
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Process, Runner, current_user, free_port, kill_group, wait_exit
-from clusterops.slurm import privilege
 from clusterops.slurm.parse import parse_srun_failures
 from clusterops.slurm.steps import srun_argv
 from clusterops.supervisor import channel as hbchannel
