@@ -193,7 +193,8 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
       1  the sweep ran and at least one node failed, was unreachable, or its check errored
       2  usage or input error, or a sweep that drains or resumes nodes (--drain, or
          via Slurm without --dry-run) by a user who is not a Slurm admin (nothing run)
-      3  safety guard: more than --max-drain-fraction would be drained; none was
+      3  safety guard: more than --max-drain-fraction would be drained (none was), or
+         the partition-wide guard (site drain.max_drained_fraction) refused a drain
       4  another sweep is running (lock held)
       5  the sweep could not run: no Slurm, no usable history database, nothing to
          sweep (or its result could not be recorded)
