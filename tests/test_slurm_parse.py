@@ -383,3 +383,17 @@ def test_pyslurm_backend_keeps_the_reason_it_reads():
                           total_cpus=2, allocated_cpus=0)
     n = PyslurmSlurm._node_info(None, obj)
     assert n.reason == reason and n.drained and n.state == "idle" and n.reason_time == 1.8e9
+
+
+def test_comment_and_extra_after_the_reason_stay_out_of_it():
+    """Recorded: a node's Comment= and Extra= are printed after the reason's stamp, and here
+    they read like fields and like a stamp themselves."""
+    found = [v for v in VERSIONS if (FIX / v / "scontrol_node_comment_after_reason.txt").exists()]
+    assert found
+    for v in found:
+        raw = (FIX / v / "scontrol_node_comment_after_reason.txt").read_text()
+        assert raw.index(" Reason=") < raw.index(" Comment=") < raw.index(" Extra="), v
+        n = parse.parse_scontrol_nodes(raw)[0]
+        assert (n.name, n.state, n.drained) == ("node1", "idle", True), v
+        assert n.reason == "clusterops:sweep: host.paths: /scratch missing" and n.reason_user == "root", v
+        assert n.reason_time and n.reason_time > 1.79e9, v      # the real stamp, not the comment's

@@ -427,21 +427,29 @@ def parse_hostlist_lines(text: str) -> List[str]:
     return names
 
 
-# Slurm appends `` [user@2026-12-01T05:09:21]`` to a node's reason (every version recorded).
-_REASON_TAIL = re.compile(r"^(?P<reason>.*?)\s*\[(?P<user>[^@\]\s]+)@(?P<time>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\]\s*$")
+# Slurm appends `` [user@2026-12-01T05:09:21]`` to a node's reason (every version recorded),
+# and prints a node's Comment= and Extra= (free text too) after that stamp when they are set
+# (seen on 22.05). The reason ends at the first stamp followed by nothing or by one of those
+# fields; failing that, at the last stamp followed by any field; failing that, at the line's end.
+_STAMP = r"\s\[(?P<user>[^@\]\s]+)@(?P<time>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\]"
+_REASON_TAILS = (re.compile(r"^(?P<reason>.*?)" + _STAMP + r"(?P<rest>(?:\s+(?:Comment|Extra)=.*)?)$"),
+                 re.compile(r"^(?P<reason>.*)" + _STAMP + r"(?P<rest>(?:\s+[A-Za-z][A-Za-z0-9_]*=.*)?)$"))
 
 
 def node_from_oneliner(line: str) -> NodeInfo:
     """One line of ``scontrol show node --oneliner``; State is like ``IDLE+DRAIN``. ``Reason``
-    is the last field (22.05, 24.11, 25.11): the rest of the line, whatever it says."""
+    is the rest of the line (22.05, 24.11, 25.11), whatever it says, up to Slurm's
+    ``[user@time]`` stamp, after which only a set ``Comment=`` or ``Extra=`` follows."""
     kv = parse_oneliner(line, last="Reason")
     base, flags = _split_node_state(kv.get("State", "UNKNOWN").split("+"))
     reason = _null(kv.get("Reason"))
     user = when = None
     if reason:
-        m = _REASON_TAIL.match(reason)
+        m = next((m for m in (t.match(reason) for t in _REASON_TAILS) if m), None)
         if m:
-            reason, user, when = m.group("reason"), m.group("user"), parse_iso(m.group("time"))
+            reason, user, when = m.group("reason").strip(), m.group("user"), parse_iso(m.group("time"))
+            for k, v in parse_oneliner(m.group("rest")).items():
+                kv.setdefault(k, v)      # Comment=, Extra=: never over a field before Reason
     if live_reason(base, flags, reason) is None:
         reason = user = when = None
     return NodeInfo(
