@@ -35,6 +35,17 @@ would then carry more clusterops drains than ``max_drained_fraction`` of its nod
 (floor of fraction x nodes, but at least one unless the fraction is 0 -- one bad node in
 a small partition must still be drainable). A node that already carries a clusterops
 drain is not a new drain.
+
+**The guard under concurrency** (``excess_drain``, applied by
+``clusterops.drain_apply.apply_drain``): twenty nodes that fail at the same second all
+read a healthy fleet before any of them drains, so a check before the drain cannot hold
+the limit alone. Each drainer therefore drains, waits until its drain's second
+(``ReasonTime``) has passed, re-reads the fleet and orders every clusterops drain in the
+partition by (reason time, node name): drains made before the storm come first. A node
+whose place in that order is beyond the limit lifts its own fresh drain (only while the
+reason is still exactly the one it wrote) and reports ``guard: undone``. Every drain that
+stays was, at its re-read, within the first ``limit`` of an order that later drains only
+extend at the end, so at most ``limit`` stay, with no lock server.
 """
 
 from __future__ import annotations
@@ -98,6 +109,10 @@ def make_reason(origin: str, probe: str, detail: str = "", *, profile: Optional[
     head = PREFIX + origin + (f":{_token(profile)}" if profile is not None else "") + ":"
     fields = [f for f in (_one_line(probe), _one_line(detail)) if f]
     text = head + (" " + ": ".join(fields) if fields else "")
+    if text.endswith('"'):
+        # scontrol update drops a reason's last character when it is a double quote
+        # (seen on 22.05): end with something it keeps, so the reason reads back as written.
+        text += "."
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
@@ -309,3 +324,58 @@ def _fraction(value: Any, what: str) -> float:
     if not 0 <= f <= 1:
         raise InputError(f"{what}: must be between 0 and 1, got {value!r}")
     return f
+
+
+def _drain_key(n: Any) -> Tuple[float, str]:
+    t = getattr(n, "reason_time", None)
+    return (float(t) if t is not None else float("inf"), str(n.name))
+
+
+@dataclass(frozen=True)
+class ExcessVerdict:
+    """What a node that has just drained learns from the re-read fleet."""
+
+    keep: bool
+    message: str                      # one line
+    partition: Optional[str] = None
+    rank: int = 0                     # 1-based place of this node's drain in the order
+    drained: int = 0                  # clusterops drains in that partition, this one included
+    limit: int = 0
+    ahead: Tuple[str, ...] = ()       # the drains ordered before this one (the limit's holders)
+
+    def to_dict(self) -> dict:
+        return {"keep": self.keep, "message": self.message, "partition": self.partition, "rank": self.rank,
+                "drained": self.drained, "limit": self.limit, "ahead": list(self.ahead)}
+
+
+def excess_drain(node: str, fleet: Sequence[Any], settings: GuardSettings) -> ExcessVerdict:
+    """After ``node`` drained: is its drain within the limit of every partition it guards?
+
+    ``fleet`` is re-read after the drain (``reason_time`` known). The clusterops drains of a
+    partition are ordered by (reason time, name); ``node`` keeps its drain only when its
+    place is within ``drain_limit`` everywhere. Pure."""
+    frac = settings.max_drained_fraction
+    me = next((n for n in fleet if n.name == node), None)
+    if me is None or not _carries_our_drain(me):
+        return ExcessVerdict(True, f"{node} carries no clusterops drain now: nothing to weigh")
+    parts: List[Optional[str]] = ([settings.partition] if settings.partition
+                                  else list(getattr(me, "partitions", ()) or ()) or [None])
+    kept: Optional[ExcessVerdict] = None
+    for part in parts:
+        members = [n for n in fleet if part is None or part in (getattr(n, "partitions", ()) or ())]
+        if not any(n.name == node for n in members):
+            members.append(me)
+        ours = sorted((n for n in members if _carries_our_drain(n)), key=_drain_key)
+        limit = drain_limit(len(members), frac)
+        rank = 1 + next(i for i, n in enumerate(ours) if n.name == node)
+        where = f"partition {part}" if part else "the cluster"
+        ahead = tuple(n.name for n in ours[: rank - 1])
+        if rank > limit:
+            return ExcessVerdict(False, (
+                f"guard: undone: {node} drained at the same time as others; {len(ours)} of {len(members)} "
+                f"nodes of {where} now carry a clusterops drain, max_drained_fraction {frac:g} allows "
+                f"{limit}, and {node} is number {rank} by drain time then name: its own drain lifted, "
+                f"node left in service"), part, rank, len(ours), limit, ahead)
+        kept = ExcessVerdict(True, f"{node} is drain {rank} of {len(ours)} in {where} (limit {limit})",
+                             part, rank, len(ours), limit, ahead)
+    return kept or ExcessVerdict(True, "no partition to guard")

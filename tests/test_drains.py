@@ -256,3 +256,205 @@ def test_the_drain_rule_lives_in_one_module():
     offenders = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p.name != "drains.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert offenders == []
+
+
+# -- the guard under concurrency (drains.excess_drain, drain_apply.apply_drain) -----------------
+
+class FleetSlurm:
+    """An in-memory controller for ``apply_drain``: drains stamp the controller's second as
+    the reason time (as slurmctld does), resumes clear the drain. Every call is recorded."""
+
+    def __init__(self, n, *, clock, partitions=("gpu",)):
+        self.clock = clock
+        self.state = {f"n{i:02d}": {"drained": False, "down": False, "reason": None, "time": None}
+                      for i in range(1, n + 1)}
+        self.partitions = partitions
+        self.calls = []
+        self.fail_reads = False
+
+    def _info(self, name):
+        s = self.state[name]
+        flags = frozenset({"DRAIN"}) if s["drained"] else frozenset()
+        return NodeInfo(name, "down" if s["down"] else "idle", flags, s["reason"], "root",
+                        s["time"], partitions=self.partitions)
+
+    def nodes(self, names=None):
+        self.calls.append("nodes")
+        if self.fail_reads:
+            from clusterops.slurm import SlurmUnavailable
+
+            raise SlurmUnavailable("Slurm did not answer after 2 attempts")
+        return [self._info(n) for n in self.state]
+
+    def drain(self, nodes, reason):
+        self.calls.append("drain")
+        for n in nodes:
+            self.state[n].update(drained=True, reason=reason, time=float(int(self.clock())))
+
+    def resume(self, nodes):
+        self.calls.append("resume")
+        if self.fail_reads:       # Slurm.resume reads the reasons before it writes
+            from clusterops.slurm import SlurmUnavailable
+
+            raise SlurmUnavailable("Slurm did not answer after 2 attempts")
+        for n in nodes:
+            self.state[n].update(drained=False, reason=None, time=None)
+
+    def drained(self):
+        return sorted(n for n, s in self.state.items() if s["drained"])
+
+
+class Clock:
+    def __init__(self, t=1_800_000_000.25):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += max(s, 0)
+
+
+def _storm(slurm, clock, names, guard, reason="clusterops:sweep: probe: bad driver push"):
+    """Every node reads a healthy fleet, then every node drains, then each confirms: the race
+    the guard's pre-check alone loses (16 of 16 drained, DESIGN.md)."""
+    from clusterops import drain_apply as da
+
+    fleets = {n: slurm.nodes() for n in names}          # all read before anyone drains
+    gen = {}
+    for n in names:
+        # apply_drain up to and including its drain, with the stale fleet each one read.
+        gen[n] = da.apply_drain(slurm, n, reason, guard, fleet=fleets[n], clock=clock, sleep=clock.sleep)
+    return gen
+
+
+def test_every_node_failing_at_once_leaves_at_most_the_limit_drained():
+    from clusterops import drain_apply as da
+
+    clock = Clock()
+    slurm = FleetSlurm(16, clock=clock)
+    guard = GuardSettings(0.25)
+    out = _storm(slurm, clock, list(slurm.state), guard)
+    # The first four by (drain time, name) keep their drain; the twelve others lifted their own.
+    assert slurm.drained() == ["n01", "n02", "n03", "n04"]
+    undone = [o for o in out.values() if o.action == da.UNDONE]
+    assert len(undone) == 12 and all(o.why.startswith("guard: undone: ") and "\n" not in o.why for o in undone)
+    assert "allows 4" in undone[0].why and "number 5" in out["n05"].why
+
+
+def test_sixteen_drains_in_one_second_then_sixteen_rereads_keep_the_first_four_by_name():
+    from clusterops import drain_apply as da
+
+    clock = Clock()
+    slurm = FleetSlurm(16, clock=clock)
+    guard = GuardSettings(0.25)
+    reason = "clusterops:health:fast: host.load: bad config push"
+    names = list(slurm.state)
+    for n in reversed(names):                      # every drain lands in the same second
+        slurm.drain([n], reason)
+    outs = [da._confirm(slurm, n, reason, guard, da.DrainOutcome(n, da.DRAINED, "drained", reason),
+                        da.DEFAULT_SETTLE_S, clock, clock.sleep) for n in reversed(names)]
+    assert slurm.drained() == ["n01", "n02", "n03", "n04"]
+    assert sum(o.action == da.UNDONE for o in outs) == 12
+
+
+def test_drains_made_before_the_storm_count_first_and_later_seconds_sort_later():
+    from clusterops import drain_apply as da
+
+    clock = Clock()
+    slurm = FleetSlurm(8, clock=clock)            # limit 2 at 0.25
+    slurm.state["n07"].update(drained=True, reason="clusterops:admin: swap PSU", time=clock.t - 3600)
+    clock.t += 5
+    guard = GuardSettings(0.25)
+    out = _storm(slurm, clock, ["n01", "n02", "n03"], guard)
+    # n07's older drain holds one place: only n01 (first by name of the same second) keeps.
+    assert slurm.drained() == ["n01", "n07"]
+    assert out["n01"].action == da.DRAINED and out["n01"].excess["ahead"] == ["n07"]
+    assert {out[n].action for n in ("n02", "n03")} == {da.UNDONE}
+
+
+def test_a_drain_in_the_same_second_but_later_is_waited_for():
+    """A drain later in the same second sorts first by name: the re-read waits past the
+    second, so the later one is seen and only one of the two stays under a limit of one."""
+    from clusterops import drain_apply as da
+
+    clock = Clock(1_800_000_000.1)
+    slurm = FleetSlurm(4, clock=clock)           # limit 1 at 0.25
+    guard = GuardSettings(0.25)
+    stale = slurm.nodes()
+    real_nodes = slurm.nodes
+
+    def nodes_then_a_rival(names=None):
+        # Between n02's drain and its re-read, n01 drains in the same second.
+        if slurm.state["n02"]["drained"] and not slurm.state["n01"]["drained"]:
+            slurm.drain(["n01"], "clusterops:sweep: p: d")
+        return real_nodes(names)
+
+    slurm.nodes = nodes_then_a_rival
+    out = da.apply_drain(slurm, "n02", "clusterops:sweep: p: d", guard, fleet=stale, clock=clock, sleep=clock.sleep)
+    assert out.action == da.UNDONE and slurm.drained() == ["n01"]
+    assert clock.t >= 1_800_000_001 + da.DEFAULT_SETTLE_S     # waited past the drain's second
+
+
+def test_a_reread_that_fails_lifts_the_fresh_drain_and_a_changed_reason_is_left():
+    from clusterops import drain_apply as da
+
+    clock = Clock()
+    slurm = FleetSlurm(4, clock=clock)
+    guard = GuardSettings(1.0)
+    real_drain = slurm.drain
+
+    def drain_then_controller_goes(nodes, reason):
+        real_drain(nodes, reason)
+        slurm.fail_reads = True
+
+    slurm.drain = drain_then_controller_goes
+    out = da.apply_drain(slurm, "n01", "clusterops:sweep: p: d", guard, clock=clock, sleep=clock.sleep)
+    # The resume reads too (FleetSlurm fails it): the node stays drained and says so.
+    assert out.action == da.DRAINED and not out.ok and "could not be re-read" in out.why and "left drained" in out.why
+    slurm.fail_reads = False
+    slurm.drain = real_drain
+    # An administrator relabels our fresh drain before our re-read: over the limit, but not ours to lift.
+    slurm2 = FleetSlurm(4, clock=clock)
+    slurm2.state["n04"].update(drained=True, reason="clusterops:sweep: old", time=clock.t - 100)
+    real2 = slurm2.drain
+
+    def drain_then_admin(nodes, reason):
+        real2(nodes, reason)
+        slurm2.state["n01"]["reason"] = "clusterops:admin: keep this one"
+
+    slurm2.drain = drain_then_admin
+    stale = [n for n in slurm2.nodes() if n.name != "n04"]      # n04's drain not seen before
+    out = da.apply_drain(slurm2, "n01", "clusterops:sweep: p: d", GuardSettings(0.25), fleet=stale,
+                         clock=clock, sleep=clock.sleep)
+    assert out.action == da.DRAINED and "no longer the one written" in out.why
+    assert slurm2.drained() == ["n01", "n04"]
+
+
+@pytest.mark.parametrize("down,drained", [(True, False), (False, True), (True, True)])
+def test_down_or_drained_with_someone_elses_reason_is_kept(down, drained):
+    from clusterops import drain_apply as da
+
+    clock = Clock()
+    slurm = FleetSlurm(4, clock=clock)
+    slurm.state["n02"].update(down=down, drained=drained, reason="Not responding", time=clock.t)
+    out = da.apply_drain(slurm, "n02", "clusterops:supervisor: hang: rank 1", GuardSettings(1.0))
+    assert out.action == da.KEPT and "someone else" in out.why
+    assert slurm.state["n02"]["reason"] == "Not responding" and "drain" not in slurm.calls
+
+
+def test_excess_drain_orders_by_time_then_name_and_unknown_times_last():
+    def n(name, t, reason="clusterops:sweep: x"):
+        return NodeInfo(name, "idle", frozenset({"DRAIN"}), reason, "root", t, partitions=("p",))
+
+    idle = [NodeInfo(f"i{k}", "idle", partitions=("p",)) for k in range(4)]
+    fleet = [n("b", 10.0), n("a", 10.0), n("c", None), n("d", 5.0)] + idle     # 8 nodes: limit 2 at 0.25
+    v = {x.name: drains.excess_drain(x.name, fleet, GuardSettings(0.25)) for x in fleet[:4]}
+    assert [k for k in "abcd" if v[k].keep] == ["a", "d"]
+    assert v["b"].rank == 3 and v["c"].rank == 4 and v["b"].ahead == ("d", "a")
+    assert drains.excess_drain("i0", fleet, GuardSettings(0.25)).keep       # no drain of its own
+
+
+def test_reason_never_ends_with_a_double_quote_that_scontrol_would_drop():
+    text = make_reason("admin", "ticket", 'user said "drain it"')
+    assert text == 'clusterops:admin: ticket: user said "drain it".' and parse_reason(text).origin == "admin"

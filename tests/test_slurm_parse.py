@@ -325,3 +325,75 @@ def test_parse_srun_failures_keeps_order_and_ranks():
     failures, lost = parse_srun_failures(SRUN_NODE_FAIL)
     assert lost == ["node3"]
     assert [f.rank for f in failures] == [0, 1] and failures[0].reason == "Exited with exit code 1"
+
+
+# -- a node's Reason is the rest of the line ------------------------------------------------------
+# Administrators write reasons as free text; scontrol prints Reason as the last field of a
+# node's line in every recorded version. Nothing inside it may be read as another field.
+
+def hostile_sources():
+    return [v for v in VERSIONS if (FIX / v / "scontrol_nodes_hostile_reasons.txt").exists()]
+
+
+def test_hostile_reasons_are_recorded_for_every_version():
+    assert hostile_sources() == VERSIONS
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_reason_with_key_text_overrides_nothing(version):
+    """``scontrol_nodes_hostile_reasons.txt``: reasons that read like fields (``State=IDLE``,
+    ``Reason=clusterops:...``, ``NodeName=node9``) stay the administrator's, whole."""
+    rec = Recorded(version)
+    meta = json.loads(rec.read("hostile_reasons.json"))
+    nodes = {n.name: n for n in parse.parse_scontrol_nodes(rec.read("scontrol_nodes_hostile_reasons.txt"))}
+    assert set(nodes) == set(meta), version
+    for name, want in meta.items():
+        n = nodes[name]
+        assert n.reason == want, (version, name, n.reason)
+        assert n.drained and n.reason_user == "root" and n.reason_time and n.reason_time > 1.7e9, (version, name)
+        assert n.partitions == ("debug", "urgent") and n.gres == "gpu:4", (version, name)
+    from clusterops import drains
+
+    # An administrator's reason that embeds ours is still the administrator's: never resumed.
+    assert all(drains.is_foreign(n.reason) for n in nodes.values()), version
+
+
+def test_inline_reason_cannot_rename_or_undrain_a_node():
+    line = ("NodeName=gpu7 Arch=x86_64 CPUTot=8 CPUAlloc=0 Gres=gpu:8 State=IDLE+DRAIN Partitions=gpu "
+            "Reason=swap DIMM NodeName=gpu1 State=IDLE Partitions=other Reason=clusterops:sweep: x "
+            "[bob@2026-01-02T03:04:05] [root@2026-12-01T05:09:21]")
+    n = parse.node_from_oneliner(line)
+    assert (n.name, n.state, n.drained, n.partitions, n.cpus) == ("gpu7", "idle", True, ("gpu",), 8)
+    assert n.reason == ("swap DIMM NodeName=gpu1 State=IDLE Partitions=other Reason=clusterops:sweep: x "
+                        "[bob@2026-01-02T03:04:05]")
+    assert n.reason_user == "root"
+    # A job's Reason is Slurm's one word in the middle of the line, not the rest of it.
+    kv = parse.parse_oneliner("JobId=7 JobState=PENDING Reason=Priority Dependency=(null)")
+    assert kv["Reason"] == "Priority" and kv["Dependency"] == "(null)"
+
+
+def test_pyslurm_backend_keeps_the_reason_it_reads():
+    from types import SimpleNamespace
+
+    from clusterops.slurm.pyslurm_backend import PyslurmSlurm
+
+    reason = 'State=IDLE Reason=clusterops:sweep: x "quoted" ünïcode'
+    obj = SimpleNamespace(name="node1", state="IDLE+DRAIN", reason=reason, reason_user="root",
+                          reason_time=1.8e9, configured_gres={"gpu": 4}, partitions=["debug"],
+                          total_cpus=2, allocated_cpus=0)
+    n = PyslurmSlurm._node_info(None, obj)
+    assert n.reason == reason and n.drained and n.state == "idle" and n.reason_time == 1.8e9
+
+
+def test_comment_and_extra_after_the_reason_stay_out_of_it():
+    """Recorded: a node's Comment= and Extra= are printed after the reason's stamp, and here
+    they read like fields and like a stamp themselves."""
+    found = [v for v in VERSIONS if (FIX / v / "scontrol_node_comment_after_reason.txt").exists()]
+    assert found
+    for v in found:
+        raw = (FIX / v / "scontrol_node_comment_after_reason.txt").read_text()
+        assert raw.index(" Reason=") < raw.index(" Comment=") < raw.index(" Extra="), v
+        n = parse.parse_scontrol_nodes(raw)[0]
+        assert (n.name, n.state, n.drained) == ("node1", "idle", True), v
+        assert n.reason == "clusterops:sweep: host.paths: /scratch missing" and n.reason_user == "root", v
+        assert n.reason_time and n.reason_time > 1.79e9, v      # the real stamp, not the comment's

@@ -54,7 +54,8 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
       1  unhealthy: a probe failed (drained with --drain-on-fail)
       2  bad usage, profile or site config, or --drain-on-fail by a user who
          is not a Slurm admin: nothing run, nothing drained
-      3  unhealthy, but the fleet guard (or Slurm) refused the drain: node left in service
+      3  unhealthy, but the fleet guard (or Slurm) refused the drain, or the guard
+         lifted it again (too many nodes drained at once): node left in service
       4  error: a probe crashed, timed out or could not check: node left in service
     """
     from clusterops import spool
@@ -103,7 +104,7 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
     if report["status"] not in ("pass", "warn", "fail"):
         click.echo(f"clusterops health: {ctx.node}: check status {report['status']}: it could not decide; "
                    "node left in service (exit 4); see the ERROR results", err=True)
-    elif drain_on_fail and report["slurm"]["action"] == "refused":
+    elif drain_on_fail and report["slurm"]["action"] in ("refused", "undone"):
         click.echo(f"clusterops health: {report['slurm']['why']}", err=True)
     code = report["exit_code"]
     if run.outcome.hung:
@@ -259,7 +260,7 @@ def _notify_self_drain(report, site, site_path) -> None:
     (rare events: a passing check sends nothing). Bounded at 5 s; never changes the exit."""
     s = report.get("slurm") or {}
     event = {"drain": "node_drained", "resume": "node_resumed"}.get(s.get("action")) if s.get("ok") else None
-    if s.get("action") == "refused" and s.get("guard"):
+    if s.get("action") in ("refused", "undone") and (s.get("guard") or s.get("excess")):
         event = "guard_tripped"
     if event is None or not (site or {}).get("notify"):
         return

@@ -2,54 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
-from typing import Optional
 
 import click
 
 from clusterops.cli.common import echo_json, json_option
 
 
-class SweepLocked(Exception):
-    pass
+@contextlib.contextmanager
+def _locked(sw, lock):
+    """Hold the sweep's lock (``clusterops.sweep.lock``); a lock that cannot even be asked
+    (the PostgreSQL history down) means the sweep cannot run (exit 5)."""
+    from clusterops.errors import ClusteropsError
 
-
-class SweepLock:
-    """``fcntl.flock`` on ``<db>.lock``: one sweep at a time, and a crashed sweep never
-    leaves a stale lock (the kernel drops it with the process)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.fd: Optional[int] = None
-
-    def __enter__(self) -> "SweepLock":
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = ""
-            try:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
-            except OSError:
-                pass
-            os.close(fd)
-            raise SweepLocked(holder)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode(), 0)
-        self.fd = fd
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            os.close(self.fd)   # releases the flock
-            self.fd = None
+    try:
+        lock.__enter__()
+    except ClusteropsError as e:
+        raise sw.SweepCannotRun(f"sweep could not run: {e.message}") from None
+    try:
+        yield lock
+    finally:
+        lock.__exit__(None, None, None)
 
 
 class _Progress:
@@ -216,7 +193,8 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
       1  the sweep ran and at least one node failed, was unreachable, or its check errored
       2  usage or input error, or a sweep that drains or resumes nodes (--drain, or
          via Slurm without --dry-run) by a user who is not a Slurm admin (nothing run)
-      3  safety guard: more than --max-drain-fraction would be drained; none was
+      3  safety guard: more than --max-drain-fraction would be drained (none was), or
+         the partition-wide guard (site drain.max_drained_fraction) refused a drain
       4  another sweep is running (lock held)
       5  the sweep could not run: no Slurm, no usable history database, nothing to
          sweep (or its result could not be recorded)
@@ -225,7 +203,7 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
     from clusterops import sweep as sw
     from clusterops.errors import InputError
     from clusterops.fsutil import check_output_target
-    from clusterops.history import default_db_path, default_target, parse_target
+    from clusterops.history import default_target, parse_target
 
     if check_cmd is not None:
         try:
@@ -253,20 +231,18 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
         db = target.path
         if db_path and db.exists() and not db.is_file():
             raise InputError(f"--db: {db_path} is not a regular file")
-        lock_path = db.with_name(db.name + ".lock")
-    else:
-        # One sweep at a time from this host; the database itself takes concurrent writers.
-        import hashlib
+    # One sweep at a time per history: a file lock by a SQLite one, an advisory lock inside
+    # a PostgreSQL one (shared by every host that sweeps into it).
+    from clusterops.sweep.lock import sweep_lock
 
-        digest = hashlib.sha256(target.display.encode()).hexdigest()[:12]
-        lock_path = default_db_path().with_name(f"sweep-postgresql-{digest}.lock")
+    lock = sweep_lock(target, no_history=no_history)
     opts.validate_profile()
     sw.require_privilege(opts)   # not a Slurm admin, and the sweep would change nodes: exit 2 now
     from clusterops import notify
 
     notifier = notify.Notifier(notify.load_config(notify_config or os.environ.get("CLUSTEROPS_HEALTH_SITE")))
     try:
-        return _run(sw, opts, target, lock_path, no_history, retention_days, as_json, quiet, prom_path, report_path,
+        return _run(sw, opts, target, lock, no_history, retention_days, as_json, quiet, prom_path, report_path,
                     drain, dry_run, notifier)
     except sw.SweepCannotRun as e:
         notifier.send("sweep_cannot_run", e.message, {"exit_code": sw.EXIT_CANNOT_RUN})
@@ -290,7 +266,7 @@ def _close_notifier(notifier) -> list:
     return failed
 
 
-def _run(sw, opts, target, lock_path, no_history, retention_days, as_json, quiet, prom_path, report_path, drain,
+def _run(sw, opts, target, lock, no_history, retention_days, as_json, quiet, prom_path, report_path, drain,
          dry_run, notifier):
     from clusterops.errors import ClusteropsError
     from clusterops.history import History
@@ -305,7 +281,7 @@ def _run(sw, opts, target, lock_path, no_history, retention_days, as_json, quiet
     signal.signal(signal.SIGTERM, _terminate)
     progress = _Progress(live=sys.stderr.isatty() and not as_json, quiet=quiet)
     try:
-        with SweepLock(lock_path):
+        with _locked(sw, lock):
             try:
                 history = None if no_history else History.open(target)
             except ClusteropsError as e:
@@ -322,12 +298,12 @@ def _run(sw, opts, target, lock_path, no_history, retention_days, as_json, quiet
                 progress.close()
                 if history is not None:
                     history.close()
-    except SweepLocked as e:
-        click.echo(f"Error: another sweep is running (lock {lock_path} held{': ' + str(e) if str(e) else ''}); "
+    except sw.SweepLocked as e:
+        click.echo(f"Error: another sweep is running ({lock.where} held{': ' + str(e) if str(e) else ''}); "
                    "not starting a second one", err=True)
         return sw.EXIT_LOCKED
     except OSError as e:
-        raise sw.SweepCannotRun(f"sweep could not run: lock {lock_path}: {e.strerror or e}") from None
+        raise sw.SweepCannotRun(f"sweep could not run: {lock.where}: {e.strerror or e}") from None
     doc = report.to_dict()
     if notifier.targets:
         for event, summary, details in notify_events(doc, drain and not dry_run):

@@ -119,7 +119,8 @@ def exit_code(status: str, drain: Optional[Dict[str, Any]] = None) -> int:
     if status in ("pass", "warn"):
         return EXIT_HEALTHY
     if status == "fail":
-        return EXIT_GUARD if drain and drain.get("action") == "refused" else EXIT_UNHEALTHY
+        # "undone": drained at the same moment as too many others, then lifted by the guard.
+        return EXIT_GUARD if drain and drain.get("action") in ("refused", "undone") else EXIT_UNHEALTHY
     return EXIT_ERROR
 
 

@@ -5,9 +5,10 @@ failure; ``drain_decision`` (pure) says drain, resume or nothing from the report
 node's Slurm state, following ``clusterops.drains``: only a ``fail`` drains, an
 ``error`` touches nothing, a passing check lifts only a drain whose cause it has just
 re-checked, and a drain by someone else is never touched. ``self_drain`` asks Slurm for
-the node, applies the decision behind the fleet guard (``drains.guard_drain``), and is
-bounded in time whatever the controller does (a drain Slurm refuses because the caller is
-not a Slurm admin is ``refused``, like the guard's refusal); its Slurm client comes from
+the node, applies a drain through ``clusterops.drain_apply.apply_drain`` (the fleet guard
+before, the re-read after: ``refused`` / ``undone``), and is bounded in time whatever the
+controller does (a drain Slurm refuses because the caller is not a Slurm admin is
+``refused``, like the guard's refusal); its Slurm client comes from
 ``clusterops.slurm.settings.connect`` with tighter limits.
 """
 
@@ -69,14 +70,16 @@ def drain_decision(report: Dict[str, Any], drained: bool, down: bool,
 
 
 def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, slurm=None,
-               guard: Optional[drains.GuardSettings] = None) -> Dict[str, Any]:
+               guard: Optional[drains.GuardSettings] = None, settle_s: float = 1.0) -> Dict[str, Any]:
     """Drain or resume ``node`` after a check; bounded by ``timeout_s`` whatever the controller does.
 
-    A new drain first asks the fleet guard (``drains.guard_drain``) with Slurm's view of the
-    node's partition(s): past ``guard.max_drained_fraction`` the node stays in service and
-    the action is ``refused``."""
+    A drain goes through ``clusterops.drain_apply.apply_drain``: the fleet guard first
+    (past ``guard.max_drained_fraction`` of the partition the node stays in service: action
+    ``refused``), then, after the drain, the re-read that lets the nodes beyond the limit
+    lift their own fresh drain when many drained at once (action ``undone``)."""
     box: Dict[str, Any] = {"node": node, "action": "none", "why": "", "ok": False}
     guard = guard or drains.GuardSettings()
+    stage = {"at": "asking"}
 
     if report["status"] not in ("pass", "warn", "fail"):
         # An error decides nothing: Slurm is not even asked.
@@ -85,46 +88,48 @@ def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, sl
         return box
 
     def work():
+        from clusterops import drain_apply as da
         from clusterops.slurm.settings import connect
 
         # Each call bounded well inside timeout_s, so the whole stays inside it.
         s = slurm or connect(timeout_s=max(2.0, timeout_s / 3), read_attempts=2, backoff_s=0.5)
+        # This node only: a passing check on every node of a big fleet must not make every
+        # node read the whole fleet. The fleet is read only for a drain (apply_drain).
         info = s.node(node)
         action, why = drain_decision(report, info.drained, info.is_down, info.reason or None)
         box.update(action=action, why=why, previous_reason=info.reason)
         if action == "drain":
-            reason = drain_reason(report)
-            already = info.drained and drains.is_ours(info.reason)
-            if not already:
-                verdict = drains.guard_drain(node, s.nodes(), guard)
-                box["guard"] = verdict.to_dict()
-                if not verdict.allowed:
-                    box.update(action="refused", why=verdict.message, ok=True)
-                    return
-            s.drain([node], reason)
-            box["reason"] = reason
+            out = da.apply_drain(s, node, drain_reason(report), guard, relabel=True,
+                                 settle_s=settle_s, on_stage=lambda at: stage.update(at=at))
+            action = {da.DRAINED: "drain", da.RELABELLED: "drain", da.REFUSED: "refused",
+                      da.UNDONE: "undone"}.get(out.action, "none")
+            box.update(action=action, why=why if out.action in (da.DRAINED, da.RELABELLED) else out.why,
+                       ok=out.ok)
+            for k in ("guard", "excess"):
+                if getattr(out, k) is not None:
+                    box[k] = getattr(out, k)
+            if out.reason:
+                box["reason"] = out.reason
+            return
         elif action == "resume":
             s.resume([node])
         box["ok"] = True
 
     def run():
-        from clusterops.slurm.privilege import is_refusal
-
         try:
             work()
         except Exception as e:  # controller down, node unknown...: report, never hang or crash
-            if box["action"] == "drain" and is_refusal(str(e)):
-                # Only a Slurm admin may drain (clusterops.slurm.privilege): the node stays in
-                # service, as when the fleet guard refuses (exit 3).
-                box.update(action="refused", ok=True,
-                           why=f"Slurm refused the drain (this user is not a Slurm admin): {e}; "
-                               "node left in service")
-            else:
-                box.update(action="none", why=f"Slurm not reachable or refused: {e}", ok=False)
+            box.update(action="none", why=f"Slurm not reachable or refused: {e}", ok=False)
 
     th = threading.Thread(target=run, daemon=True, name="self-drain")
     th.start()
     th.join(timeout_s)
     if th.is_alive():
-        box.update(action="none", why=f"Slurm did not answer within {timeout_s:g}s; node left as it was", ok=False)
+        if stage["at"] == "drained":
+            box.update(action="drain", ok=False, why=(
+                f"drained, but the fleet guard's re-read did not finish within {timeout_s:g}s: "
+                "node left drained, maybe beyond the limit"))
+        else:
+            box.update(action="none", why=f"Slurm did not answer within {timeout_s:g}s; node left as it was",
+                       ok=False)
     return box

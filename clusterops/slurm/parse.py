@@ -99,14 +99,27 @@ def parse_iso(text: Optional[str]) -> Optional[float]:
 _KEY = re.compile(r"(?:^|(?<= ))([A-Za-z][A-Za-z0-9_:/.]*)=")
 
 
-def parse_oneliner(line: str) -> Dict[str, str]:
-    """``Key=Value Key2=Value with spaces`` -> dict. A value runs to the next `` Key=``."""
+def parse_oneliner(line: str, *, last: Optional[str] = None) -> Dict[str, str]:
+    """``Key=Value Key2=Value with spaces`` -> dict. A value runs to the next `` Key=``.
+
+    ``last``: a field that Slurm prints last on the line and whose value is free text
+    (a node's ``Reason``, which administrators write): its value is the rest of the line
+    from its first `` last=``, and nothing inside it is read as another field -- a reason
+    that says ``State=IDLE`` or ``Reason=clusterops:...`` overrides nothing.
+    """
     line = line.strip()
+    tail: Optional[str] = None
+    if last:
+        m = re.search(rf"(?:^| ){re.escape(last)}=", line)
+        if m:
+            tail, line = line[m.end():], line[:m.start()]
     matches = list(_KEY.finditer(line))
     out: Dict[str, str] = {}
     for i, m in enumerate(matches):
         end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
-        out[m.group(1)] = line[m.end():end].strip()
+        out.setdefault(m.group(1), line[m.end():end].strip())
+    if tail is not None:
+        out[last] = tail.strip()
     return out
 
 
@@ -414,19 +427,29 @@ def parse_hostlist_lines(text: str) -> List[str]:
     return names
 
 
-_REASON_TAIL = re.compile(r"^(?P<reason>.*?)\s*\[(?P<user>[^@\]]+)@(?P<time>[^\]]+)\]\s*$")
+# Slurm appends `` [user@2026-12-01T05:09:21]`` to a node's reason (every version recorded),
+# and prints a node's Comment= and Extra= (free text too) after that stamp when they are set
+# (seen on 22.05). The reason ends at the first stamp followed by nothing or by one of those
+# fields; failing that, at the last stamp followed by any field; failing that, at the line's end.
+_STAMP = r"\s\[(?P<user>[^@\]\s]+)@(?P<time>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\]"
+_REASON_TAILS = (re.compile(r"^(?P<reason>.*?)" + _STAMP + r"(?P<rest>(?:\s+(?:Comment|Extra)=.*)?)$"),
+                 re.compile(r"^(?P<reason>.*)" + _STAMP + r"(?P<rest>(?:\s+[A-Za-z][A-Za-z0-9_]*=.*)?)$"))
 
 
 def node_from_oneliner(line: str) -> NodeInfo:
-    """One line of ``scontrol show node --oneliner``; State is like ``IDLE+DRAIN``."""
-    kv = parse_oneliner(line)
+    """One line of ``scontrol show node --oneliner``; State is like ``IDLE+DRAIN``. ``Reason``
+    is the rest of the line (22.05, 24.11, 25.11), whatever it says, up to Slurm's
+    ``[user@time]`` stamp, after which only a set ``Comment=`` or ``Extra=`` follows."""
+    kv = parse_oneliner(line, last="Reason")
     base, flags = _split_node_state(kv.get("State", "UNKNOWN").split("+"))
     reason = _null(kv.get("Reason"))
     user = when = None
     if reason:
-        m = _REASON_TAIL.match(reason)
+        m = next((m for m in (t.match(reason) for t in _REASON_TAILS) if m), None)
         if m:
-            reason, user, when = m.group("reason"), m.group("user"), parse_iso(m.group("time"))
+            reason, user, when = m.group("reason").strip(), m.group("user"), parse_iso(m.group("time"))
+            for k, v in parse_oneliner(m.group("rest")).items():
+                kv.setdefault(k, v)      # Comment=, Extra=: never over a field before Reason
     if live_reason(base, flags, reason) is None:
         reason = user = when = None
     return NodeInfo(

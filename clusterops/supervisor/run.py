@@ -44,7 +44,6 @@ from clusterops import protocol
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Process, Runner, current_user, free_port, kill_group, wait_exit
-from clusterops.slurm import privilege
 from clusterops.slurm.parse import parse_srun_failures
 from clusterops.slurm.steps import srun_argv
 from clusterops.supervisor import channel as hbchannel
@@ -799,34 +798,33 @@ class SupervisorRun:
         self._signal_step("USR2")
 
     def _act_drain_nodes(self, a: sv.DrainNodes) -> None:
-        """Drain, under the fleet guard: past the site's max_drained_fraction of a partition the
-        drain is refused (a ``drain_refused`` event); the node stays out of this job's steps
+        """Drain through ``drain_apply.apply_drain``, as every drain path does: a node drained
+        or down with someone else's reason, or already carrying a clusterops drain, keeps its
+        reason (``drain_skipped``: the reason decides who may lift it); past the site's
+        max_drained_fraction of a partition the drain is refused, or lifted again when many
+        nodes drained at once (``drain_refused``). The node stays out of this job's steps
         either way (the supervisor marked it bad before asking)."""
+        from clusterops import drain_apply as da
+
         for node in a.nodes:
-            fleet = self.slurm.nodes()
-            info = next((n for n in fleet if n.name == node), None)
-            if info is not None and info.drained:
-                # Someone's drain is there already (an administrator's, or one a check or sweep
-                # owns): keep its reason, which decides who may lift it.
-                self._record("drain_skipped", {"node": node, "why": f"already drained: {info.reason}"})
-                continue
-            verdict = drains.guard_drain(node, fleet, self._guard_settings())
-            if not verdict.allowed:
-                self._record("drain_refused", {"node": node, "reason": a.reason, "why": verdict.message})
-                continue
             try:
-                self.slurm.drain([node], a.reason)
+                out = da.apply_drain(self.slurm, node, a.reason, self._guard_settings(), sleep=self.sleep)
             except ClusteropsError as e:
-                # A job's owner is seldom a Slurm admin, and only an admin may drain (see
-                # clusterops.slurm.privilege): Slurm's refusal is part of the story, not a crash.
-                if privilege.is_refusal(e.message):
-                    self._record("drain_refused", {"node": node, "reason": a.reason, "why": (
-                        f"Slurm refused the drain: user {current_user()} is not a Slurm admin "
-                        f"({e.message})")})
-                else:
-                    self._record("warning", {"what": f"drain {node} failed: {e.message}"})
+                self._record("warning", {"what": f"drain {node} failed: {e.message}"})
                 continue
-            self._record("drain", {"node": node, "reason": a.reason})
+            if out.action == da.KEPT:
+                self._record("drain_skipped", {"node": node, "why": out.why})
+            elif out.action in (da.REFUSED, da.UNDONE):
+                why = out.why
+                if "Slurm refused" in why:
+                    why = f"user {current_user()}: {why}"
+                self._record("drain_refused", {"node": node, "reason": a.reason, "why": why})
+            elif out.action == da.DRAINED:
+                self._record("drain", {"node": node, "reason": a.reason})
+                if not out.ok:
+                    self._record("warning", {"what": f"drain {node}: {out.why}"})
+            else:
+                self._record("warning", {"what": out.why})
 
     def _guard_settings(self) -> drains.GuardSettings:
         if self.guard is None:

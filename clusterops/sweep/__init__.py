@@ -11,6 +11,8 @@ The package, from pure to side-effecting:
 - ``slurm_fanout``: ``SlurmFanout``, one short exclusive check job pinned to each idle
   node; ``ssh``: the same over SSH (``ssh_fanout``), for nodes outside Slurm;
 - ``pairs``: 2-node all-reduce jobs over pairs of healthy nodes;
+- ``lock``: one sweep at a time per history (a file lock by SQLite, an advisory lock
+  inside PostgreSQL, so two cron hosts sharing one history never both sweep);
 - ``run``: ``SweepOptions``, ``run_sweep`` (select, check, judge, drain, record),
   ``apply_sweep_plan`` (the code that changes node states) and the exit codes.
 
@@ -23,6 +25,7 @@ lift which drain is ``clusterops.drains.may_resume``.
 This module re-exports the names the CLI, the benchmarks and the tests use.
 """
 
+from clusterops.sweep.lock import FileLock, PgAdvisoryLock, SweepLocked, sweep_lock
 from clusterops.sweep.pairs import run_pairs
 from clusterops.sweep.policy import Action, DrainPlan, NodeSnapshot, allowed_drains, drain_reason, plan_drains
 from clusterops.sweep.results import (FAILING, HEALTHY, METRICS, STATUSES, NodeResult, extract_metrics,
@@ -36,7 +39,7 @@ from clusterops.sweep.ssh import ssh_fanout
 
 __all__ = [
     "Action", "DrainPlan", "EXIT_CANNOT_RUN", "EXIT_GUARD", "EXIT_LOCKED", "EXIT_OK", "EXIT_UNHEALTHY",
-    "FAILING", "HEALTHY", "MAX_TARGETS", "MAX_TIMEOUT_S", "METRICS", "NodeResult", "NodeSnapshot",
+    "FAILING", "FileLock", "HEALTHY", "PgAdvisoryLock", "SweepLocked", "sweep_lock", "MAX_TARGETS", "MAX_TIMEOUT_S", "METRICS", "NodeResult", "NodeSnapshot",
     "STATUSES", "SlurmFanout", "require_privilege", "SweepCannotRun", "SweepOptions", "SweepReport", "Target",
     "allowed_drains", "apply_sweep_plan", "check_argv", "clusterops_argv", "drain_reason",
     "expand_nodes", "extract_metrics", "fleet_medians", "mark_stragglers", "parse_times",

@@ -266,14 +266,21 @@ def _classify_targets(names: Sequence[str], infos: Mapping[str, object], opts: S
 
 
 def apply_sweep_plan(slurm, plan: DrainPlan, rechecked: Sequence[str], infos: Mapping[str, object], *,
-                     drain: bool) -> Tuple[List[dict], List[str]]:
+                     drain: bool, guard: Optional[drains.GuardSettings] = None,
+                     settle_s: float = 1.0) -> Tuple[List[dict], List[str]]:
     """Carry out the plan, one node at a time so one refusal does not stop the rest.
 
     ``rechecked`` nodes were drained by clusterops and resumed (inside a maintenance
     reservation) only for their check: each goes back to drained unless the plan
     resumes it and ``drain`` (the --drain flag) allows changes. Without ``drain``
-    nothing else is touched.
+    nothing else is touched. Every drain goes through ``drain_apply.apply_drain``: a new
+    one under the partition-wide fleet guard (``guard``, the site's ``drain:`` settings),
+    on top of this sweep's own ``--max-drain-fraction``; a drain the guard refuses or lifts
+    again leaves its node in service and trips the plan's guard (exit 3).
     """
+    from clusterops import drain_apply as da
+
+    guard = guard or drains.GuardSettings()
     applied, errors = [], []
     by_node = {a.node: a for a in plan.actions}
     for n in rechecked:
@@ -286,7 +293,10 @@ def apply_sweep_plan(slurm, plan: DrainPlan, rechecked: Sequence[str], infos: Ma
                 reason = a.reason
             else:
                 reason = getattr(infos.get(n), "reason", None) or drain_reason("recheck", "drained")
-            slurm.drain([n], reason)
+            out = da.apply_drain(slurm, n, reason, guard, restore=True)
+            if out.action != da.DRAINED:
+                errors.append(f"re-drain {n}: {out.why}")
+                continue
             applied.append({"node": n, "action": "keep", "reason": reason})
         except ClusteropsError as e:
             errors.append(f"re-drain {n}: {e}")
@@ -298,13 +308,31 @@ def apply_sweep_plan(slurm, plan: DrainPlan, rechecked: Sequence[str], infos: Ma
             continue
         try:
             if a.action == "drain":
-                slurm.drain([a.node], a.reason)
+                out = da.apply_drain(slurm, a.node, a.reason, guard, settle_s=settle_s)
+                if out.action in (da.REFUSED, da.UNDONE):
+                    _guard_refused(plan, a, out.why)
+                    continue
+                if out.action != da.DRAINED:
+                    errors.append(f"drain {a.node}: {out.why}")
+                    continue
+                if not out.ok:
+                    errors.append(f"drain {a.node}: {out.why}")
             else:
                 slurm.resume([a.node])
             applied.append({"node": a.node, "action": a.action, "reason": a.reason})
         except ClusteropsError as e:
             errors.append(f"{a.action} {a.node}: {e}")
     return applied, errors
+
+
+def _guard_refused(plan: DrainPlan, a, why: str) -> None:
+    """The partition-wide guard kept ``a.node`` in service: the plan's guard is tripped."""
+    a.action = "untouched"
+    a.why = f"guard: {why}"
+    if not plan.guard_tripped:
+        plan.guard_tripped = True
+        plan.message = (f"SAFETY GUARD (partition): {why}. One drain per sweep is still a broken check "
+                        f"emptying the partition over enough sweeps: look at the failures first.")
 
 
 def require_privilege(opts: SweepOptions, slurm=None) -> None:
@@ -368,11 +396,17 @@ def resolve_targets(opts: SweepOptions, slurm) -> List[str]:
 
 
 def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Optional[Progress] = None,
-              on_targets: Optional[Callable[[int], None]] = None, clock: Callable[[], float] = time.time
-              ) -> SweepReport:
+              on_targets: Optional[Callable[[int], None]] = None, clock: Callable[[], float] = time.time,
+              guard: Optional[drains.GuardSettings] = None) -> SweepReport:
     """One sweep: select, check, judge, (drain), record. Returns the report; never raises
-    for a node's failure, only for bad input or an unusable Slurm."""
+    for a node's failure, only for bad input or an unusable Slurm. ``guard``: the
+    partition-wide fleet guard (default: the site config's ``drain:`` block and
+    ``$CLUSTEROPS_MAX_DRAINED_FRACTION``, as for the health self-drain)."""
     opts.validate()
+    if guard is None and opts.drain and not opts.dry_run:
+        from clusterops.health.profiles import drain_settings
+
+        guard = drain_settings(None)   # a bad drain: block is exit 2 before anything runs
     sweep_id = time.strftime("%Y%m%dT%H%M%S", time.gmtime(clock())) + "-" + uuid.uuid4().hex[:6]
     started = clock()
     errors: List[str] = []
@@ -445,7 +479,7 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
                            flap_k=opts.flap_k, flap_n=opts.flap_n, drain_stragglers=opts.drain_stragglers)
         applied: List[dict] = []
         if slurm is not None and not opts.dry_run:
-            done_, errs = apply_sweep_plan(slurm, plan, recheck, infos, drain=opts.drain)
+            done_, errs = apply_sweep_plan(slurm, plan, recheck, infos, drain=opts.drain, guard=guard)
             applied += done_
             errors += errs
         recheck = []      # restored: nothing left to undo
@@ -472,9 +506,14 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
 
 
 def _restore_drains(slurm, nodes: Sequence[str], infos: Mapping[str, object], errors: List[str]) -> None:
+    from clusterops import drain_apply as da
+
     for n in nodes:
         try:
-            slurm.drain([n], infos[n].reason or drain_reason("recheck", "interrupted"))
+            out = da.apply_drain(slurm, n, infos[n].reason or drain_reason("recheck", "interrupted"),
+                                 drains.GuardSettings(), restore=True)
+            if out.action != da.DRAINED:
+                errors.append(f"re-drain {n}: {out.why}")
         except ClusteropsError as e:
             errors.append(f"re-drain {n}: {e}")
 

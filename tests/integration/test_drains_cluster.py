@@ -230,3 +230,34 @@ def test_sweep_lifts_what_waits_for_it_and_keeps_deeper_or_admin_drains(cluster,
     # An administrator's drain is not even rechecked.
     assert [n["status"] for n in doc["nodes"] if n["node"] == "node3"] == ["skipped"]
     assert state(cluster, "node3") == (True, reasons["node3"])
+
+
+@pytest.mark.timeout(240)
+def test_sweep_applies_the_partition_wide_guard_over_earlier_drains(cluster, tmp_path):
+    """--max-drain-fraction allows this sweep's one drain, but the partition already carries
+    one clusterops drain (an administrator's through clusterops) and the site's guard
+    (0.1 of 4 nodes: 1) allows no second: nothing drained, exit 3, the banner says why."""
+    prof = tmp_path / "sweeptest.yaml"
+    prof.write_text("extends: fast\nprobes:\n  host.paths:\n    paths:\n"
+                    "      - {path: \"${CLUSTEROPS_NODE_SCRATCH}\", min_free_gb: 0.001}\n"
+                    "  host.stray_processes: false\n")
+    admin = drains.make_reason(drains.ADMIN, "swap DIMM B3")
+    admin_drain(cluster, "node1", admin)
+    with Broken(cluster, "node3"):
+        r = subprocess.run([CLUSTEROPS, "sweep", "--profile", str(prof), "--db", str(tmp_path / "sweep.db"),
+                            "--timeout", "90", "--drain", "--max-drain-fraction", "0.5", "--json"],
+                           env=_env(cluster, tmp_path), capture_output=True, text=True, timeout=200)
+        assert r.returncode == 3, r.stderr + r.stdout
+        doc = json.loads(r.stdout)
+        by = {a["node"]: a for a in doc["plan"]["actions"]}
+        assert by["node3"]["action"] == "untouched" and "fleet guard: NOT draining node3" in by["node3"]["why"], by
+        assert doc["plan"]["guard_tripped"] and "SAFETY GUARD (partition)" in r.stderr
+        assert state(cluster, "node3") == (False, None)
+        assert state(cluster, "node1") == (True, admin)
+        # The site allows more: the same sweep drains node3.
+        r = subprocess.run([CLUSTEROPS, "sweep", "--profile", str(prof), "--db", str(tmp_path / "sweep.db"),
+                            "--timeout", "90", "--drain", "--max-drain-fraction", "0.5", "--json"],
+                           env=_env(cluster, tmp_path, **{drains.FRACTION_ENV: "0.5"}), capture_output=True,
+                           text=True, timeout=200)
+        assert r.returncode == 1, r.stderr + r.stdout
+        assert state(cluster, "node3")[0]
