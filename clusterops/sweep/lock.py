@@ -95,6 +95,8 @@ class PgAdvisoryLock:
         return f"advisory lock {self.key[0]}/{self.key[1]} in {self.display}"
 
     def __enter__(self) -> "PgAdvisoryLock":
+        from clusterops.history import redact_text   # a driver's message may quote the DSN
+
         try:
             import psycopg
         except ImportError:
@@ -104,8 +106,9 @@ class PgAdvisoryLock:
             conn = psycopg.connect(self.url, autocommit=True, connect_timeout=max(2, int(self.timeout_s)),
                                    application_name=f"clusterops sweep {_holder_text()}"[:63])
         except psycopg.Error as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ClusteropsError(f"{self.display}: cannot take the sweep lock: "
-                                  f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+                                  f"{redact_text(first, self.url)}") from None
         try:
             got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", self.key).fetchone()[0]
             if not got:
@@ -114,7 +117,8 @@ class PgAdvisoryLock:
                 raise SweepLocked(holder)
         except psycopg.Error as e:
             conn.close()
-            raise ClusteropsError(f"{self.display}: cannot take the sweep lock: {e}") from None
+            raise ClusteropsError(f"{self.display}: cannot take the sweep lock: "
+                                  f"{redact_text(str(e), self.url)}") from None
         self.conn = conn
         return self
 
