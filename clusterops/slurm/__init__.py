@@ -1,5 +1,10 @@
 """Slurm access: every Slurm command clusterops runs is built here.
 
+The exception is the text of the scripts clusterops generates: the Slurm commands inside
+a rendered sbatch script and the sweep's pair job (``srun``, ``scontrol show hostnames``)
+are written by the Jinja templates (``templates/``) and run by the job itself, on the
+``PATH`` that ``tools`` sets up.
+
 The package, by module:
 
 - ``client``: ``Slurm``, the CLI backend: queries and updates through one Runner, with
