@@ -18,7 +18,10 @@ Its own checkpoints (``ckpt_<step>.pt``: torch.save to a ``.tmp`` name, then ren
 ``--env-record DIR`` writes each rank's view of the env:// variables to DIR/rank<R>.json
 (so a test can check what every task was given). Deterministic: the batch of step s is
 drawn from a generator seeded with (seed, s, rank), so a resumed run ends bitwise equal to
-one that never stopped.
+one that never stopped. That also needs DDP's gradient buckets to be the same in both:
+DDP rebuilds them after the first iteration of a process (in gradient-ready order), which
+changes where each value sits in the all-reduced buffer, and so the order of the sums;
+``find_unused_parameters=True`` keeps the first layout for good.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(args.seed)
-    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)))
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)), find_unused_parameters=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     step = 0
     if args.resume is not None:
@@ -113,6 +116,7 @@ def main(argv=None) -> int:
             print(f"saved {save(model, opt, step, args.ckpt_dir)}", flush=True)
         if stopping:
             dist.barrier()                      # rank 0's checkpoint is on disk before anyone leaves
+            del model, opt
             dist.destroy_process_group()
             print(f"rank {rank} stopping on {STOP['signal'] or 'another rank'}", flush=True)
             return 0
@@ -122,6 +126,7 @@ def main(argv=None) -> int:
         os.replace(tmp, args.out)
         print(f"done steps={step} out={args.out}", flush=True)
     dist.barrier()
+    del model, opt                              # DDP's reducer goes before its process group
     dist.destroy_process_group()
     return 0
 

@@ -62,7 +62,7 @@ def wait_job(slurm, job_id: int, timeout_s: float, logs: Path):
 
 
 @pytest.fixture(scope="module")
-def unsupervised(cluster, tmp_path_factory):
+def unsupervised(devcluster, tmp_path_factory):
     """The script launched by the srun template as it is: no supervise:, no SDK."""
     from clusterops import launch
     from clusterops.slurm.settings import connect
@@ -82,7 +82,7 @@ def unsupervised(cluster, tmp_path_factory):
 
 
 @pytest.mark.timeout(240)
-def test_env_script_unsupervised_gets_torch_env(unsupervised):
+def test_env_script_unsupervised_gets_torch_env(cluster, unsupervised):
     root, info = unsupervised
     logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted((root / "logs").glob("*.out")))
     assert info.state == "COMPLETED" and info.exit_code == 0, f"{info}\n{logs}"
@@ -91,7 +91,7 @@ def test_env_script_unsupervised_gets_torch_env(unsupervised):
 
 
 @pytest.mark.timeout(420)
-def test_env_script_supervised_kill9_resumes_and_finishes_bitwise(unsupervised, tmp_path):
+def test_env_script_supervised_kill9_resumes_and_finishes_bitwise(cluster, unsupervised, tmp_path):
     """Before issue 18 every attempt died: "environment variable RANK expected, but not set"."""
     from clusterops.slurm.settings import connect
 
