@@ -526,12 +526,13 @@ def test_srun_native_task_gets_torch_env_contract_from_its_own_slurm_values(worl
     start = argv.index("bash")
     task = argv[start:-2] + [sys.executable, "-c",
                              "import json, os; print(json.dumps(dict(os.environ, pid=str(os.getpid()))))"]
-    for procid, localid, nodeid in ((0, 0, 0), (1, 0, 1)):
+    # (SLURM_NODEID 2: a step on nodes 1 and 3 of the allocation; the node rank is still 1.)
+    for procid, localid, nodeid in ((0, 0, 0), (1, 0, 2)):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env.update(SLURM_PROCID=str(procid), SLURM_LOCALID=str(localid), SLURM_NODEID=str(nodeid),
                    LOCAL_WORLD_SIZE="77")
         p = subprocess.Popen(task, env=env, stdout=subprocess.PIPE, text=True)
         out = json.loads(p.communicate()[0])
         assert (out["RANK"], out["WORLD_SIZE"], out["LOCAL_RANK"], out["LOCAL_WORLD_SIZE"], out["NODE_RANK"]) == \
-            (str(procid), "2", str(localid), "1", str(nodeid))
+            (str(procid), "2", str(localid), "1", str(procid))
         assert out["pid"] == str(p.pid)     # exec'd: the task's process is the training process

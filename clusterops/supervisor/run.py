@@ -248,8 +248,10 @@ def torchrun_command(command: Sequence[str], python: str, nodes: int, nproc_per_
 # NODE_RANK here and MASTER_ADDR/MASTER_PORT in the step's environment. The rank differs per
 # task, so it cannot go into srun's --export: each task runs this tiny wrapper, which execs
 # the command (the wrapper is gone; the task's process is the training process itself).
+# NODE_RANK is the rank's node in srun's block layout (as Supervisor.rank_node counts it),
+# whatever SLURM_NODEID says on a step that runs on some nodes of the allocation.
 _RANK_ENV_BODY = ('export RANK="$SLURM_PROCID" WORLD_SIZE="$1" LOCAL_RANK="$SLURM_LOCALID" '
-                  'LOCAL_WORLD_SIZE="$2" NODE_RANK="$SLURM_NODEID"; shift 2; exec "$@"')
+                  'LOCAL_WORLD_SIZE="$2" NODE_RANK="$(( SLURM_PROCID / $2 ))"; shift 2; exec "$@"')
 
 
 def rank_env_command(command: Sequence[str], world_size: int, ranks_per_node: int) -> List[str]:
