@@ -607,7 +607,8 @@ def test_render_refuses_an_env_value_over_max_arg_strlen_naming_it(tmp_path, cap
 def test_arguments_and_environment_over_arg_max_are_refused(tmp_path):
     each = 100_000
     n = launch.arg_max_bytes() // each + 1
-    data = {"name": "t", "nodes": 1, "launcher": "torchrun", "script": str(write_spec(tmp_path, BASIC).parent / "train.py"),
+    script = str(write_spec(tmp_path, BASIC).parent / "train.py")
+    data = {"name": "t", "nodes": 1, "launcher": "torchrun", "script": script,
             "args": ["a" * 1000] * 3, "env": {f"V{i}": "v" * each for i in range(n)}}
     data["env"]["V7"] = "v" * (each + 5)
     with pytest.raises(InputError) as e:
