@@ -545,3 +545,138 @@ def test_notify_urls_are_checked_and_reach_the_supervisor(tmp_path):
     spec = launch.load_spec(good)
     assert spec.notify == ("https://hooks.example/x",)
     assert '"notify":["https://hooks.example/x"]' in launch.render(spec)
+
+
+# ---------------------------------------------------------------------------------
+# The kernel's limits: a script whose command could not start is refused (issue 18)
+# ---------------------------------------------------------------------------------
+
+# A stand-in `clusterops` that reports how the supervisor was called, reading --spec-file.
+SPEC_STAND_IN = """#!{python}
+import json, sys
+argv = sys.argv[1:]
+spec = None
+if argv[:2] == ["supervise", "--spec-file"]:
+    spec = json.load(open(argv[2]))
+elif argv[:2] == ["supervise", "--spec-json"]:
+    spec = json.loads(argv[2])
+print(json.dumps({{"argv": argv[:2], "spec": spec}}))
+"""
+
+
+def run_with_stand_in(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    stand_in = bindir / "clusterops"
+    stand_in.write_text(SPEC_STAND_IN.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    return subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                          env=dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}"))
+
+
+SUPERVISED = BASIC + """
+log_dir: logs
+supervise:
+  preflight: false
+"""
+
+
+def test_render_refuses_an_argument_over_max_arg_strlen(tmp_path, capsys):
+    big = "x" * launch.MAX_ARG_STRLEN          # with its NUL, one byte over the kernel's limit
+    spec = write_spec(tmp_path, BASIC + f"args:\n  - --small\n  - {big}\n")
+    code, out, err = run_cli(["launch", "render", str(spec)], capsys)
+    assert code == 2 and out == "", err
+    assert f"{spec}:" in err and "args.1:" in err and "MAX_ARG_STRLEN" in err and len(err.splitlines()) == 1, err
+    # The largest value that fits is accepted.
+    ok = write_spec(tmp_path, BASIC + f"args:\n  - {'x' * (launch.MAX_ARG_STRLEN - 1)}\n", name="ok.yaml")
+    assert launch.render(launch.load_spec(ok))
+
+
+def test_render_refuses_an_env_value_over_max_arg_strlen_naming_it(tmp_path, capsys):
+    spec = write_spec(tmp_path, BASIC + f"env:\n  SMALL: '1'\n  BIG: {'y' * launch.MAX_ARG_STRLEN}\n")
+    code, out, err = run_cli(["launch", "render", str(spec)], capsys)
+    assert code == 2 and out == ""
+    assert re.search(rf"^Error: {re.escape(str(spec))}:7: env\.BIG: {launch.MAX_ARG_STRLEN + 4} bytes", err), err
+    # Through --set too (and submit refuses before writing anything).
+    code, _, err = run_cli(["launch", "submit", str(write_spec(tmp_path, BASIC, name="b.yaml")), "--dry-run",
+                            "--set", f"env.HUGE={'z' * launch.MAX_ARG_STRLEN}"], capsys)
+    assert code == 2 and "env.HUGE:" in err and "--set" in err, err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_arguments_and_environment_over_arg_max_are_refused(tmp_path):
+    each = 100_000
+    n = launch.arg_max_bytes() // each + 1
+    script = str(write_spec(tmp_path, BASIC).parent / "train.py")
+    data = {"name": "t", "nodes": 1, "launcher": "torchrun", "script": script,
+            "args": ["a" * 1000] * 3, "env": {f"V{i}": "v" * each for i in range(n)}}
+    data["env"]["V7"] = "v" * (each + 5)
+    with pytest.raises(InputError) as e:
+        launch.JobSpec.from_dict(data)
+    msg = e.value.message
+    assert "env.V7:" in msg and "ARG_MAX" in msg and f"largest is env.V7 ({each + 8} bytes)" in msg, msg
+    # The limit is the kernel's less a reserve for what Slurm adds: just under it passes.
+    kw = {"env": (("A", "a" * 1000),), "args": ("b",)}
+    assert launch.exec_limit_problem(kw, arg_max=200 << 10) is None
+    path, why = launch.exec_limit_problem({"env": (("A", "a" * 100_000),)}, arg_max=200 << 10)
+    assert path == ("env", "A") and "ARG_MAX" in why
+
+
+def big_supervised_spec(tmp_path: Path) -> Path:
+    # Three values of 60 KB: each is fine, but the resolved spec (one JSON argument on the
+    # exec line) would be 180 KB, over the kernel's 128 KiB for one argument.
+    env = "".join(f"  BLOB{i}: {'b' * 60_000}\n" for i in range(3))
+    return write_spec(tmp_path, SUPERVISED + "env:\n" + env, name="big.yaml")
+
+
+def test_large_supervised_spec_goes_to_a_file_beside_the_script(tmp_path, capsys):
+    spec = big_supervised_spec(tmp_path)
+    # To standard output there is no file to put it in: refused, naming supervise.
+    code, out, err = run_cli(["launch", "render", str(spec)], capsys)
+    assert code == 2 and out == "" and "supervise:" in err and "-o FILE" in err, err
+    # With -o it goes to FILE.supervise.json (0600), and the script's exec line names it.
+    script = tmp_path / "out" / "job.sbatch"
+    script.parent.mkdir()
+    code, out, err = run_cli(["launch", "render", str(spec), "-o", str(script)], capsys)
+    assert code == 0, err
+    spec_file = Path(str(script) + launch.SPEC_FILE_SUFFIX)
+    assert spec_file.stat().st_mode & 0o777 == 0o600 and script.stat().st_mode & 0o777 == 0o755
+    last = script.read_text().rstrip("\n").splitlines()[-1]
+    assert last == f"exec clusterops supervise --spec-file {spec_file}", last
+    assert max(len(line) for line in script.read_text().splitlines()) < 61_000
+    # Run it: the supervisor starts (no E2BIG) and reads back the spec it was rendered from.
+    done = run_with_stand_in(script, tmp_path)
+    assert done.returncode == 0, done.stderr[-500:]
+    got = json.loads(done.stdout)
+    assert got["argv"] == ["supervise", "--spec-file"]
+    assert launch.JobSpec.from_dict(got["spec"]) == launch.load_spec(spec)
+
+
+def test_submit_writes_script_and_spec_file_or_neither(tmp_path):
+    from clusterops.errors import ClusteropsError
+
+    spec = launch.load_spec(big_supervised_spec(tmp_path))
+
+    class Refusing:
+        def submit(self, path):
+            assert Path(path).is_file() and Path(path + launch.SPEC_FILE_SUFFIX).is_file()
+            raise ClusteropsError("sbatch: error: invalid partition")
+
+    class Accepting:
+        def submit(self, path):
+            return 42
+
+    with pytest.raises(ClusteropsError):
+        launch.submit(spec, Refusing())
+    assert list(Path(spec.log_dir).iterdir()) == []      # nothing half-done
+    dry = launch.submit(spec, None, dry_run=True)
+    assert dry.spec_file and not Path(dry.spec_file).exists() and f"--spec-file {dry.spec_file}" in dry.script
+    done = launch.submit(spec, Accepting())
+    assert done.job_id == 42 and done.spec_file == done.script_path + launch.SPEC_FILE_SUFFIX
+    assert Path(done.spec_file).stat().st_mode & 0o777 == 0o600
+    assert launch.JobSpec.from_dict(json.loads(Path(done.spec_file).read_text())) == spec
+    assert sorted(p.name for p in Path(spec.log_dir).iterdir()) == sorted(
+        [Path(done.script_path).name, Path(done.spec_file).name])
+    # An unsupervised job has no spec file.
+    plain = launch.submit(launch.load_spec(write_spec(tmp_path, BASIC, name="p.yaml")), Accepting())
+    assert plain.spec_file is None and "--spec-file" not in plain.script

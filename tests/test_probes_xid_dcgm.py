@@ -157,3 +157,108 @@ def test_dcgm_hung_diag_is_fail(tmp_path):
     ctx = _fake_dcgmi(tmp_path, "sleep 30\n")
     r = probe_dcgm({"level": 3, "dcgmi": str(tmp_path / "dcgmi"), "diag_timeout_s": 1}, ctx)[0]
     assert r.status == "fail" and "aborted" in r.detail
+
+
+# -- files named in profiles: regular files only, read with a size bound (issue 18) ---------
+
+# Each case runs in a child process with a time limit and an address-space cap: before the
+# bound, a FIFO blocked the check forever and /dev/zero read until memory ran out.
+_PROBE_CHILD = r"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from clusterops.health.probes.base import ProbeContext
+from clusterops.health.probes import dcgm, host, xid
+kind, cfg = sys.argv[1], json.loads(sys.argv[2])
+probe = {"xid": xid.probe_xid, "dcgm": dcgm.probe_dcgm, "mounts": host.probe_mounts,
+         "memory": host.probe_memory}[kind]
+r = probe(cfg, ProbeContext(node="n1", gpus_required=True))[0]
+print(json.dumps({"status": r.status, "detail": r.detail}))
+"""
+
+
+def _probe_in_child(kind: str, cfg: dict, timeout_s: float = 30) -> dict:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _PROBE_CHILD, kind, json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "named.fifo"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("target", ["fifo", "/dev/zero", "dir", "symlink-to-fifo"])
+def test_xid_log_file_that_is_not_a_regular_file_is_refused_quickly(tmp_path, fifo, target):
+    path = {"fifo": str(fifo), "/dev/zero": "/dev/zero", "dir": str(tmp_path)}.get(target)
+    if target == "symlink-to-fifo":
+        path = str(tmp_path / "kern.log")
+        os.symlink(fifo, path)
+    cfg = {"source": "file", "log_file": path, "state_file": str(tmp_path / "s.json")}
+    r = _probe_in_child("xid", cfg)
+    assert r["status"] == "warn" and "unreadable" in r["detail"], r
+    assert ("is a FIFO" in r["detail"] or "is a device" in r["detail"] or "directory" in r["detail"]
+            or "Is a directory" in r["detail"]), r
+
+
+def test_xid_log_file_is_read_as_a_bounded_tail(tmp_path):
+    from clusterops.health.probes import xid
+
+    log = tmp_path / "kern.log"
+    old = "[   10.000000] NVRM: Xid (PCI:0000:01:00): 79, pid=0, GPU has fallen off the bus.\n"
+    filler = "[   20.000000] usb 1-1: new high-speed USB device number 2 using xhci_hcd\n"
+    new = "[ 9000.000000] NVRM: Xid (PCI:0000:02:00): 48, pid=0, DBE (double bit error).\n"
+    n = (xid.LOG_MAX_BYTES * 2) // len(filler) + 1
+    with open(log, "w") as f:
+        f.write(old)
+        for _ in range(n):
+            f.write(filler)
+        f.write(new)
+    assert log.stat().st_size > 2 * xid.LOG_MAX_BYTES
+    r = _probe_in_child("xid", {"source": "file", "log_file": str(log), "state_file": str(tmp_path / "s.json"),
+                                "boot_id_file": str(log)})
+    # The newest event (at the end) is seen; the one before the last LOG_MAX_BYTES is not read.
+    assert r["status"] == "fail" and "Xid 48 on 0000:02:00" in r["detail"] and "Xid 79" not in r["detail"], r
+
+
+@pytest.mark.parametrize("target", ["fifo", "/dev/zero"])
+def test_dcgm_output_file_fifo_or_device_is_an_error(tmp_path, fifo, target):
+    path = str(fifo) if target == "fifo" else "/dev/zero"
+    r = _probe_in_child("dcgm", {"output_file": path})
+    assert r["status"] == "error" and "cannot read output_file" in r["detail"], r
+
+
+@pytest.mark.parametrize("kind,key", [("mounts", "mounts_file"), ("memory", "meminfo_file")])
+@pytest.mark.parametrize("target", ["fifo", "/dev/zero"])
+def test_host_files_fifo_or_device_is_an_error(tmp_path, fifo, kind, key, target):
+    path = str(fifo) if target == "fifo" else "/dev/zero"
+    r = _probe_in_child(kind, {key: path, "mounts": ["/"], "min_available_gb": 0})
+    assert r["status"] == "error" and f"cannot read {path}" in r["detail"], r
+
+
+def test_read_regular_bounds_and_kinds(tmp_path, fifo):
+    from clusterops.fsutil import NotRegularFile, read_regular, read_regular_text
+
+    f = tmp_path / "f.txt"
+    f.write_bytes(b"line1\nline2\nline3\n")
+    assert read_regular(f, 100) == (b"line1\nline2\nline3\n", False)
+    assert read_regular(f, 5) == (b"line1", True)
+    assert read_regular(f, 8, tail=True) == (b"2\nline3\n", True)
+    assert read_regular_text(f, 8, tail=True) == "line3\n"     # the cut first line is dropped
+    # A file that reports no size (procfs) is read through, keeping its end.
+    data, cut = read_regular("/proc/self/status", 64, tail=True)
+    assert len(data) == 64 and cut
+    link = tmp_path / "link"
+    os.symlink(f, link)
+    assert read_regular(link, 100)[0].startswith(b"line1")
+    with pytest.raises(OSError):
+        read_regular(link, 100, follow_symlinks=False)
+    for bad in (fifo, "/dev/zero", tmp_path):
+        with pytest.raises(NotRegularFile) as e:
+            read_regular(bad, 100)
+        assert "not a regular file" in e.value.strerror

@@ -86,7 +86,7 @@ def test_supervise_flags_are_made_from_the_table():
 
     params = {p.name: p for p in supervise.params}
     table = {f.name: f for f in schema.SUPERVISE.fields + schema.POLICY_ONLY}
-    assert set(params) - {"spec_json", "command"} == set(table)
+    assert set(params) - {"spec_json", "spec_file", "command"} == set(table)
     for name, f in table.items():
         assert set(schema.cli_flags(f)) <= set(params[name].opts), name
 

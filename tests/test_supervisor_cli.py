@@ -4,6 +4,7 @@ file and its chart, the `job timeline` and `supervise` commands' input handling.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -138,5 +139,32 @@ def test_bad_drain_guard_setting_is_exit_2_before_anything_runs(tmp_path, monkey
     env = {"SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "1", "CLUSTEROPS_MAX_DRAINED_FRACTION": "2"}
     job_dir = tmp_path / "job"
     assert run_main(["supervise", "--spec-json", spec, "--job-dir", str(job_dir), "--", "true"], monkeypatch, env) == 2
+    assert "$CLUSTEROPS_MAX_DRAINED_FRACTION: must be between 0 and 1" in capsys.readouterr().err
+    assert not job_dir.exists()
+
+
+def test_supervise_spec_file_is_read_bounded_and_checked(tmp_path, monkeypatch, capsys):
+    """--spec-file (what `launch submit` writes beside a supervised script): a regular file
+    holding the resolved spec; a FIFO, bad JSON or both flags are exit 2 naming the file."""
+    env = {"SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "1", "CLUSTEROPS_MAX_DRAINED_FRACTION": "2"}
+    fifo = tmp_path / "spec.fifo"
+    os.mkfifo(fifo)
+    assert run_main(["supervise", "--spec-file", str(fifo), "--", "true"], monkeypatch, env) == 2
+    assert f"--spec-file {fifo}: cannot read: is a FIFO" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    assert run_main(["supervise", "--spec-file", str(bad), "--", "true"], monkeypatch, env) == 2
+    assert f"--spec-file {bad}: not valid JSON" in capsys.readouterr().err
+    assert run_main(["supervise", "--spec-file", str(bad), "--spec-json", "{}", "--", "true"], monkeypatch, env) == 2
+    assert "not both" in capsys.readouterr().err
+    # A good file is the spec: here its drain guard setting is checked (and refused) as from --spec-json.
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    good = tmp_path / "job.sbatch.supervise.json"
+    good.write_text(json.dumps({"name": "x", "launcher": "srun", "script": str(script), "nodes": 2,
+                                "supervise": {"drain_bad_nodes": True, "preflight": False}}))
+    job_dir = tmp_path / "job"
+    assert run_main(["supervise", "--spec-file", str(good), "--job-dir", str(job_dir), "--", "true"],
+                    monkeypatch, env) == 2
     assert "$CLUSTEROPS_MAX_DRAINED_FRACTION: must be between 0 and 1" in capsys.readouterr().err
     assert not job_dir.exists()

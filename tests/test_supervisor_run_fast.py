@@ -510,3 +510,29 @@ def test_supervisor_writes_the_job_prometheus_textfile(world, tmp_path):
     assert 0 < rep["goodput"] < 1 and rep["lost_s"]["recomputed"] > 0 and rep["mttr_s"] > 0
     assert samples[("clusterops_job_lost_seconds", (("cause", "recomputed"),) + job)] == pytest.approx(
         rep["lost_s"]["recomputed"])
+
+
+def test_srun_native_task_gets_torch_env_contract_from_its_own_slurm_values(world, tmp_path):
+    """Issue 18: the step unsets RANK... (no leftovers) and each task sets them again from its
+    own SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID, so a plain init_process_group() (env://) works.
+    The task's part of the step's argv is run here with bash, as slurmstepd would run it."""
+    import subprocess
+    import sys
+
+    run = make_run(world, tmp_path)
+    assert run.run() == sv.EXIT_DONE
+    argv = world.runner.spawns[1]["argv"]
+    assert argv[-2:] == ["python", "train.py"]
+    start = argv.index("bash")
+    task = argv[start:-2] + [sys.executable, "-c",
+                             "import json, os; print(json.dumps(dict(os.environ, pid=str(os.getpid()))))"]
+    # (SLURM_NODEID 2: a step on nodes 1 and 3 of the allocation; the node rank is still 1.)
+    for procid, localid, nodeid in ((0, 0, 0), (1, 0, 2)):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(SLURM_PROCID=str(procid), SLURM_LOCALID=str(localid), SLURM_NODEID=str(nodeid),
+                   LOCAL_WORLD_SIZE="77")
+        p = subprocess.Popen(task, env=env, stdout=subprocess.PIPE, text=True)
+        out = json.loads(p.communicate()[0])
+        assert (out["RANK"], out["WORLD_SIZE"], out["LOCAL_RANK"], out["LOCAL_WORLD_SIZE"], out["NODE_RANK"]) == \
+            (str(procid), "2", str(localid), "1", str(procid))
+        assert out["pid"] == str(p.pid)     # exec'd: the task's process is the training process

@@ -48,21 +48,32 @@ def render(spec: str, output: str | None, overrides, template_dirs) -> None:
     With -o, FILE must be a regular file or not exist yet: a symlink, device
     (/dev/null), FIFO or directory is refused (exit 2) and left untouched. The
     script is written to a temporary file beside FILE and renamed over it (mode
-    0755), so FILE is never half written.
+    0755), so FILE is never half written. A supervised job's resolved spec then goes
+    to FILE.supervise.json (mode 0600), which the script names; on standard output
+    it rides on the script's last line, and a spec too large for that is refused.
+
+    A job whose command could not start (one argument or environment value over the
+    kernel's 128 KiB, or all of them over ARG_MAX) is refused, naming the key (exit 2).
     """
     from clusterops import launch as lib
     from clusterops.errors import ClusteropsError, InputError
-    from clusterops.fsutil import check_output_target, write_atomic
+    from clusterops.fsutil import check_output_target
 
     if output:
         check_output_target(output)   # before any work: nothing is rendered for a bad -o
     job = lib.load_spec(spec, overrides, template_dirs)
-    text = lib.render(job, template_dirs)
+    spec_file = lib.spec_file_for(output) if output and job.supervise is not None else None
+    if spec_file:
+        check_output_target(spec_file)
+    text = lib.render(job, template_dirs, spec_file=spec_file)
     if output:
         try:
-            write_atomic(output, text, 0o755, create_parents=False)
+            lib.write_job_files(output, text, spec_file, lib.supervise_spec_text(job) if spec_file else None,
+                                replace=True)
         except ClusteropsError as e:
             raise InputError(f"-o {e.message}") from None
+        if spec_file:
+            click.echo(f"spec: {spec_file}", err=True)
     else:
         click.echo(text, nl=False)
 
@@ -76,7 +87,9 @@ def render(spec: str, output: str | None, overrides, template_dirs) -> None:
 def submit(spec: str, overrides, template_dirs, dry_run: bool, as_json: bool) -> None:
     """Render SPEC, write the script into its log_dir and submit it (prints the job id).
 
-    With --json: {"job_id", "script_path", "sbatch", "dry_run"} (and "script" on a dry run).
+    With --json: {"job_id", "script_path", "spec_file", "sbatch", "dry_run"} (and "script" on a
+    dry run). A supervised job's resolved spec goes to SCRIPT.supervise.json (mode 0600)
+    beside the script; both are removed again if sbatch refuses the job.
     """
     from clusterops import launch as lib
 

@@ -1,6 +1,6 @@
 """``clusterops supervise``: run and heal a training step inside a Slurm allocation.
 
-Its settings come from ``--spec-json`` (the resolved job spec) and from flags that override
+Its settings come from ``--spec-file`` or ``--spec-json`` (the resolved job spec) and from flags that override
 it; there is one flag per ``supervise:`` key and Policy field, made from the table in
 ``clusterops.schema`` (names, types, bounds, defaults and help text).
 """
@@ -113,6 +113,26 @@ def _plain_contract(sup: dict):
                          resume_args=list(args))
 
 
+#: A resolved spec file is read up to this size (a spec from a 256 KiB YAML file is far below).
+SPEC_FILE_MAX_BYTES = 16 << 20
+
+
+def _read_spec_file(path: str) -> str:
+    """The text of a --spec-file: a regular file, bounded, UTF-8; else InputError (exit 2)."""
+    from clusterops.fsutil import read_regular
+
+    try:
+        raw, cut = read_regular(path, SPEC_FILE_MAX_BYTES)
+    except OSError as e:
+        raise InputError(f"--spec-file {path}: cannot read: {e.strerror or e}") from None
+    if cut:
+        raise InputError(f"--spec-file {path}: larger than {SPEC_FILE_MAX_BYTES >> 20} MiB; not a job spec")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"--spec-file {path}: not UTF-8 text (byte {e.start})") from None
+
+
 def command_from_spec(spec: dict) -> list:
     python = spec.get("python") or sys.executable
     script = spec.get("script")
@@ -152,14 +172,18 @@ def _settings_options(command):
 
 
 @click.command(context_settings={"ignore_unknown_options": False}, epilog=EXIT_HELP)
-@click.option("--spec-json", help="The resolved job spec as JSON (what `clusterops launch` renders).")
+@click.option("--spec-json", help="The resolved job spec as JSON (what `clusterops launch render` puts on "
+                                   "the script's last line when it writes to standard output).")
+@click.option("--spec-file", type=click.Path(dir_okay=False),
+              help="A file holding the resolved job spec as JSON (what `clusterops launch submit` and "
+                   "`render -o` write beside the script).")
 @_settings_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def supervise(spec_json, command, **settings):
+def supervise(spec_json, spec_file, command, **settings):
     """Run the training COMMAND (after --) on the allocation's nodes and heal it.
 
     Runs inside a Slurm batch job (the script rendered by `clusterops launch` with a
-    `supervise:` section ends with `exec clusterops supervise --spec-json ...`). One
+    `supervise:` section ends with `exec clusterops supervise --spec-file ...`). One
     srun task per rank; failures, hangs, lost nodes, the time limit and preemption are
     handled as docs/supervisor.md describes; every decision goes to
     JOB_DIR/timeline.jsonl (`clusterops job timeline JOB_DIR`).
@@ -168,16 +192,21 @@ def supervise(spec_json, command, **settings):
     from clusterops.supervisor.run import RunConfig, SupervisorRun
 
     spec = {}
+    if spec_json and spec_file:
+        raise InputError("--spec-file: give --spec-json or --spec-file, not both")
+    where = "--spec-json"
+    if spec_file:
+        where, spec_json = f"--spec-file {spec_file}", _read_spec_file(spec_file)
     if spec_json:
         try:
             spec = json.loads(spec_json)
         except ValueError as e:
-            raise InputError(f"--spec-json: not valid JSON ({e})") from None
+            raise InputError(f"{where}: not valid JSON ({e})") from None
         if not isinstance(spec, dict):
-            raise InputError("--spec-json: must be a JSON object")
+            raise InputError(f"{where}: must be a JSON object")
         from clusterops.launch import JobSpec
 
-        job_spec = JobSpec.from_dict(spec, source="--spec-json")   # validates, fills defaults
+        job_spec = JobSpec.from_dict(spec, source=where)   # validates, fills defaults
         spec = job_spec.to_dict()
         spec["nproc_per_node"] = job_spec.procs_per_node
     kw = policy_kwargs_from_spec(spec) if spec else {}

@@ -130,7 +130,39 @@ def _environment(site_dirs: Sequence[str | os.PathLike] = ()):
     return jinja_environment([d for d, _ in template_search_path(site_dirs)])
 
 
-def render_context(spec: JobSpec) -> Dict[str, Any]:
+#: Where a supervised job's resolved spec goes when the script is written to a file:
+#: ``<script>.supervise.json`` beside it (see :func:`supervise_spec_text`).
+SPEC_FILE_SUFFIX = ".supervise.json"
+
+
+def supervise_spec_text(spec: JobSpec) -> str:
+    """The resolved spec the supervisor reads (``--spec-json`` or ``--spec-file``): compact JSON."""
+    return json.dumps(spec.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def spec_file_for(script_path: str | os.PathLike) -> str:
+    """The spec file that goes with a script written at ``script_path`` (an absolute path:
+    Slurm runs a copy of the script from its spool directory, not from where it was written)."""
+    return os.path.abspath(os.fspath(script_path)) + SPEC_FILE_SUFFIX
+
+
+def _inline_spec_problem(spec: JobSpec) -> Optional[str]:
+    """Why the spec cannot ride on the ``exec clusterops supervise --spec-json`` line, or None.
+
+    That line is one execve: the JSON is a single argument (MAX_ARG_STRLEN), and it starts
+    with the job's env: exported besides, so both count against ARG_MAX."""
+    from clusterops.launch.spec import ARG_RESERVE_BYTES, MAX_ARG_STRLEN, arg_max_bytes
+
+    size = len(supervise_spec_text(spec).encode()) + len("--spec-json") + 2
+    env = sum(len(f"{k}={v}".encode()) + 1 for k, v in spec.env)
+    if size > MAX_ARG_STRLEN or size + env > arg_max_bytes() - ARG_RESERVE_BYTES:
+        return (f"the resolved spec is {size} bytes, too large for the `exec clusterops supervise` line "
+                f"(one argument is limited to {MAX_ARG_STRLEN - 1} bytes by the kernel); write the script "
+                f"with -o FILE (the spec then goes to FILE{SPEC_FILE_SUFFIX}) or use `launch submit`")
+    return None
+
+
+def render_context(spec: JobSpec, spec_file: Optional[str] = None) -> Dict[str, Any]:
     """Everything a template sees (plain values)."""
     from clusterops import __version__
 
@@ -143,7 +175,8 @@ def render_context(spec: JobSpec) -> Dict[str, Any]:
         "alloc_nodes": spec.alloc_nodes,
         "env": list(spec.env),
         "supervise": spec.supervise_dict,
-        "spec_json": json.dumps(spec.to_dict(), sort_keys=True, separators=(",", ":")),
+        "spec_json": supervise_spec_text(spec),
+        "spec_file": spec_file,
         "python_script": spec.script.endswith(".py"),
     }
 
@@ -167,9 +200,21 @@ def _template_error(e: Exception, search: List[Path]) -> InputError:
     return InputError(f"{where}: {kind}: {message}")
 
 
-def render(spec: JobSpec, template_dirs: Sequence[str | os.PathLike] = ()) -> str:
-    """The sbatch script for ``spec`` (pure: reads templates, writes nothing)."""
+def render(spec: JobSpec, template_dirs: Sequence[str | os.PathLike] = (), *,
+           spec_file: Optional[str] = None) -> str:
+    """The sbatch script for ``spec`` (pure: reads templates, writes nothing).
+
+    A supervised job's script ends with ``exec clusterops supervise``: with ``spec_file``
+    (the caller writes :func:`supervise_spec_text` there, see :func:`spec_file_for`) it
+    names that file; without, the spec rides on the line as ``--spec-json``, which is
+    refused (InputError naming ``supervise``) when it would be too large to exec.
+    """
     import jinja2
+
+    if spec.supervise is not None and spec_file is None:
+        problem = _inline_spec_problem(spec)
+        if problem:
+            raise InputError(f"{spec.source or 'spec'}: supervise: {problem}")
 
     env = _environment(template_dirs)
     name = spec.launcher + TEMPLATE_SUFFIX
@@ -186,7 +231,7 @@ def render(spec: JobSpec, template_dirs: Sequence[str | os.PathLike] = ()) -> st
     except jinja2.TemplateError as e:
         raise _template_error(e, search) from None
     try:
-        text = template.render(render_context(spec))
+        text = template.render(render_context(spec, spec_file))
     except (jinja2.TemplateError, ValueError, TypeError) as e:
         raise _template_error(e, search) from None
     if not text.startswith("#!"):

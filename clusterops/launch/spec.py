@@ -597,7 +597,71 @@ def _build_spec(data: Dict[str, Any], locs: _Locations, base_dir: Path, source: 
     if "requeue" not in kw:
         # The supervisor requeues the job itself (time limit, preemption): Slurm must allow it.
         kw["requeue"] = supervise is not None
+    problem = exec_limit_problem(kw)
+    if problem:
+        raise c.err(*problem)
     return JobSpec(**kw)
+
+
+# --------------------------------------------------------------------------------
+# The kernel's limits on what one program start can carry
+# --------------------------------------------------------------------------------
+
+#: Linux: one argument or environment string, with its NUL, is at most 32 pages
+#: (MAX_ARG_STRLEN); a longer one fails execve with E2BIG, whatever the stack limit.
+MAX_ARG_STRLEN = 32 * 4096
+#: What the job's programs get besides the spec's own values: Slurm's SLURM_* variables,
+#: the shell's, the supervisor's CLUSTEROPS_* and rank variables, srun's own options.
+ARG_RESERVE_BYTES = 128 << 10
+_POINTER_BYTES = 8
+
+
+def arg_max_bytes() -> int:
+    """The kernel's limit on argv + envp of one execve (ARG_MAX: RLIMIT_STACK / 4, often 2 MiB)."""
+    try:
+        n = os.sysconf("SC_ARG_MAX")
+    except (ValueError, OSError):
+        n = -1
+    return n if n and n > 0 else 2 << 20
+
+
+def _exec_strings(kw: Mapping[str, Any]):
+    """((key path), bytes with NUL) of every spec value that is one argv or envp string of
+    the training command (srun's and the ranks'), in spec order."""
+    for key in ("python", "script"):
+        if kw.get(key):
+            yield (key,), len(str(kw[key]).encode()) + 1
+    for key in ("args", "launcher_args", "srun_args"):
+        for i, a in enumerate(kw.get(key) or ()):
+            yield (key, i), len(str(a).encode()) + 1
+    for i, a in enumerate(dict(kw.get("supervise") or ()).get("resume_args") or ()):
+        yield ("supervise", "resume_args", i), len(str(a).encode()) + 1 + 4096   # {ckpt}: a path
+    for name, value in kw.get("env") or ():
+        yield ("env", name), len(f"{name}={value}".encode()) + 1
+
+
+def exec_limit_problem(kw: Mapping[str, Any], *, arg_max: Optional[int] = None) -> Optional[Tuple[Tuple, str]]:
+    """(key path, message) when the job's command could not start: one argument or
+    environment string over MAX_ARG_STRLEN, or all of them over ARG_MAX less
+    ARG_RESERVE_BYTES; else None. ``kw``: spec keys as JobSpec fields hold them."""
+    arg_max = arg_max_bytes() if arg_max is None else arg_max
+    items = list(_exec_strings(kw))
+    for path, size in items:
+        if size > MAX_ARG_STRLEN:
+            what = "environment string NAME=value" if path[0] == "env" else "argument"
+            return path, (f"{size - 1} bytes: one {what} is limited to {MAX_ARG_STRLEN - 1} bytes by the "
+                          f"kernel (MAX_ARG_STRLEN), so the job's command could not start (E2BIG); pass "
+                          f"large values in a file")
+    total = sum(size + _POINTER_BYTES for _, size in items)
+    limit = arg_max - ARG_RESERVE_BYTES
+    if total > limit:
+        path, size = max(items, key=lambda item: item[1])
+        largest = ".".join(str(p) for p in path)
+        return path, (f"the arguments and environment of the job's command total {total} bytes, over the "
+                      f"kernel's limit of {arg_max} (ARG_MAX) less {ARG_RESERVE_BYTES} for what Slurm and "
+                      f"clusterops add, so it could not start (E2BIG); the largest is {largest} "
+                      f"({size - 1} bytes): pass large values in a file")
+    return None
 
 
 def _build_supervise(c: _Checker, value: Any, kw: Dict[str, Any], workdir: Path) -> Dict[str, Any]:

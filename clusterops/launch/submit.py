@@ -1,8 +1,11 @@
 """Submitting: render a JobSpec, write the script into its log_dir, hand it to Slurm.
 
 The one side effect of the launch package. Nothing is half done: on a dry run nothing is
-written; a script Slurm refused is removed again. The ``sbatch`` command shown to the user
-comes from ``clusterops.slurm.steps.sbatch_argv`` (the Slurm layer builds every argv).
+written; a script Slurm refused is removed again, and so is a script whose companion file
+could not be written. A supervised job's resolved spec goes to ``<script>.supervise.json``
+beside the script (mode 0600; see :func:`write_job_files`), which the script's
+``exec clusterops supervise --spec-file`` line names. The ``sbatch`` command shown to the
+user comes from ``clusterops.slurm.steps.sbatch_argv`` (the Slurm layer builds every argv).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from clusterops.errors import ClusteropsError
-from clusterops.launch.render import render
+from clusterops.launch.render import render, spec_file_for, supervise_spec_text
 from clusterops.launch.spec import JobSpec
 
 
@@ -24,9 +27,10 @@ class Submitted:
     script_path: Optional[str]
     script: str
     sbatch_argv: Tuple[str, ...]
+    spec_file: Optional[str] = None  # a supervised job's spec file (a dry run: where it would go)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"job_id": self.job_id, "script_path": self.script_path,
+        return {"job_id": self.job_id, "script_path": self.script_path, "spec_file": self.spec_file,
                 "sbatch": list(self.sbatch_argv), "dry_run": self.job_id is None}
 
 
@@ -36,23 +40,65 @@ def script_filename(spec: JobSpec, now: Optional[float] = None) -> str:
     return f"{safe}-{stamp}-{os.urandom(3).hex()}.sbatch"
 
 
+def _unlink(path: Optional[str]) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def write_job_files(script_path: str, script: str, spec_file: Optional[str], spec_text: Optional[str], *,
+                    replace: bool = False) -> None:
+    """Write the script (0755) and, for a supervised job, its spec file (0600: it can hold
+    webhook URLs with tokens): both or neither. Each goes through a temporary sibling and
+    a rename (never half a file); the spec file first, so a script is never there without
+    the spec it names. ``replace=False``: neither may exist yet (``launch submit``'s fresh
+    names); ``replace=True``: a regular file there is replaced (``launch render -o``).
+    Raises ClusteropsError (or InputError for an output that is not a regular file)."""
+    from clusterops.fsutil import check_output_target, write_atomic
+
+    todo = [(script_path, script, 0o755)]
+    if spec_file is not None:
+        todo.insert(0, (spec_file, spec_text or "", 0o600))
+    for path, _, _ in todo:
+        check_output_target(path)
+        if not replace and os.path.lexists(path):
+            raise ClusteropsError(f"{path}: exists already; nothing written")
+    existed = spec_file is not None and os.path.lexists(spec_file)
+    written = []
+    try:
+        for path, text, mode in todo:
+            write_atomic(path, text, mode, create_parents=False)
+            written.append(path)
+    except BaseException:
+        for path in written:
+            if path != spec_file or not existed:
+                _unlink(path)
+        raise
+
+
 def submit(spec: JobSpec, slurm=None, *, dry_run: bool = False,
            template_dirs: Sequence[str | os.PathLike] = ()) -> Submitted:
     """Render, write the script into log_dir, submit it. Nothing is written on a dry run."""
     from clusterops.slurm.steps import sbatch_argv   # here: `import clusterops.launch` stays light
 
-    text = render(spec, template_dirs)
     path = os.path.join(spec.log_dir, script_filename(spec))
+    # Always a file for a supervised job's spec (not only a large one): one way for every
+    # size, tested every time, and the webhook URLs stay out of the world-readable script.
+    spec_file = spec_file_for(path) if spec.supervise is not None else None
+    text = render(spec, template_dirs, spec_file=spec_file)
     argv = tuple(sbatch_argv(path))
     if dry_run:
-        return Submitted(None, None, text, argv)
+        return Submitted(None, None, text, argv, spec_file)
     try:
         os.makedirs(spec.log_dir, exist_ok=True)
-        with open(path, "x") as f:
-            f.write(text)
-        os.chmod(path, 0o755)
     except OSError as e:
         raise ClusteropsError(f"cannot write the script to {spec.log_dir}: {e.strerror or e}") from None
+    try:
+        write_job_files(path, text, spec_file, supervise_spec_text(spec) if spec_file else None)
+    except ClusteropsError as e:
+        raise ClusteropsError(f"cannot write the script to {spec.log_dir}: {e.message}") from None
     if slurm is None:
         from clusterops.slurm.settings import connect
 
@@ -61,10 +107,8 @@ def submit(spec: JobSpec, slurm=None, *, dry_run: bool = False,
         job_id = slurm.submit(path)
     except BaseException:
         # Nothing half-done: a script that was never submitted is not left behind.
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        _unlink(path)
+        _unlink(spec_file)
         raise
-    return Submitted(int(job_id), path, text, argv)
+    return Submitted(int(job_id), path, text, argv, spec_file)
 

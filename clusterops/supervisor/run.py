@@ -55,8 +55,9 @@ STATE_FILE = "supervisor-state.json"
 #: Straggler samples go to the state machine every ``ranks / TIMING_RANKS_PER_S`` seconds
 #: (every second up to 2,048 ranks; every 8 s at 16,384).
 TIMING_RANKS_PER_S = 2048
-# Values torchrun would set: srun-native ranks take theirs from SLURM_PROCID/SLURM_NTASKS/
-# SLURM_LOCALID, so none may leak in from the supervisor's own environment.
+# Values torchrun would set. None may leak in from the supervisor's own environment (or the
+# job's env:); srun-native ranks get them from their own task's SLURM_* values instead, through
+# rank_env_command, and torchrun's workers from their agent.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
@@ -238,6 +239,25 @@ def torchrun_command(command: Sequence[str], python: str, nodes: int, nproc_per_
     else:
         target = ["--no-python", *command]
     return ["bash", "-c", _TORCHRUN_BODY, python, str(nodes), str(nproc_per_node), *target]
+
+
+# ------------------------------------------------------------------------------ srun-native ranks
+# torch's env:// contract for one srun task, from that task's own Slurm values (the same as
+# templates/srun.sh.j2 exports for an unsupervised job): a plain script that calls
+# init_process_group() with no arguments finds RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/
+# NODE_RANK here and MASTER_ADDR/MASTER_PORT in the step's environment. The rank differs per
+# task, so it cannot go into srun's --export: each task runs this tiny wrapper, which execs
+# the command (the wrapper is gone; the task's process is the training process itself).
+# NODE_RANK is the rank's node in srun's block layout (as Supervisor.rank_node counts it),
+# whatever SLURM_NODEID says on a step that runs on some nodes of the allocation.
+_RANK_ENV_BODY = ('export RANK="$SLURM_PROCID" WORLD_SIZE="$1" LOCAL_RANK="$SLURM_LOCALID" '
+                  'LOCAL_WORLD_SIZE="$2" NODE_RANK="$(( SLURM_PROCID / $2 ))"; shift 2; exec "$@"')
+
+
+def rank_env_command(command: Sequence[str], world_size: int, ranks_per_node: int) -> List[str]:
+    """The per-task command that gives ``command`` torch's rank environment, then execs it."""
+    return ["bash", "-c", _RANK_ENV_BODY, "clusterops-rank", str(world_size), str(ranks_per_node),
+            *command]
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -660,6 +680,8 @@ class SupervisorRun:
         tasks_per_node = ppn
         if cfg.launcher == "torchrun":
             command, tasks_per_node = torchrun_command(command, cfg.python, len(nodes), ppn), 1
+        else:   # one task per rank: each task sets its own RANK... (see rank_env_command)
+            command = rank_env_command(command, len(nodes) * ppn, ppn)
         argv = srun_argv(command, job_name=self.step_name, nodes=nodes, ntasks_per_node=tasks_per_node,
                          cpus_per_task=cfg.cpus_per_task, kill_on_bad_exit=True, wait_s=cfg.step_wait_s,
                          label=True, extra=cfg.srun_args)

@@ -8,6 +8,7 @@ launchers; the venv is activated through the spec's `setup` (path from sys.prefi
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 import time
@@ -345,8 +346,11 @@ def test_supervised_spec_execs_the_supervisor(cluster, tmp_path):
     seen = json.loads(dump.read_text())
     assert seen["nodes"] == "4"  # 3 + 1 spare
     assert seen["parent"] == "slurmstepd"  # exec'd: the supervisor is the batch step itself
-    assert seen["argv"][:2] == ["supervise", "--spec-json"]
-    assert launch.JobSpec.from_dict(json.loads(seen["argv"][2])) == spec
+    # The resolved spec is in the 0600 file written with the script, not on the exec line.
+    assert seen["argv"] == ["supervise", "--spec-file", result.spec_file]
+    assert result.spec_file == result.script_path + launch.SPEC_FILE_SUFFIX
+    assert os.stat(result.spec_file).st_mode & 0o777 == 0o600
+    assert launch.JobSpec.from_dict(json.loads(Path(result.spec_file).read_text())) == spec
 
 
 @pytest.mark.timeout(60)

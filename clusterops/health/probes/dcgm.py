@@ -19,8 +19,13 @@ import json
 import shutil
 from typing import Any, Dict, List
 
+from clusterops.fsutil import read_regular
 from clusterops.health.probes.base import ProbeContext, ProbeResult
 from clusterops.runner import CommandNotFound, CommandTimeout
+
+#: A recorded ``dcgmi diag -j`` output (``output_file``) is read up to this size (a level 4
+#: diag of 8 GPUs is well under 1 MiB).
+OUTPUT_MAX_BYTES = 16 << 20
 
 _STATUS = {"pass": "pass", "fail": "fail", "warn": "warn", "warning": "warn", "skip": "skip",
            "skipped": "skip", "not run": "skip", "notrun": "skip"}
@@ -102,9 +107,11 @@ def probe_dcgm(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
                                     if required else "dcgmi not installed; DCGM diag skipped"))]
     if cfg.get("output_file"):  # recorded output (tests, or a diag run by another tool)
         try:
-            with open(cfg["output_file"]) as f:
-                text, rc = f.read(), int(cfg.get("exit_code", 0))
-        except (OSError, UnicodeDecodeError) as e:
+            raw, cut = read_regular(cfg["output_file"], OUTPUT_MAX_BYTES)
+            if cut:
+                raise ValueError(f"larger than {OUTPUT_MAX_BYTES >> 20} MiB, not a `dcgmi diag -j` output")
+            text, rc = raw.decode("utf-8"), int(cfg.get("exit_code", 0))
+        except (OSError, ValueError) as e:
             return [ProbeResult("dcgm.diag", "error", detail=f"cannot read output_file {cfg['output_file']}: "
                                                              f"{getattr(e, 'strerror', None) or e}")]
     else:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from clusterops.fsutil import read_regular
 from clusterops.health.probes.base import ProbeContext, ProbeResult
 from clusterops.runner import CommandError, CommandTimeout
 
@@ -147,13 +148,37 @@ def read_mounts(text: str) -> Dict[str, Tuple[str, str]]:
     return out
 
 
+# Files a profile can name (mounts_file, meminfo_file, the sysfs tree under sys_root) are read
+# with a size bound, regular files only (clusterops.fsutil.read_regular): /dev/zero or a FIFO
+# named by mistake is an error result, not a hung or memory-eating check.
+MOUNTS_MAX_BYTES = 16 << 20     # a container host with thousands of mounts stays far below
+MEMINFO_MAX_BYTES = 64 << 10
+SYSFS_MAX_BYTES = 4096
+
+
+def _read_whole(path, max_bytes: int) -> str:
+    """A file read in full, or ValueError if it is larger than a real one could be."""
+    raw, cut = read_regular(path, max_bytes)
+    if cut:
+        raise ValueError(f"larger than {max_bytes} bytes; not a {Path(path).name} file")
+    return raw.decode("utf-8")
+
+
+def _read_sys(path: Path) -> str:
+    """One sysfs attribute ("" when absent or unreadable)."""
+    try:
+        return read_regular(path, SYSFS_MAX_BYTES)[0].decode("utf-8", errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def probe_mounts(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     """``mounts: [{path, fstype, writable}]``: mounted (exactly there), right type, writable in time."""
     results: List[ProbeResult] = []
     mounts_file = cfg.get("mounts_file", "/proc/self/mounts")
     try:
-        table = read_mounts(Path(mounts_file).read_text())
-    except (OSError, UnicodeDecodeError) as e:
+        table = read_mounts(_read_whole(mounts_file, MOUNTS_MAX_BYTES))
+    except (OSError, ValueError) as e:
         return [ProbeResult("host.mounts", "error", detail=f"cannot read {mounts_file}: "
                                                            f"{getattr(e, 'strerror', None) or e}")]
     timeout_s = float(cfg.get("path_timeout_s", 5))
@@ -193,8 +218,8 @@ def probe_memory(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     min_gb = float(cfg.get("min_available_gb", 0))
     meminfo_file = cfg.get("meminfo_file", "/proc/meminfo")
     try:
-        meminfo = Path(meminfo_file).read_text()
-    except (OSError, UnicodeDecodeError) as e:
+        meminfo = _read_whole(meminfo_file, MEMINFO_MAX_BYTES)
+    except (OSError, ValueError) as e:
         return [ProbeResult("host.memory", "error", detail=f"cannot read {meminfo_file}: "
                                                            f"{getattr(e, 'strerror', None) or e}")]
     m = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M)
@@ -246,7 +271,7 @@ def probe_infiniband(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult
     for p in ports:
         dev, port = p.parent.parent.name, p.name
         key = f"{dev}/{port}"
-        read = lambda f: (p / f).read_text().strip() if (p / f).exists() else ""  # noqa: E731
+        read = lambda f: _read_sys(p / f)  # noqa: E731
         state, phys, rate = read("state"), read("phys_state"), read("rate")
         link = read("link_layer") or "InfiniBand"
         per_port[key] = {"state": state, "phys_state": phys, "rate": rate, "link_layer": link}

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from clusterops.fsutil import read_regular_text
 from clusterops.health.probes.base import ProbeContext, ProbeResult
 from clusterops.runner import CommandError
 
@@ -48,6 +49,11 @@ XID_TABLE: Dict[int, Tuple[str, str, str]] = {
     120: ("fail", "reboot", "GSP error"),
     140: ("fail", "reset", "unrecovered ECC error"),
 }
+
+#: How much of a kernel log file (``log_file``) is read: its last 8 MiB, many days of a
+#: busy node's kernel messages. A check runs every few minutes; older events were seen before.
+LOG_MAX_BYTES = 8 << 20
+BOOT_ID_MAX_BYTES = 4096
 
 _XID = re.compile(r"NVRM: Xid \((?:PCI:)?([^)]*)\): (\d+),\s*(.*)$")
 _TS = re.compile(r"^\s*\[\s*(\d+(?:\.\d+)?)\]")
@@ -75,7 +81,7 @@ def parse_log(text: str) -> List[Dict[str, Any]]:
 
 def _boot_id(cfg: Dict[str, Any]) -> str:
     try:
-        return Path(cfg.get("boot_id_file", "/proc/sys/kernel/random/boot_id")).read_text().strip()
+        return read_regular_text(cfg.get("boot_id_file", "/proc/sys/kernel/random/boot_id"), BOOT_ID_MAX_BYTES).strip()
     except OSError:
         return "unknown"
 
@@ -108,7 +114,9 @@ def read_kernel_log(cfg: Dict[str, Any], ctx: ProbeContext) -> Tuple[Optional[st
     if cfg.get("log_file") or source == "file":
         p = cfg.get("log_file")
         try:
-            return Path(p).read_text(errors="replace"), f"file {p}"
+            # The tail: new events are at the end, and a log that grew to gigabytes (or
+            # /dev/zero, a FIFO named by mistake) must not hang the check or eat memory.
+            return read_regular_text(p, LOG_MAX_BYTES, tail=True), f"file {p}"
         except OSError as e:
             return None, f"file {p}: {e.strerror}"
     tries = []
