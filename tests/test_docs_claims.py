@@ -87,7 +87,7 @@ REVIEWED: Dict[Tuple[str, str, str], str] = {
     ("clusterops/launch/render.py", "jinja_environment", "the one jinja environment"):
         "EXCEPTIONS: no jinja2 import outside launch/render.py",
     ("clusterops/launch/render.py", "<module>", "every value that reaches the shell goes through"):
-        "tests/test_render*.py render hostile values and run the scripts",
+        "tests/test_launch_standin.py runs rendered scripts with hostile values (a canary must not appear)",
     ("clusterops/launch/submit.py", "<module>", "the one side effect"):
         "read: spec.py and render.py write nothing (render is pure)",
     ("clusterops/launch/__init__.py", "<module>", "the package's only side effect"): "as launch/submit.py",
@@ -100,7 +100,7 @@ REVIEWED: Dict[Tuple[str, str, str], str] = {
     ("clusterops/health/probes/base.py", "<module>", "every probe goes through"):
         "read: health.check.run_check runs the probes only through run_probes",
     ("clusterops/textsafe.py", "<module>", "every place that prints such text goes through"):
-        "tests/test_textsafe*.py feed hostile stored text to each printer",
+        "tests/test_textsafe.py feeds hostile stored text to the history, timeline and report printers",
     ("clusterops/deploy.py", "<module>", "the only path"): "rendering refuses a file still naming it",
     ("clusterops/integrations/transformers.py", "<module>", "the only ones"):
         "about the Trainer (it installs no signal handlers), not this package",
