@@ -113,3 +113,11 @@ def test_built_reference_names_every_command_with_an_anchor(site):
 def test_reference_is_generated_not_committed():
     # The page exists only in the built site, so no copy in docs/ can fall behind the commands.
     assert not (REPO / "docs" / reference.PAGE).exists()
+
+
+def test_short_help_reaches_the_index_as_literal_text():
+    import markdown as md
+
+    text = "Write <prefix>/bin files, `x` and *y*_z_ [a] |b|"
+    rendered = md.markdown("- " + reference._plain(text))
+    assert html.unescape(re.sub(r"<[^>]+>", "", rendered)).strip() == text

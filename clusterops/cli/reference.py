@@ -8,6 +8,8 @@ page ``cli.md``); ``python -m clusterops.cli.reference`` prints it.
 
 from __future__ import annotations
 
+import html
+import re
 from typing import Iterator, List, Optional, Tuple
 
 import click
@@ -43,6 +45,12 @@ def _anchor(path: str) -> str:
     return path.lower().replace(" ", "-")
 
 
+def _plain(text: str) -> str:
+    """``text`` as literal Markdown: no markup, no HTML (a ``<prefix>`` stays visible)."""
+    text = html.escape(text, quote=False)
+    return re.sub(r"([\\`*_\[\]#])", r"\\\1", text)
+
+
 def markdown(root: Optional[click.Command] = None) -> str:
     """The reference page: an index of the commands, then each command's ``--help``."""
     entries = list(walk(root or _root()))
@@ -52,7 +60,7 @@ def markdown(root: Optional[click.Command] = None) -> str:
            ""]
     for path, ctx in entries:
         depth = path.count(" ")
-        short = ctx.command.get_short_help_str(limit=80)
+        short = _plain(ctx.command.get_short_help_str(limit=80))
         out.append(f"{'  ' * depth}- [`{path}`](#{_anchor(path)}){': ' + short if short else ''}")
     out.append("")
     for path, ctx in entries:
