@@ -1,8 +1,11 @@
 """Apply one drain: the fleet read, the guard, the drain, the re-read, the refusals.
 
-Every path that drains a node goes through ``apply_drain``: the health self-drain
-(``clusterops.health.selfdrain``), the sweep (``clusterops.sweep.run.apply_sweep_plan``),
-the job supervisor (its ``DrainNodes`` action, stragglers included). The decisions are
+Every path that drains a node on its own judgement goes through ``apply_drain``: the
+health self-drain (``clusterops.health.selfdrain``), the sweep
+(``clusterops.sweep.run.apply_sweep_plan``), the job supervisor (its ``DrainNodes`` action,
+stragglers included). The one exception is an operator's order: ``clusterops slurm drain
+NODES --reason TEXT`` (``clusterops.cli.slurmcmd``) drains exactly the nodes named, with an
+``clusterops:admin:`` reason, through ``Slurm.drain`` and without the fleet guard. The decisions are
 the pure functions of ``clusterops.drains``; this module only sequences the Slurm calls
 of the ``slurm`` client it is given (``clusterops.slurm.Slurm`` or the pyslurm backend).
 

@@ -1,5 +1,7 @@
-"""The one place that runs external programs: nothing else in clusterops imports
-``subprocess`` (tests/test_layout.py reads the source tree to keep it so).
+"""The one place that runs external programs on this host: nothing else in clusterops
+imports ``subprocess`` (tests/test_layout.py reads the source tree to keep it so). The
+exception is another host's: ``clusterops.sweep.ssh`` runs the sweep's check command on
+remote nodes over SSH (paramiko's ``exec_command``), with its own timeouts.
 
 Every command is an argv list (never a shell string), runs in its own process
 group under a timeout, and on timeout the whole group is killed so that no

@@ -7,6 +7,9 @@
   signals, drains and requeues (``clusterops supervise`` runs it).
 - ``timeline``: the job's event log and its text/SVG/HTML views.
 - ``stacks``: Python stacks of hung ranks (run on each node as a step).
+- ``channel``: the supervisor's end of the heartbeat channel (a UDP receiver and the
+  file fallback).
+- ``stragglers``: the slow node of a running job from its heartbeats (pure).
 """
 
 from clusterops.supervisor.machine import *  # noqa: F401,F403

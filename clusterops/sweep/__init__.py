@@ -14,7 +14,8 @@ The package, from pure to side-effecting:
 - ``lock``: one sweep at a time per history (a file lock by SQLite, an advisory lock
   inside PostgreSQL, so two cron hosts sharing one history never both sweep);
 - ``run``: ``SweepOptions``, ``run_sweep`` (select, check, judge, drain, record),
-  ``apply_sweep_plan`` (the code that changes node states) and the exit codes.
+  ``apply_sweep_plan`` (the code that changes node states after the checks; before them
+  ``run_sweep`` resumes the nodes it rechecks) and the exit codes.
 
 Rules that never bend: a node whose check does not come back is ``unreachable``,
 never healthy; a node that runs jobs is skipped and listed; a node drained or downed

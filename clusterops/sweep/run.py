@@ -7,8 +7,10 @@ and their Slurm states, busy/down/foreign-drained nodes skipped and listed, node
 clusterops drained rechecked inside a short maintenance reservation, the checks run
 through ``SlurmFanout`` or ``ssh_fanout``, stragglers marked, optional node pairs,
 the drain plan made by ``policy.plan_drains`` from this sweep and the history, carried
-out by ``apply_sweep_plan`` (the only code here that changes node states), and the
-``SweepReport`` recorded. The exit codes (``EXIT_*``) are the ``clusterops sweep``
+out by ``apply_sweep_plan`` (the code here that changes node states after the checks; the
+two others are ``run_sweep`` resuming the clusterops-drained nodes it rechecks, inside the
+reservation, and ``_restore_drains`` draining them again when the recheck cannot run or
+the sweep fails), and the ``SweepReport`` recorded. The exit codes (``EXIT_*``) are the ``clusterops sweep``
 contract. A Slurm client comes from ``clusterops.slurm.settings.connect`` unless one is
 passed in.
 """
