@@ -1,8 +1,11 @@
 """Slurm access: every Slurm command clusterops runs is built here.
 
-``Slurm`` (``client``) runs the queries and updates through one Runner, with bounded
-retries for reads; get one with ``settings.connect`` (site timeouts and retries, read
-once). ``steps`` builds the argv of the ``srun`` job steps and the ``sbatch`` line that
+``api`` declares the interface (``SlurmAPI``, a ``Protocol``) and the rules both backends
+keep (ours-only one-line drain reasons, the foreign-resume refusal, submit's checks, reads
+retried with one ``Backoff``). ``Slurm`` (``client``) is the CLI backend: it runs the
+queries and updates through one Runner; ``pyslurm_backend`` composes it and sends the
+methods pyslurm serves as RPCs. Get a client with ``factory.connect`` (the backend and the
+site timeouts and retries of ``settings``, read once). ``steps`` builds the argv of the ``srun`` job steps and the ``sbatch`` line that
 other parts start through the Runner themselves (the supervisor watches its steps as
 long-running processes). ``parse`` holds the pure parsers of Slurm's output (``--json``,
 ``--oneliner``, srun's error lines), ``states`` the one job-state table, ``tools`` where
@@ -12,8 +15,9 @@ package spells a Slurm client program in an argv (tests/test_layout.py); the dev
 starts the Slurm daemons itself, by path through ``tools``.
 """
 
-from clusterops.slurm.client import ForeignDrainError, Slurm, SlurmError, SlurmUnavailable
+from clusterops.slurm.api import ForeignDrainError, SlurmAPI, SlurmError, SlurmUnavailable
+from clusterops.slurm.client import Slurm
 from clusterops.slurm.parse import JobInfo, NodeInfo
 from clusterops.slurm.states import categorize
 
-__all__ = ["ForeignDrainError", "Slurm", "SlurmError", "SlurmUnavailable", "JobInfo", "NodeInfo", "categorize"]
+__all__ = ["ForeignDrainError", "Slurm", "SlurmAPI", "SlurmError", "SlurmUnavailable", "JobInfo", "NodeInfo", "categorize"]

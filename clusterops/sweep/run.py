@@ -9,7 +9,7 @@ through ``SlurmFanout`` or ``ssh_fanout``, stragglers marked, optional node pair
 the drain plan made by ``policy.plan_drains`` from this sweep and the history, carried
 out by ``apply_sweep_plan`` (the only code here that changes node states), and the
 ``SweepReport`` recorded. The exit codes (``EXIT_*``) are the ``clusterops sweep``
-contract. A Slurm client comes from ``clusterops.slurm.settings.connect`` unless one is
+contract. A Slurm client comes from ``clusterops.slurm.factory.connect`` unless one is
 passed in.
 """
 
@@ -344,7 +344,7 @@ def require_privilege(opts: SweepOptions, slurm=None) -> None:
         return
     try:
         if slurm is None:
-            from clusterops.slurm.settings import connect
+            from clusterops.slurm.factory import connect
 
             slurm = connect(timeout_s=10, read_attempts=1)
         privilege.require(slurm, privilege.Level.ADMIN, "clusterops sweep",
@@ -359,7 +359,7 @@ def require_privilege(opts: SweepOptions, slurm=None) -> None:
 def _setup(opts: SweepOptions, slurm, errors: List[str]):
     """Slurm client, target names and their Slurm states, before any check runs."""
     if slurm is None:
-        from clusterops.slurm.settings import connect
+        from clusterops.slurm.factory import connect
 
         if opts.via == "slurm" or opts.partition or not opts.nodes:
             slurm = connect()
