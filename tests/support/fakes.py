@@ -5,8 +5,9 @@ exact signature (tests/test_layout.py compares them, and those of every ``FakeSl
 subclass here): each call is recorded in ``calls``, reads answer from ``node_infos`` and
 ``job_infos``, and what a test has not scripted raises ``UnexpectedCall``. The subclasses
 are the scripted worlds of the fast tests: ``SweepSlurm`` (a sweep's check jobs answering on
-a fake clock), ``PairSlurm`` (the --pairs jobs) and ``StepSlurm`` (a supervised job's
-steps). ``ScriptedRunner`` is the runner stand-in (``run`` with ``Runner.run``'s
+a fake clock), ``PairSlurm`` (the --pairs jobs), ``FleetSlurm`` (an in-memory controller
+for the drain guard), ``StepSlurm`` (a supervised job's steps) and ``RecordingSlurm``
+(a launch's submit). ``ScriptedRunner`` is the runner stand-in (``run`` with ``Runner.run``'s
 signature): each call answers with the next scripted outcome, or from ``answer(argv)``.
 """
 
@@ -22,7 +23,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 from clusterops.errors import NotFoundError
 from clusterops.runner import CommandError, Completed
-from clusterops.slurm.api import Nodes, SlurmError, pick_node
+from clusterops.slurm.api import Nodes, SlurmError, SlurmUnavailable, pick_node
 from clusterops.slurm.parse import JobInfo, NodeInfo
 from clusterops.slurm.states import categorize
 
@@ -274,6 +275,49 @@ class PairSlurm(FakeSlurm):
         self.cancelled.append(job_id)
 
 
+# --------------------------------------------------------------------- a fleet to drain
+class FleetSlurm(FakeSlurm):
+    """An in-memory controller for ``apply_drain``: drains stamp the controller's second as
+    the reason time (as slurmctld does), resumes clear the drain. Every call is recorded."""
+
+    def __init__(self, n, *, clock, partitions=("gpu",)):
+        super().__init__()
+        self.clock = clock
+        self.state = {f"n{i:02d}": {"drained": False, "down": False, "reason": None, "time": None}
+                      for i in range(1, n + 1)}
+        self.partitions = partitions
+        self.calls = []
+        self.fail_reads = False
+
+    def _info(self, name):
+        s = self.state[name]
+        flags = frozenset({"DRAIN"}) if s["drained"] else frozenset()
+        return NodeInfo(name, "down" if s["down"] else "idle", flags, s["reason"], "root",
+                        s["time"], partitions=self.partitions)
+
+    def nodes(self, names: Optional[Nodes] = None) -> List[NodeInfo]:
+        self.calls.append("nodes")
+        if self.fail_reads:
+            raise SlurmUnavailable("Slurm did not answer after 2 attempts")
+        return [self._info(n) for n in self.state]
+
+    def drain(self, nodes: Nodes, reason: str) -> None:
+        self.calls.append("drain")
+        for n in nodes:
+            self.state[n].update(drained=True, reason=reason, time=float(int(self.clock())))
+
+    def resume(self, nodes: Nodes) -> None:
+        self.calls.append("resume")
+        if self.fail_reads:       # Slurm.resume reads the reasons before it writes
+            raise SlurmUnavailable("Slurm did not answer after 2 attempts")
+        for n in nodes:
+            self.state[n].update(drained=False, reason=None, time=None)
+
+    def drained(self):
+        return sorted(n for n, s in self.state.items() if s["drained"])
+
+
+
 # ------------------------------------------------------------------ a supervised job's steps
 def opt(argv: Sequence[str], name: str) -> Optional[str]:
     """The value of ``--name=value`` in an argv, or None."""
@@ -326,6 +370,23 @@ class StepSlurm(FakeSlurm):
         self.world.requeued = True
 
 
+class RecordingSlurm(FakeSlurm):
+    """Slurm at ``submit``: records each submitted script's text, answers job 4242 (or
+    raises ``fail``)."""
+
+    def __init__(self, fail: Optional[Exception] = None):
+        super().__init__()
+        self.submitted: List[str] = []
+        self.fail = fail
+
+    def submit(self, script: Union[str, os.PathLike, None] = None, args: Sequence[str] = (), *,
+               text: Optional[str] = None, workdir: Optional[str] = None) -> int:
+        self.submitted.append(Path(script).read_text())
+        if self.fail:
+            raise self.fail
+        return 4242
+
+
 # ------------------------------------------------------------------------------ the runner
 Outcome = Union[str, Completed, BaseException]
 
@@ -375,5 +436,5 @@ def replay(result: Mapping[str, object]) -> Callable[[List[str]], Outcome]:
     return answer
 
 
-SLURM_FAKES = (FakeSlurm, SweepSlurm, PairSlurm, StepSlurm)
+SLURM_FAKES = (FakeSlurm, SweepSlurm, PairSlurm, FleetSlurm, StepSlurm, RecordingSlurm)
 RUNNER_FAKES = (ScriptedRunner,)
