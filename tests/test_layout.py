@@ -196,21 +196,41 @@ def _slurm_clients():
     return [Slurm, PyslurmSlurm, *fakes.SLURM_FAKES]
 
 
+def _mismatches(cls) -> List[str]:
+    from clusterops.slurm.api import SlurmAPI, api_methods
+
+    bad = []
+    for name in api_methods():
+        method, want = getattr(cls, name, None), getattr(SlurmAPI, name)
+        if not callable(method):
+            bad.append(f"{cls.__name__}.{name}: missing")
+        elif _params(method) != _params(want):
+            bad.append(f"{cls.__name__}.{name}{_params(method)} != SlurmAPI.{name}{_params(want)}")
+    return bad
+
+
 @pytest.mark.parametrize("cls", _slurm_clients(), ids=lambda c: c.__name__)
 def test_every_slurm_client_has_the_protocols_signatures(cls):
-    from clusterops.slurm.api import SlurmAPI, api_methods
+    from clusterops.slurm.api import api_methods
 
     names = api_methods()
     assert len(names) > 20 and "drain" in names and "resume" in names
-    bad = []
-    for name in names:
-        method = getattr(cls, name, None)
-        if not callable(method):
-            bad.append(f"{cls.__name__}.{name}: missing")
-        elif _params(method) != _params(getattr(SlurmAPI, name)):
-            bad.append(f"{cls.__name__}.{name}{_params(method)} != SlurmAPI.{name}{_params(getattr(SlurmAPI, name))}")
+    bad = _mismatches(cls)
     assert not bad, "\n".join(bad)
     assert isinstance(getattr(cls, "backend", None), str)
+
+
+def test_the_signature_check_sees_a_fake_that_drifted():
+    from support.fakes import FakeSlurm
+
+    class Drifted(FakeSlurm):      # the shape the sweep's old fake had
+        def submit(self, script, args=()):
+            return 1
+
+    empty = type("Empty", (), {})
+    assert _mismatches(Drifted) == [f"Drifted.submit{_params(Drifted.submit)} != SlurmAPI.submit"
+                                    f"{_params(FakeSlurm.submit)}"]
+    assert len(_mismatches(empty)) > 20
 
 
 def test_the_runner_fakes_have_the_runners_signatures():

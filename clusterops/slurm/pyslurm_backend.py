@@ -27,13 +27,12 @@ stays on the CLI (or, asked for explicitly, is refused).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import shlex
 from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-import functools
 
 import hostlist
 
