@@ -82,7 +82,8 @@ def main() -> None:
     work = state / "jobs"
     work.mkdir()
     try:
-        from clusterops.slurm.settings import SlurmSettings, connect
+        from clusterops.slurm.factory import connect
+        from clusterops.slurm.settings import SlurmSettings
 
         base = SlurmSettings.from_environment()
         clients = {"cli": connect(replace(base, backend="cli")),

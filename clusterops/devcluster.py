@@ -48,7 +48,8 @@ from typing import Callable, Dict, List, Optional
 
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Runner, pid_alive
-from clusterops.slurm.settings import DEFAULT_DEVCLUSTER_DIR, DEVCLUSTER_INFO, SlurmSettings, connect
+from clusterops.slurm.factory import connect
+from clusterops.slurm.settings import DEFAULT_DEVCLUSTER_DIR, DEVCLUSTER_INFO, SlurmSettings
 from clusterops.slurm.tools import SlurmTools, check_prefix
 
 MARKER_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
@@ -475,7 +476,7 @@ class DevCluster:
 
     def slurm(self, **overrides):
         """A Slurm client for this cluster (its slurm.conf, the Slurm prefix it was started
-        with), through ``clusterops.slurm.settings.connect``; one attempt, 15 s unless
+        with), through ``clusterops.slurm.factory.connect``; one attempt, 15 s unless
         ``overrides`` say otherwise."""
         cfg = self.config()
         prefix = cfg.slurm_prefix if cfg else None

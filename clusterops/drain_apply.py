@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, TYPE_CHECKING
 
 from clusterops import drains
 from clusterops.errors import ClusteropsError
+
+if TYPE_CHECKING:   # annotations only: the Slurm layer is imported where it is used
+    from clusterops.slurm.api import SlurmAPI
 
 DRAINED, RELABELLED, KEPT, REFUSED, UNDONE, FAILED = (
     "drained", "relabelled", "kept", "refused", "undone", "failed")
@@ -71,7 +74,7 @@ def _held(n: Any) -> bool:
     return bool(getattr(n, "drained", False)) or bool(getattr(n, "is_down", False))
 
 
-def apply_drain(slurm, node: str, reason: str, guard: drains.GuardSettings, *,
+def apply_drain(slurm: SlurmAPI, node: str, reason: str, guard: drains.GuardSettings, *,
                 fleet: Optional[Sequence[Any]] = None, relabel: bool = False, restore: bool = False,
                 settle_s: float = DEFAULT_SETTLE_S, clock: Callable[[], float] = time.time,
                 sleep: Callable[[float], None] = time.sleep,
@@ -122,7 +125,7 @@ def apply_drain(slurm, node: str, reason: str, guard: drains.GuardSettings, *,
     return _confirm(slurm, node, reason, guard, out, settle_s, clock, sleep)
 
 
-def _confirm(slurm, node: str, reason: str, guard: drains.GuardSettings, out: DrainOutcome,
+def _confirm(slurm: SlurmAPI, node: str, reason: str, guard: drains.GuardSettings, out: DrainOutcome,
              settle_s: float, clock, sleep) -> DrainOutcome:
     """Step 4: re-read once the drain's second has passed; lift our own drain past the limit."""
     try:
@@ -152,7 +155,7 @@ def _confirm(slurm, node: str, reason: str, guard: drains.GuardSettings, out: Dr
     return _undo(slurm, node, reason, out, verdict.message)
 
 
-def _undo(slurm, node: str, reason: str, out: DrainOutcome, why: str) -> DrainOutcome:
+def _undo(slurm: SlurmAPI, node: str, reason: str, out: DrainOutcome, why: str) -> DrainOutcome:
     try:
         slurm.resume([node])
     except ClusteropsError as e:

@@ -76,7 +76,7 @@ REVIEWED: Dict[Tuple[str, str, str], str] = {
     ("clusterops/sweep/run.py", "apply_sweep_plan", "every drain goes through"): "within the function: read it",
     ("clusterops/slurm/__init__.py", "<module>", "is built here"):
         "EXCEPTIONS: names templates/ (Slurm commands in generated scripts)",
-    ("clusterops/slurm/settings.py", "<module>", "the one way"): "EXCEPTIONS: no client built outside slurm/",
+    ("clusterops/slurm/factory.py", "<module>", "the one way"): "EXCEPTIONS: no client built outside slurm/",
     ("clusterops/slurm/tools.py", "<module>", "the one place"):
         "read: every argv of a Slurm program passes SlurmTools (client, steps, devcluster daemons)",
     ("clusterops/slurm/states.py", "<module>", "one table for every"):
@@ -217,7 +217,7 @@ EXCEPTIONS = [
     ("clusterops/drain_apply.py", "<module>", direct_drains),
     ("clusterops/sweep/run.py", "<module>", sweep_state_changers),
     ("clusterops/slurm/__init__.py", "<module>", slurm_commands_in_templates),
-    ("clusterops/slurm/settings.py", "<module>", clients_built_outside_slurm),
+    ("clusterops/slurm/factory.py", "<module>", clients_built_outside_slurm),
     ("clusterops/yamlio.py", "<module>", yaml_loads_outside_yamlio),
     ("clusterops/launch/render.py", "jinja_environment", jinja_outside_render),
     ("clusterops/metrics.py", "<module>", prometheus_outside_metrics),

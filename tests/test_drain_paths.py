@@ -9,7 +9,8 @@ import time
 
 from clusterops import drains
 from clusterops.drains import GuardSettings
-from test_drains import Clock, FleetSlurm
+from support.fakes import FleetSlurm
+from test_drains import Clock
 
 
 def supervisor_with(slurm, guard):

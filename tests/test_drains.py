@@ -9,6 +9,7 @@ from clusterops.drains import (BY_ADMIN, BY_HEALTH, BY_SWEEP, GuardSettings, Res
                                guard_settings, make_reason, may_resume, parse_reason, rechecked_probes)
 from clusterops.errors import InputError
 from clusterops.slurm.parse import NodeInfo
+from support.fakes import FleetSlurm
 
 # -- reasons ----------------------------------------------------------------------------------
 
@@ -259,50 +260,6 @@ def test_the_drain_rule_lives_in_one_module():
 
 
 # -- the guard under concurrency (drains.excess_drain, drain_apply.apply_drain) -----------------
-
-class FleetSlurm:
-    """An in-memory controller for ``apply_drain``: drains stamp the controller's second as
-    the reason time (as slurmctld does), resumes clear the drain. Every call is recorded."""
-
-    def __init__(self, n, *, clock, partitions=("gpu",)):
-        self.clock = clock
-        self.state = {f"n{i:02d}": {"drained": False, "down": False, "reason": None, "time": None}
-                      for i in range(1, n + 1)}
-        self.partitions = partitions
-        self.calls = []
-        self.fail_reads = False
-
-    def _info(self, name):
-        s = self.state[name]
-        flags = frozenset({"DRAIN"}) if s["drained"] else frozenset()
-        return NodeInfo(name, "down" if s["down"] else "idle", flags, s["reason"], "root",
-                        s["time"], partitions=self.partitions)
-
-    def nodes(self, names=None):
-        self.calls.append("nodes")
-        if self.fail_reads:
-            from clusterops.slurm import SlurmUnavailable
-
-            raise SlurmUnavailable("Slurm did not answer after 2 attempts")
-        return [self._info(n) for n in self.state]
-
-    def drain(self, nodes, reason):
-        self.calls.append("drain")
-        for n in nodes:
-            self.state[n].update(drained=True, reason=reason, time=float(int(self.clock())))
-
-    def resume(self, nodes):
-        self.calls.append("resume")
-        if self.fail_reads:       # Slurm.resume reads the reasons before it writes
-            from clusterops.slurm import SlurmUnavailable
-
-            raise SlurmUnavailable("Slurm did not answer after 2 attempts")
-        for n in nodes:
-            self.state[n].update(drained=False, reason=None, time=None)
-
-    def drained(self):
-        return sorted(n for n, s in self.state.items() if s["drained"])
-
 
 class Clock:
     def __init__(self, t=1_800_000_000.25):

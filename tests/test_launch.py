@@ -20,6 +20,7 @@ import pytest
 from clusterops import __version__
 from clusterops import launch
 from clusterops.errors import InputError
+from support.fakes import RecordingSlurm
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden"
@@ -439,20 +440,6 @@ def test_render_to_file_and_dry_run(tmp_path, capsys):
     code, out, err = run_cli(["launch", "submit", str(path), "--dry-run"], capsys)
     assert code == 0 and out.startswith("#!/bin/bash") and "dry run" in err
     assert not (tmp_path / "logs").exists()
-
-
-class RecordingSlurm:
-    """Stands in for clusterops.slurm.Slurm at its submit() boundary."""
-
-    def __init__(self, fail: Exception | None = None):
-        self.submitted = []
-        self.fail = fail
-
-    def submit(self, script, args=()):
-        self.submitted.append(Path(script).read_text())
-        if self.fail:
-            raise self.fail
-        return 4242
 
 
 def test_submit_writes_script_in_log_dir(tmp_path):

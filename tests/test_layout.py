@@ -173,3 +173,102 @@ def test_only_the_runner_starts_programs():
 def test_every_module_has_a_docstring():
     missing = [_rel(p) for p in _modules() if not ast.get_docstring(_parse(p))]
     assert not missing, "modules without a docstring: " + ", ".join(missing)
+
+
+# ------------------------------------------------------------ the declared Slurm interface
+# These import the Slurm layer (still nothing runs): every Slurm client, both backends and
+# every fake of tests/support/fakes.py, has each ``SlurmAPI`` method with the Protocol's
+# parameters (names, kinds, defaults); the pyslurm backend composes the CLI client and
+# forwards exactly ``FORWARDED_TO_CLI``; and ``slurm/settings.py`` imports no backend (the
+# settings <-> client <-> pyslurm_backend cycle stays cut, function-level imports included).
+def _params(fn) -> List[Tuple[str, object, object]]:
+    import inspect
+
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def _slurm_clients():
+    from support import fakes
+
+    from clusterops.slurm.client import Slurm
+    from clusterops.slurm.pyslurm_backend import PyslurmSlurm
+
+    return [Slurm, PyslurmSlurm, *fakes.SLURM_FAKES]
+
+
+def _mismatches(cls) -> List[str]:
+    from clusterops.slurm.api import SlurmAPI, api_methods
+
+    bad = []
+    for name in api_methods():
+        method, want = getattr(cls, name, None), getattr(SlurmAPI, name)
+        if not callable(method):
+            bad.append(f"{cls.__name__}.{name}: missing")
+        elif _params(method) != _params(want):
+            bad.append(f"{cls.__name__}.{name}{_params(method)} != SlurmAPI.{name}{_params(want)}")
+    return bad
+
+
+@pytest.mark.parametrize("cls", _slurm_clients(), ids=lambda c: c.__name__)
+def test_every_slurm_client_has_the_protocols_signatures(cls):
+    from clusterops.slurm.api import api_methods
+
+    names = api_methods()
+    assert len(names) > 20 and "drain" in names and "resume" in names
+    bad = _mismatches(cls)
+    assert not bad, "\n".join(bad)
+    assert isinstance(getattr(cls, "backend", None), str)
+
+
+def test_the_signature_check_sees_a_fake_that_drifted():
+    from support.fakes import FakeSlurm
+
+    class Drifted(FakeSlurm):      # the shape the sweep's old fake had
+        def submit(self, script, args=()):
+            return 1
+
+    empty = type("Empty", (), {})
+    assert _mismatches(Drifted) == [f"Drifted.submit{_params(Drifted.submit)} != SlurmAPI.submit"
+                                    f"{_params(FakeSlurm.submit)}"]
+    assert len(_mismatches(empty)) > 20
+
+
+def test_the_runner_fakes_have_the_runners_signatures():
+    from support import fakes
+
+    from clusterops.runner import Runner
+
+    for cls in fakes.RUNNER_FAKES:
+        for name in ("run", "spawn"):
+            assert _params(getattr(cls, name)) == _params(getattr(Runner, name)), (cls.__name__, name)
+
+
+def test_the_pyslurm_backend_composes_the_cli_client_and_names_what_it_forwards():
+    from clusterops.slurm.api import api_methods
+    from clusterops.slurm.client import Slurm
+    from clusterops.slurm.pyslurm_backend import FORWARDED_TO_CLI, PyslurmSlurm
+
+    assert not issubclass(PyslurmSlurm, Slurm)
+    own = {k for k, v in vars(PyslurmSlurm).items() if callable(v) and not k.startswith("_")} - set(FORWARDED_TO_CLI)
+    assert set(FORWARDED_TO_CLI) <= set(api_methods())
+    assert set(api_methods()) == own | set(FORWARDED_TO_CLI) and not own & set(FORWARDED_TO_CLI)
+    for name in FORWARDED_TO_CLI:
+        assert getattr(PyslurmSlurm, name).__wrapped__ is getattr(Slurm, name)
+
+
+def _imported_modules(tree: ast.AST) -> Iterator[str]:
+    for node in ast.walk(tree):   # every level: module, function, ``if TYPE_CHECKING``
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
+
+
+def test_slurm_settings_import_no_backend():
+    found = set(_imported_modules(_parse(PACKAGE / "slurm" / "settings.py")))
+    backends = {"clusterops.slurm.client", "clusterops.slurm.pyslurm_backend", "clusterops.slurm.factory"}
+    assert not found & backends, sorted(found & backends)
+    # The interface is the base both backends build on: it imports neither.
+    found = set(_imported_modules(_parse(PACKAGE / "slurm" / "api.py")))
+    assert not found & (backends | {"clusterops.slurm.settings"}), sorted(found & backends)

@@ -3,26 +3,11 @@
 import pytest
 
 from clusterops.errors import InputError, NotFoundError
-from clusterops.runner import CommandError, CommandTimeout, Completed
+from clusterops.runner import CommandError, CommandTimeout
 from clusterops.slurm import ForeignDrainError, Slurm, SlurmError, SlurmUnavailable
+from support.fakes import ScriptedRunner
 
 SQUEUE_EMPTY = '{"jobs": []}'
-
-
-class ScriptedRunner:
-    """Answers each call with the next scripted outcome (an exception or stdout)."""
-
-    def __init__(self, outcomes):
-        self.outcomes = list(outcomes)
-        self.calls = []
-        self.env = {}
-
-    def run(self, argv, **kw):
-        self.calls.append(list(argv))
-        out = self.outcomes.pop(0)
-        if isinstance(out, Exception):
-            raise out
-        return Completed(tuple(argv), 0, out, "", 0.01)
 
 
 def client(outcomes, attempts=3):

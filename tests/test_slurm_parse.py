@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from clusterops.errors import NotFoundError
-from clusterops.runner import CommandError
 from clusterops.slurm import Slurm, parse
 from clusterops.slurm.states import DONE, FAILED, JOB_STATES, PENDING, RUNNING, categorize
 from clusterops.slurm.parse import parse_srun_failures
+from support.fakes import ScriptedRunner, replay
 
 FIX = Path(__file__).parent / "fixtures" / "slurm"
 VERSIONS = sorted(p.name for p in FIX.iterdir() if p.is_dir() and re.fullmatch(r"\d+\.\d+", p.name))
@@ -163,27 +163,12 @@ def test_srun_errors(rec):
     assert lost == ["node4"] and ("node4", 1, "Killed") in {(f.node, f.rank, f.reason) for f in failures}
 
 
-class _ReplayRunner:
-    """Replays one recorded command result (what Slurm printed, and its exit code)."""
-
-    def __init__(self, result):
-        self.result, self.env = result, {}
-
-    def run(self, argv, **kw):
-        r = self.result
-        if r["rc"] != 0:
-            raise CommandError(argv, r["rc"], r["stderr"] or r["stdout"])
-        from clusterops.runner import Completed
-
-        return Completed(tuple(argv), 0, r["stdout"], r["stderr"], 0.0)
-
-
 def test_recorded_not_found_errors_are_not_found(rec, monkeypatch):
     errors = json.loads(rec.read("errors.json"))
     monkeypatch.delenv("SLURM_CONF", raising=False)
 
     def client(cmd):
-        return Slurm(_ReplayRunner(errors[cmd]), read_attempts=1, sleep=lambda s: None)
+        return Slurm(ScriptedRunner(answer=replay(errors[cmd])), read_attempts=1, sleep=lambda s: None)
 
     with pytest.raises(NotFoundError):
         client("scontrol show job 999999").job(999999)

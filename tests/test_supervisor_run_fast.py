@@ -1,7 +1,7 @@
 """``SupervisorRun``'s plumbing driven through its main paths in milliseconds.
 
-A fake Slurm (job, steps, nodes, cancel/signal, requeue, drain: every call recorded), a
-fake runner whose ``spawn`` returns scripted processes, and a fake clock whose ``sleep``
+A fake Slurm (tests/support/fakes.py ``StepSlurm``: job, steps, nodes, cancel/signal,
+requeue, drain, every call recorded), a fake runner whose ``spawn`` returns scripted processes, and a fake clock whose ``sleep``
 moves simulated ranks forward: they beat into the real heartbeat directory (mtimes set
 to the fake time), commit real checkpoints (``clusterops.checkpoint``), honour the stop
 file and USR2, crash, hang or stop the way the ranks of examples/train.py do under srun,
@@ -18,7 +18,6 @@ import json
 import os
 import signal
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 import pytest
@@ -27,6 +26,8 @@ from clusterops import checkpoint as ck
 from clusterops import supervisor as sv
 from clusterops.supervisor import timeline as tl
 from clusterops.supervisor.run import STATE_FILE, RunConfig, SupervisorRun
+from support.fakes import ScriptedRunner, StepSlurm
+from support.fakes import opt as _opt
 
 # Far above any pid_max (at most 2**22): a group kill aimed at a fake process finds nothing.
 FAKE_PID = 2 ** 22 + 1000
@@ -39,11 +40,6 @@ class EndedBySlurm(BaseException):
     """What a requeue does to the batch script: Slurm ends it (here: unwinds the run)."""
 
 
-def _opt(argv: List[str], name: str) -> Optional[str]:
-    for a in argv:
-        if a.startswith(f"--{name}="):
-            return a.split("=", 1)[1]
-    return None
 
 
 class FakeProcess:
@@ -139,9 +135,12 @@ class FakeStep(FakeProcess):
         self._exit(137, lines)
 
 
-class FakeRunner:
+class FakeRunner(ScriptedRunner):
+    """``spawn`` returns the scripted processes; the supervisor runs nothing synchronously."""
+
     def __init__(self, world: "World"):
-        self.world, self.env = world, {}
+        super().__init__()
+        self.world = world
         self.spawns: List[dict] = []
 
     def spawn(self, argv, *, log_path, env=None, cwd=None, unset=()):
@@ -158,52 +157,6 @@ class FakeRunner:
             proc = FakeCheck(self.world, argv, log_path)
         return proc
 
-    def run(self, argv, **kw):  # pragma: no cover - the supervisor runs nothing synchronously
-        raise AssertionError(f"unexpected run {argv}")
-
-
-class FakeSlurm:
-    def __init__(self, world: "World"):
-        self.world = world
-        self.calls: List[tuple] = []
-        self.preempt_time: Optional[float] = None
-
-    def job(self, job_id):
-        self.calls.append(("job", job_id))
-        return SimpleNamespace(job_id=int(job_id), preempt_time=self.preempt_time)
-
-    def steps(self, job_id):
-        self.calls.append(("steps", job_id))
-        s = self.world.step
-        if s is None or s.returncode is not None:
-            return []
-        return [(str(s.attempt), _opt(s.argv, "job-name"))]
-
-    def nodes(self, names=None):
-        self.calls.append(("nodes", tuple(names) if names else None))
-        return [SimpleNamespace(name=n, is_down=False, drained=False, state="ALLOCATED", flags=frozenset(),
-                                reason=None, partitions=("debug",)) for n in (names or NODES)]
-
-    def node_address(self, name):
-        self.calls.append(("node_address", name))
-        return "10.0.0." + name[1:]
-
-    def cancel(self, job_id, *, signal=None, step=None, **kw):
-        self.calls.append(("cancel", job_id, signal, step))
-        s = self.world.step
-        if s is not None and s.returncode is None and step == s.attempt:
-            if signal == "KILL":
-                s.killed()
-            elif signal == "USR2":
-                s.usr2 = True
-
-    def requeue(self, job_id, **kw):
-        self.calls.append(("requeue", job_id))
-        self.world.requeued = True
-
-    def drain(self, nodes, reason):
-        self.calls.append(("drain", tuple(nodes), reason))
-
 
 class World:
     """Fake time and the simulated ranks; ``fault(step_proc, now, step)`` is the scenario."""
@@ -217,7 +170,7 @@ class World:
         self.requeued = False
         self.sleeps = 0
         self.hooks: List = []
-        self.slurm = FakeSlurm(self)
+        self.slurm = StepSlurm(self, NODES)
         self.runner = FakeRunner(self)
 
     def clock(self) -> float:
@@ -536,3 +489,24 @@ def test_srun_native_task_gets_torch_env_contract_from_its_own_slurm_values(worl
         assert (out["RANK"], out["WORLD_SIZE"], out["LOCAL_RANK"], out["LOCAL_WORLD_SIZE"], out["NODE_RANK"]) == \
             (str(procid), "2", str(localid), "1", str(procid))
         assert out["pid"] == str(p.pid)     # exec'd: the task's process is the training process
+
+
+def test_node_poll_retries_once_on_its_own_schedule(world, tmp_path, monkeypatch):
+    """One retry rule, one budget: the client the run connects asks the controller once per
+    poll (no client-side retries, no pause in the loop), and the poll backs off itself."""
+    from clusterops.runner import CommandError
+    from clusterops.slurm.settings import SlurmSettings
+
+    monkeypatch.setenv("CLUSTEROPS_SLURM_BACKEND", "cli")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    down = CommandError(["scontrol"], 1, "slurm_load_node error: Unable to contact slurm controller")
+    runner = ScriptedRunner([down, down, down])
+    cfg = make_run(world, tmp_path).cfg
+    run = SupervisorRun(cfg, runner=runner, clock=world.clock, sleep=world.sleep, echo=lambda _: None)
+    assert isinstance(run.slurm.settings, SlurmSettings) and run.slurm.read_attempts == 1
+    sleeps = world.sleeps
+    assert run._poll_nodes(T0) is None
+    assert len(runner.calls) == 1 and world.sleeps == sleeps      # one scontrol, no pause
+    assert run.next_node_poll == T0 + 20.0                          # node_poll_s * 2
+    assert run._poll_nodes(T0 + 20.0) is None
+    assert len(runner.calls) == 2 and run.next_node_poll == T0 + 20.0 + 40.0

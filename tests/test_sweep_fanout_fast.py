@@ -1,11 +1,11 @@
 """SlurmFanout's plumbing, driven by a fake Slurm and a fake clock (no cluster, well under
 a second each).
 
-The fake Slurm does what the real one would, seen from the sweep: ``submit`` takes the
-check script and pinned ``--nodelist``, hands out job ids, and, once the fake clock
-reaches a node's scripted answer time, leaves the files the real check script leaves
-(``<jobid>.json``, ``.err``, then ``.done``); ``jobs`` answers the batched squeue with
-each job's scripted state; ``cancel`` records. The fake clock advances only when the
+The fake Slurm (tests/support/fakes.py ``SweepSlurm``) does what the real one would, seen
+from the sweep: ``submit`` takes the check script and pinned ``--nodelist``, hands out job
+ids, and, once the fake clock reaches a node's scripted answer time, leaves the files the
+real check script leaves (``<jobid>.json``, ``.err``, then ``.done``); ``jobs`` answers the
+batched squeue with each job's scripted state; ``cancel`` records. The fake clock advances only when the
 fan-out sleeps. The real-Slurm version of these paths is tests/integration/test_sweep_slurm.py.
 """
 
@@ -14,24 +14,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from clusterops.slurm.client import SlurmError
-from clusterops.slurm.parse import JobInfo, NodeInfo
-from clusterops.slurm.states import categorize
+from clusterops.slurm.parse import NodeInfo
 from clusterops.sweep import (EXIT_OK, EXIT_UNHEALTHY, SlurmFanout, SweepOptions, Target, run_sweep)
 from clusterops.sweep.scripts import check_script, pair_script
+from support.fakes import PairSlurm, SweepSlurm as FakeSlurm
 
 PASS_DOC = {"node": "?", "profile": "fast", "status": "pass", "exit_code": 0, "duration_s": 0.4,
             "results": [{"name": "host.memory", "status": "pass", "value": 12.0, "unit": "GB", "detail": "ok"}]}
 FAIL_DOC = {"node": "?", "profile": "fast", "status": "fail", "exit_code": 1, "duration_s": 0.4,
             "results": [{"name": "host.paths", "probe": "host.paths", "status": "fail",
                          "detail": "/scratch is missing"}]}
-TIMES = "0m0.010s 0m0.000s\n0m0.300s 0m0.100s\n"   # bash `times`: the shell, then its children
 
 
 class FakeClock:
@@ -50,95 +47,6 @@ class FakeClock:
         self.now += seconds
         self.on_sleep(self.now)
         time.sleep(0.0005)   # let the submission threads run, as real sleeping would
-
-
-class FakeSlurm:
-    """``plan[node]``: ("answer", doc, rc, after_s) | ("hang", state) | ("refuse", message)
-    | ("vanish", state, after_s): the job ends in ``state`` after ``after_s`` without a result."""
-
-    def __init__(self, plan, clock=None, nodes=()):
-        self.plan = plan
-        self.clock = clock or time.monotonic
-        self.node_infos = list(nodes)
-        self.lock = threading.Lock()
-        self.next_id = 100
-        self.submitted = {}        # job id -> (node, args, submitted at)
-        self.submit_calls = []     # (script, args)
-        self.jobs_calls = []       # the job ids asked about, per call
-        self.cancelled = []
-        self.drained = []
-        self.resumed = []
-        self.answered = set()
-        self.in_flight_max = 0
-
-    # -- what SlurmFanout uses ---------------------------------------------------------
-    def submit(self, script, args=()):
-        node = next(a.split("=", 1)[1] for a in args if a.startswith("--nodelist="))
-        with self.lock:
-            self.submit_calls.append((Path(script), list(args)))
-            what = self.plan[node]
-            if what[0] == "refuse":
-                raise SlurmError(f"sbatch: error: {what[1]}")
-            jid = self.next_id
-            self.next_id += 1
-            self.submitted[jid] = (node, list(args), self.clock(), Path(script).parent)
-            live = len(self.submitted) - len(self.answered) - len(self.cancelled)
-            self.in_flight_max = max(self.in_flight_max, live)
-        self.advance(self.clock())
-        return jid
-
-    def jobs(self, job_ids=None):
-        ids = list(job_ids or self.submitted)
-        self.jobs_calls.append(ids)
-        out = []
-        for jid in ids:
-            state = self._state(jid, self.clock())
-            if state is not None:
-                out.append(JobInfo(jid, "clusterops-sweep", state, categorize(state),
-                                   reason="Resources" if state == "PENDING" else None))
-        return out
-
-    def cancel(self, job_id, **_):
-        self.cancelled.append(job_id)
-
-    # -- what run_sweep uses besides ----------------------------------------------------
-    def nodes(self, names=None):
-        return [n for n in self.node_infos if names is None or n.name in names]
-
-    def drain(self, nodes, reason):
-        self.drained.append((list(nodes), reason))
-
-    def resume(self, nodes):
-        self.resumed.append(list(nodes))
-
-    # -- the scripted nodes -------------------------------------------------------------
-    def _state(self, jid, now):
-        node, _args, at, _work = self.submitted[jid]
-        what = self.plan[node]
-        if jid in self.cancelled:
-            return "CANCELLED"
-        if what[0] == "answer":
-            return "COMPLETED" if now - at >= what[3] else "RUNNING"
-        if what[0] == "hang":
-            return what[1]
-        if what[0] == "vanish":
-            if now - at < what[2]:
-                return "RUNNING"
-            return None if what[1] == "gone" else what[1]
-        return None
-
-    def advance(self, now):
-        """The jobs whose answer time has come leave their files, as check.sh does."""
-        with self.lock:
-            due = [(jid, rec) for jid, rec in self.submitted.items()
-                   if jid not in self.answered and self.plan[rec[0]][0] == "answer"
-                   and now - rec[2] >= self.plan[rec[0]][3]]
-            self.answered.update(jid for jid, _ in due)
-        for jid, (node, _args, _at, work) in due:
-            _kind, doc, rc, _after = self.plan[node]
-            (work / f"{jid}.json").write_text(json.dumps(dict(doc, node=node)))
-            (work / f"{jid}.err").write_text("")
-            (work / f"{jid}.done").write_text(f"{rc}\n{TIMES}")
 
 
 def fanout(slurm, clock, work, **kw):
@@ -344,24 +252,7 @@ def test_pairs_report_each_pair_and_cancel_a_silent_one(tmp_path):
 
     clock = FakeClock()
 
-    class PairSlurm:
-        def __init__(self):
-            self.submitted, self.cancelled = {}, []
-
-        def submit(self, script, args=()):
-            jid = 500 + len(self.submitted)
-            nodes = next(a.split("=", 1)[1] for a in args if a.startswith("--nodelist="))
-            self.submitted[jid] = (Path(script), list(args))
-            if nodes == "node1,node2":       # answers at once, as pair.sh would leave it
-                pair_dir = Path(script).parent
-                (pair_dir / f"{jid}.json").write_text(json.dumps({"busbw_gbps": 1.5, "detail": "ok"}))
-                (pair_dir / f"{jid}.done").write_text("0\n")
-            return jid
-
-        def cancel(self, job_id, **_):
-            self.cancelled.append(job_id)
-
-    slurm = PairSlurm()
+    slurm = PairSlurm({"node1,node2": {"busbw_gbps": 1.5, "detail": "ok"}})
     results = {n: NodeResult(n, "pass") for n in ("node10", "node2", "node1", "node3")}
     results["node4"] = NodeResult("node4", "fail")
     errors = []

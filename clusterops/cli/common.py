@@ -19,8 +19,8 @@ def echo_json(data: Any) -> None:
 
 def slurm_client(**overrides):
     """A Slurm client for the current environment (SLURM_CONF, or the default dev cluster;
-    site settings from CLUSTEROPS_SLURM_*), through ``clusterops.slurm.settings.connect``."""
-    from clusterops.slurm.settings import connect
+    site settings from CLUSTEROPS_SLURM_*), through ``clusterops.slurm.factory.connect``."""
+    from clusterops.slurm.factory import connect
 
     return connect(**overrides)
 

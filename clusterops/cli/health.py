@@ -121,7 +121,7 @@ def _require_drain_privilege(timeout_s: float) -> None:
     reports what Slurm does then."""
     from clusterops.errors import ClusteropsError
     from clusterops.slurm import privilege
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
 
     try:
         slurm = connect(timeout_s=max(2.0, timeout_s / 3), read_attempts=1)

@@ -9,16 +9,19 @@ the node, applies a drain through ``clusterops.drain_apply.apply_drain`` (the fl
 before, the re-read after: ``refused`` / ``undone``), and is bounded in time whatever the
 controller does (a drain Slurm refuses because the caller is not a Slurm admin is
 ``refused``, like the guard's refusal); its Slurm client comes from
-``clusterops.slurm.settings.connect`` with tighter limits.
+``clusterops.slurm.factory.connect`` with tighter limits.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, TYPE_CHECKING, Tuple
 
 from clusterops import drains
 from clusterops.health.check import first_problem
+
+if TYPE_CHECKING:   # annotations only: the Slurm layer is imported where it is used
+    from clusterops.slurm.api import SlurmAPI
 
 
 def drain_reason(report: Dict[str, Any], max_len: int = drains.MAX_REASON_CHARS) -> str:
@@ -69,7 +72,7 @@ def drain_decision(report: Dict[str, Any], drained: bool, down: bool,
     return "drain", "unhealthy"
 
 
-def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, slurm=None,
+def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, slurm: Optional[SlurmAPI] = None,
                guard: Optional[drains.GuardSettings] = None, settle_s: float = 1.0) -> Dict[str, Any]:
     """Drain or resume ``node`` after a check; bounded by ``timeout_s`` whatever the controller does.
 
@@ -89,7 +92,7 @@ def self_drain(report: Dict[str, Any], node: str, *, timeout_s: float = 20.0, sl
 
     def work():
         from clusterops import drain_apply as da
-        from clusterops.slurm.settings import connect
+        from clusterops.slurm.factory import connect
 
         # Each call bounded well inside timeout_s, so the whole stays inside it.
         s = slurm or connect(timeout_s=max(2.0, timeout_s / 3), read_attempts=2, backoff_s=0.5)

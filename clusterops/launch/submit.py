@@ -14,11 +14,14 @@ import os
 import re
 import time as _time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, TYPE_CHECKING, Tuple
 
 from clusterops.errors import ClusteropsError
 from clusterops.launch.render import render, spec_file_for, supervise_spec_text
 from clusterops.launch.spec import JobSpec
+
+if TYPE_CHECKING:   # annotations only: the Slurm layer is imported where it is used
+    from clusterops.slurm.api import SlurmAPI
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def write_job_files(script_path: str, script: str, spec_file: Optional[str], spe
         raise
 
 
-def submit(spec: JobSpec, slurm=None, *, dry_run: bool = False,
+def submit(spec: JobSpec, slurm: Optional[SlurmAPI] = None, *, dry_run: bool = False,
            template_dirs: Sequence[str | os.PathLike] = ()) -> Submitted:
     """Render, write the script into log_dir, submit it. Nothing is written on a dry run."""
     from clusterops.slurm.steps import sbatch_argv   # here: `import clusterops.launch` stays light
@@ -100,7 +103,7 @@ def submit(spec: JobSpec, slurm=None, *, dry_run: bool = False,
     except ClusteropsError as e:
         raise ClusteropsError(f"cannot write the script to {spec.log_dir}: {e.message}") from None
     if slurm is None:
-        from clusterops.slurm.settings import connect
+        from clusterops.slurm.factory import connect
 
         slurm = connect()
     try:

@@ -7,12 +7,16 @@ are written by the Jinja templates (``templates/``) and run by the job itself, o
 
 The package, by module:
 
-- ``client``: ``Slurm``, the CLI backend: queries and updates through one Runner, with
-  bounded retries for reads;
-- ``pyslurm_backend``: the second backend, the controller through pyslurm's RPCs (the
+- ``api``: the interface (``SlurmAPI``, a ``Protocol``), the Slurm errors, and the rules
+  both backends keep (ours-only one-line drain reasons, the foreign-resume refusal, submit's
+  checks, reads retried with one ``Backoff``);
+- ``client``: ``Slurm``, the CLI backend: queries and updates through one Runner, reads
+  retried by ``api.retry_read``;
+- ``pyslurm_backend``: the second backend: it composes the CLI client and sends the methods
+  pyslurm serves as RPCs (``FORWARDED_TO_CLI`` names those it leaves to the CLI; the
   optional ``clusterops[pyslurm]`` extra);
-- ``settings``: the site's timeouts, retries and backend, read once; ``settings.connect``
-  gives a client;
+- ``factory``: ``connect()``, a client of the site's backend with its timeouts and retries;
+- ``settings``: the site's timeouts, retries and backend, read once;
 - ``steps``: the argv of the ``srun`` job steps and the ``sbatch`` line that other parts
   start through the Runner themselves (the supervisor watches its steps as long-running
   processes);
@@ -28,8 +32,9 @@ No module outside this package spells a Slurm client program in an argv
 ``tools``.
 """
 
-from clusterops.slurm.client import ForeignDrainError, Slurm, SlurmError, SlurmUnavailable
+from clusterops.slurm.api import ForeignDrainError, SlurmAPI, SlurmError, SlurmUnavailable
+from clusterops.slurm.client import Slurm
 from clusterops.slurm.parse import JobInfo, NodeInfo
 from clusterops.slurm.states import categorize
 
-__all__ = ["ForeignDrainError", "Slurm", "SlurmError", "SlurmUnavailable", "JobInfo", "NodeInfo", "categorize"]
+__all__ = ["ForeignDrainError", "Slurm", "SlurmAPI", "SlurmError", "SlurmUnavailable", "JobInfo", "NodeInfo", "categorize"]

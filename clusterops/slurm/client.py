@@ -1,9 +1,9 @@
 """Run Slurm's commands and parse what they print.
 
-Reads (squeue, scontrol show, sinfo) are idempotent and retried with backoff,
-so a controller that restarts or is briefly slow is ridden out; after
-``read_attempts`` failures a ``SlurmUnavailable`` names the command and the
-last error. Writes (sbatch, scontrol update/requeue, scancel) run once: a
+``Slurm`` is the CLI backend of ``api.SlurmAPI``. Reads (squeue, scontrol show, sinfo)
+are idempotent and retried with backoff (``api.retry_read``), so a controller that
+restarts or is briefly slow is ridden out; after ``read_attempts`` failures a
+``SlurmUnavailable`` names the command and the last error. Writes (sbatch, scontrol update/requeue, scancel) run once: a
 blind retry could submit a job twice.
 """
 
@@ -18,12 +18,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-import hostlist
-
-from clusterops.drains import is_foreign, is_ours
 from clusterops.errors import ClusteropsError, InputError, NotFoundError
 from clusterops.runner import CommandError, CommandNotFound, CommandTimeout, Runner
 from clusterops.slurm import parse
+from clusterops.slurm.api import (Backoff, Nodes, Retry, SlurmConfigError, SlurmError,
+                                  SlurmUnavailable, check_drain_reason, check_signal, hostlist_of, pick_node,
+                                  refuse_foreign, retry_read, submit_body)
 from clusterops.slurm.parse import JobInfo, NodeInfo
 from clusterops.slurm.settings import (DEVCLUSTER_INFO, PREFIX_ENV, SlurmSettings, devcluster_conf,
                                         recorded_prefix)
@@ -34,45 +34,6 @@ log = logging.getLogger(__name__)
 # stderr fragments that mean "the thing you named does not exist": never retried.
 _NOT_FOUND = re.compile(r"invalid job id|invalid node name|invalid job array|node \S+ not found|"
                         r"job \S+ not found|unrecognized job|invalid partition name")
-_SIGNALS = {"HUP", "INT", "QUIT", "KILL", "USR1", "USR2", "TERM", "CONT", "STOP", "TSTP", "ALRM", "ABRT"}
-
-
-class SlurmError(ClusteropsError):
-    """A Slurm command refused what we asked (exit code 1)."""
-
-
-class SlurmUnavailable(SlurmError):
-    """The controller did not answer after the bounded retries."""
-
-
-class SlurmConfigError(SlurmError):
-    """No usable slurm.conf: retrying cannot help."""
-
-
-class ForeignDrainError(ClusteropsError):
-    """Asked to resume a node whose drain reason clusterops did not write."""
-
-
-Nodes = Union[str, Iterable[str]]
-
-
-def _hostlist(nodes: Nodes) -> str:
-    if isinstance(nodes, str):
-        names = hostlist.expand_hostlist(nodes)
-    else:
-        names = list(nodes)
-    if not names:
-        raise InputError("no nodes given")
-    return hostlist.collect_hostlist(names)
-
-
-def _check_signal(sig: Union[str, int]) -> str:
-    s = str(sig).upper()
-    if s.startswith("SIG"):
-        s = s[3:]
-    if s.isdigit() or s in _SIGNALS:
-        return s
-    raise InputError(f"unknown signal {sig!r}")
 
 
 class Slurm:
@@ -85,7 +46,7 @@ class Slurm:
                  backoff_s: Optional[float] = None,
                  sleep: Callable[[float], None] = time.sleep, tools: Optional[SlurmTools] = None):
         """``settings`` are the site's (default: built-in defaults, not the environment:
-        ``from_environment`` and ``settings.connect`` read that); the keyword knobs
+        ``from_environment`` and ``factory.connect`` read that); the keyword knobs
         override single values, for tests and for callers that build a client by hand."""
         self.runner = runner or Runner()
         s = settings or SlurmSettings()
@@ -102,6 +63,11 @@ class Slurm:
         self.read_attempts = s.read_attempts
         self.backoff_s = s.backoff_s
         self.sleep = sleep
+
+    @property
+    def backoff(self) -> Backoff:
+        """The reads' retry rule, from the settings (``read_attempts``, ``backoff_s``)."""
+        return Backoff(self.backoff_s, self.read_attempts)
 
     @classmethod
     def from_environment(cls, settings: Optional[SlurmSettings] = None, **kwargs) -> "Slurm":
@@ -148,25 +114,22 @@ class Slurm:
 
     def _read(self, argv: Sequence[str]) -> str:
         self._check_config()
-        last: Optional[Exception] = None
         run_argv = self.tools.argv(argv)
-        for attempt in range(self.read_attempts):
+
+        def attempt() -> str:
             try:
                 return self.runner.run(run_argv, timeout_s=self.timeout_s, env=self.tools.env()).stdout
             except CommandNotFound:
-                raise self._not_installed(argv[0])
+                raise self._not_installed(argv[0]) from None
             except CommandTimeout as e:
-                last = e
+                raise Retry(e) from None
             except CommandError as e:
                 classified = self._classify(e)
                 if isinstance(classified, (NotFoundError, SlurmConfigError)):
                     raise classified from None
-                last = e
-            if attempt + 1 < self.read_attempts:
-                delay = self.backoff_s * (2 ** attempt)
-                log.info("%s failed (%s); retrying in %.1fs", argv[0], last, delay)
-                self.sleep(delay)
-        raise SlurmUnavailable(f"Slurm did not answer after {self.read_attempts} attempts: {last}")
+                raise Retry(e) from None
+
+        return retry_read(attempt, self.backoff, what=argv[0], sleep=self.sleep)
 
     def _write(self, argv: Sequence[str], *, input: Optional[str] = None) -> str:
         self._check_config()
@@ -204,15 +167,11 @@ class Slurm:
     def submit(self, script: Union[str, os.PathLike, None] = None, args: Sequence[str] = (), *,
                text: Optional[str] = None, workdir: Optional[str] = None) -> int:
         """Submit a batch script (a file path, or its text) -> job id."""
-        if (script is None) == (text is None):
-            raise InputError("submit takes a script path or its text, not both")
+        path = submit_body(script, text)
         argv = ["sbatch", "--parsable", *args]
         if workdir:
             argv.append(f"--chdir={workdir}")
-        if script is not None:
-            path = Path(script)
-            if not path.is_file():
-                raise InputError(f"{path}: no such script")
+        if path is not None:
             argv.append(str(path))
         return parse.parse_sbatch_parsable(self._write(argv, input=text))
 
@@ -288,7 +247,7 @@ class Slurm:
         self.job(job_id)
         argv = ["scancel"]
         if signal is not None:
-            argv.append(f"--signal={_check_signal(signal)}")
+            argv.append(f"--signal={check_signal(signal)}")
         if batch:
             argv.append("--batch")
         if full:
@@ -326,7 +285,7 @@ class Slurm:
     def nodes(self, names: Optional[Nodes] = None) -> List[NodeInfo]:
         argv = ["scontrol", "show", "node", "--oneliner"]
         if names is not None:
-            argv.append(_hostlist(names))
+            argv.append(hostlist_of(names))
         return parse.parse_scontrol_nodes(self._read(argv))
 
     def node_states(self) -> Dict[str, str]:
@@ -334,30 +293,21 @@ class Slurm:
         return parse.parse_sinfo_node_states(self._read(["sinfo", "--noheader", "--Node", "--format=%N %T"]))
 
     def node(self, name: str) -> NodeInfo:
-        found = [n for n in self.nodes(name) if n.name == name]
-        if not found:
-            raise NotFoundError(f"node {name} not found")
-        return found[0]
+        return pick_node(self.nodes(name), name)
 
     def drain(self, nodes: Nodes, reason: str) -> None:
         """Drain with a clusterops reason (``clusterops.drains.make_reason``); one line."""
-        if not reason or "\n" in reason:
-            raise InputError("a drain reason is required, on one line")
-        if not is_ours(reason):
-            raise InputError(f"drain reason {reason!r}: clusterops writes only reasons starting 'clusterops:'")
-        self._write(["scontrol", "update", f"NodeName={_hostlist(nodes)}", "State=DRAIN", f"Reason={reason}"])
+        check_drain_reason(reason)
+        self._write(["scontrol", "update", f"NodeName={hostlist_of(nodes)}", "State=DRAIN", f"Reason={reason}"])
 
     def resume(self, nodes: Nodes) -> None:
         """Resume nodes; refuses (ForeignDrainError, nothing resumed) when any of them carries a
         reason clusterops did not write. Who may lift which clusterops drain is decided by the
         caller (``clusterops.drains.may_resume``); this is the last line that never bends."""
-        names = _hostlist(nodes)
+        names = hostlist_of(nodes)
         # Read, then write: an administrator who drains one of these nodes in between is not
         # seen (scontrol has no compare-and-set); the window is one scontrol round trip.
-        foreign = [f"{n.name} ({n.reason!r})" for n in self.nodes(names) if is_foreign(n.reason)]
-        if foreign:
-            raise ForeignDrainError(f"not resuming {', '.join(foreign)}: drained by someone else; "
-                                    "an administrator resumes it with scontrol")
+        refuse_foreign(self.nodes(names))
         self._write(["scontrol", "update", f"NodeName={names}", "State=RESUME"])
 
     def partition_nodes(self, partition: str) -> List[str]:
@@ -374,7 +324,7 @@ class Slurm:
         if not name.replace("-", "").replace("_", "").isalnum():
             raise InputError(f"bad reservation name {name!r}")
         self._write(["scontrol", "create", "reservation", f"ReservationName={name}",
-                     f"Nodes={_hostlist(nodes)}", "StartTime=now", f"Duration={int(minutes)}",
+                     f"Nodes={hostlist_of(nodes)}", "StartTime=now", f"Duration={int(minutes)}",
                      f"Users={users}", f"Flags={flags}"])
 
     def delete_reservation(self, name: str) -> None:

@@ -329,7 +329,7 @@ def live_reason(base: str, flags: FrozenSet[str], reason: Optional[str]) -> Opti
     return None
 
 
-def _split_node_state(items: List[str]) -> Tuple[str, FrozenSet[str]]:
+def split_node_state(items: List[str]) -> Tuple[str, FrozenSet[str]]:
     base = "unknown"
     flags = set()
     for it in items:
@@ -344,9 +344,9 @@ def _split_node_state(items: List[str]) -> Tuple[str, FrozenSet[str]]:
 def node_from_json(n: Dict[str, Any]) -> NodeInfo:
     raw = n.get("state")
     if isinstance(raw, list):                 # 23.02+: ["IDLE", "DRAIN"]
-        base, flags = _split_node_state(raw)
+        base, flags = split_node_state(raw)
     else:                                     # 22.05: "idle" + state_flags
-        base, flags = _split_node_state([raw or "unknown"] + list(n.get("state_flags") or []))
+        base, flags = split_node_state([raw or "unknown"] + list(n.get("state_flags") or []))
     parts = n.get("partitions") or []
     if isinstance(parts, str):
         parts = [p for p in parts.split(",") if p]
@@ -369,7 +369,7 @@ def _node_from_sinfo_entry(name: str, e: Dict[str, Any]) -> NodeInfo:
     """A node from one 24.05+ ``sinfo --json`` entry: a group of nodes of one partition that
     share a state. Per-node figures are exact for a one-node group; a group's allocated CPUs
     are split evenly (the layer reads node detail from scontrol, not from here)."""
-    base, flags = _split_node_state(list((e.get("node") or {}).get("state") or ["UNKNOWN"]))
+    base, flags = split_node_state(list((e.get("node") or {}).get("state") or ["UNKNOWN"]))
     reason_obj = e.get("reason") if isinstance(e.get("reason"), dict) else {}
     reason = live_reason(base, flags, _null(reason_obj.get("description")))
     cpus = e.get("cpus") or {}
@@ -441,7 +441,7 @@ def node_from_oneliner(line: str) -> NodeInfo:
     is the rest of the line (22.05, 24.11, 25.11), whatever it says, up to Slurm's
     ``[user@time]`` stamp, after which only a set ``Comment=`` or ``Extra=`` follows."""
     kv = parse_oneliner(line, last="Reason")
-    base, flags = _split_node_state(kv.get("State", "UNKNOWN").split("+"))
+    base, flags = split_node_state(kv.get("State", "UNKNOWN").split("+"))
     reason = _null(kv.get("Reason"))
     user = when = None
     if reason:

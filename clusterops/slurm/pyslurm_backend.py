@@ -1,14 +1,17 @@
 """The Slurm layer's second backend: the controller through ``pyslurm`` (libslurm's API).
 
-``PyslurmSlurm`` is a ``Slurm`` (``client.py``) whose job, step and node reads and whose
-submit, requeue, hold/release, cancel/signal and drain/resume go to slurmctld as RPCs in
-this process instead of starting ``squeue``/``scontrol``/``sbatch``/``scancel``. What
-pyslurm has no API for, or does differently, is delegated to the inherited CLI methods,
-each marked below: ``update_job`` (free-form ``Key=Value`` fields), ``partition_nodes``,
-``node_states`` (sinfo's state words), ``node_address``, reservations, ``job`` of an array
-task id (``123_4``), and a ``submit`` with an option outside this module's table or with
-``SBATCH_*`` input variables set. This module runs no Slurm command itself; the delegated
-methods run them through the CLI client's Runner.
+``PyslurmSlurm`` is an ``api.SlurmAPI`` that composes the CLI client (``client.Slurm``):
+its job, step and node reads and its submit, requeue, hold/release, cancel/signal and
+drain/resume go to slurmctld as RPCs in this process instead of starting
+``squeue``/``scontrol``/``sbatch``/``scancel``. What pyslurm has no API for, or does
+differently, is forwarded to the CLI client, and ``FORWARDED_TO_CLI`` is that list (the
+forwarding methods are made from it): ``update_job`` (free-form ``Key=Value`` fields),
+``partition_nodes``, ``node_states`` (sinfo's state words), ``node_address``, the
+reservations, ``show_config`` and ``admin_level_text``. Two more fall back case by case:
+``job`` of an array task id (``123_4``), and a ``submit`` with an option outside this
+module's table or with ``SBATCH_*`` input variables set. This module runs no Slurm command
+itself; the forwarded methods run them through the CLI client's Runner. The shared rules
+(drain reasons, the foreign-resume refusal, submit's checks, retries) are ``api``'s.
 
 ``choose(cli, explicit=...)`` decides, once per process and slurm.conf: pyslurm is used
 when it is installed and its major.minor (pyslurm versions follow Slurm's: 25.11.x is built
@@ -24,20 +27,20 @@ stays on the CLI (or, asked for explicitly, is refused).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import shlex
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import hostlist
 
-from clusterops.drains import is_foreign, is_ours
 from clusterops.errors import ClusteropsError, InputError, NotFoundError
 from clusterops.slurm import parse
-from clusterops.slurm.client import (ForeignDrainError, Nodes, Slurm, SlurmError, SlurmUnavailable,
-                                     _check_signal, _hostlist)
+from clusterops.slurm.api import (Nodes, Retry, SlurmAPI, SlurmError, check_drain_reason, check_signal,
+                                  hostlist_of, pick_node, refuse_foreign, retry_read, submit_body)
+from clusterops.slurm.client import Slurm
 from clusterops.slurm.parse import JobInfo, NodeInfo
 from clusterops.slurm.states import base_state, categorize
 
@@ -94,7 +97,7 @@ def _load(conf: str) -> Any:
     return pyslurm
 
 
-def choose(cli: Slurm, *, explicit: bool) -> Slurm:
+def choose(cli: Slurm, *, explicit: bool) -> SlurmAPI:
     """``cli`` or a ``PyslurmSlurm`` built on it (see the module docstring)."""
     conf = _conf_of(cli)
     key = (conf, explicit)
@@ -180,7 +183,7 @@ _FLAG_OPTS = {
 _SHORT_WITH_VALUE = {k for k in _VALUE_OPTS if len(k) == 1}
 
 
-class _Unmapped(Exception):
+class Unmapped(Exception):
     """An sbatch option this backend does not map: the submission goes through sbatch."""
 
 
@@ -200,7 +203,7 @@ def _sbatch_header(text: str) -> List[str]:
         try:
             words = shlex.split(body, comments=True)
         except ValueError as e:
-            raise _Unmapped(f"#SBATCH line {i + 1}: {e}") from None
+            raise Unmapped(f"#SBATCH line {i + 1}: {e}") from None
         opts += words
     return opts
 
@@ -217,12 +220,12 @@ def _apply_options(fields: Dict[str, Any], words: Sequence[str]) -> None:
             elif name in _VALUE_OPTS:
                 if not eq:
                     if i + 1 >= len(words):
-                        raise _Unmapped(f"--{name} without a value")
+                        raise Unmapped(f"--{name} without a value")
                     i += 1
                     value = words[i]
                 fields[_VALUE_OPTS[name]] = value
             else:
-                raise _Unmapped(w)
+                raise Unmapped(w)
         elif w.startswith("-") and len(w) >= 2:
             name, rest = w[1], w[2:]
             if name in _FLAG_OPTS and not rest:
@@ -231,14 +234,14 @@ def _apply_options(fields: Dict[str, Any], words: Sequence[str]) -> None:
             elif name in _SHORT_WITH_VALUE:
                 if not rest:
                     if i + 1 >= len(words):
-                        raise _Unmapped(f"-{name} without a value")
+                        raise Unmapped(f"-{name} without a value")
                     i += 1
                     rest = words[i]
                 fields[_VALUE_OPTS[name]] = rest
             else:
-                raise _Unmapped(w)
+                raise Unmapped(w)
         else:
-            raise _Unmapped(w)
+            raise Unmapped(w)
         i += 1
 
 
@@ -250,11 +253,11 @@ def _warn_signal(spec: str) -> Dict[str, Any]:
     flags, _, rest = spec.rpartition(":")
     name, _, when = rest.partition("@")
     if flags not in ("", "B", "R", "BR", "RB") or (when and not when.isdigit()):
-        raise _Unmapped(f"--signal={spec}")
+        raise Unmapped(f"--signal={spec}")
     try:
-        sig = _check_signal(name)
+        sig = check_signal(name)
     except InputError:
-        raise _Unmapped(f"--signal={spec}") from None
+        raise Unmapped(f"--signal={spec}") from None
     num = int(sig) if sig.isdigit() else int(getattr(_signal, f"SIG{sig}"))
     out: Dict[str, Any] = {"signal": num, "time": int(when) if when else 60}   # sbatch's default: 60 s
     if "B" in flags:
@@ -278,7 +281,7 @@ def _sbatch_env() -> Dict[str, str]:
 
 def submit_fields(script_text: str, args: Sequence[str], workdir: Optional[str]) -> Dict[str, Any]:
     """JobSubmitDescription fields for a script and sbatch-style ``args`` (the command line
-    wins over #SBATCH, as with sbatch). Raises ``_Unmapped`` for anything not in the tables."""
+    wins over #SBATCH, as with sbatch). Raises ``Unmapped`` for anything not in the tables."""
     fields: Dict[str, Any] = {}
     _apply_options(fields, _sbatch_header(script_text))
     _apply_options(fields, list(args))
@@ -297,7 +300,7 @@ def submit_fields(script_text: str, args: Sequence[str], workdir: Optional[str])
         if isinstance(value, str) and value.isdigit():
             fields[key] = int(value)
         elif value is not None and key != "time_limit":
-            raise _Unmapped(f"{key}={value!r}")
+            raise Unmapped(f"{key}={value!r}")
     # sbatch leaves the task count to slurmctld (one per node); pyslurm would default it to 1,
     # which a multi-node job refuses. Say it as sbatch would mean it.
     if "ntasks" not in fields and "nodes" in fields:
@@ -307,15 +310,30 @@ def submit_fields(script_text: str, args: Sequence[str], workdir: Optional[str])
 
 
 # -------------------------------------------------------------------------------- client
-class PyslurmSlurm(Slurm):
-    """The Slurm layer through pyslurm; every method not defined here is the CLI backend's."""
+# What pyslurm has no API for, or spells otherwise: these methods are the CLI client's.
+FORWARDED_TO_CLI = (
+    "show_config", "admin_level_text",   # text only scontrol/sacctmgr print
+    "update_job",          # scontrol's free-form field names (ExcNodeList=, TimeLimit=)
+    "node_states",         # sinfo's state words with their *, ~ suffixes
+    "partition_nodes",     # sinfo's partition membership
+    "node_address",        # NodeAddr, after the name's own resolution
+    "create_reservation",  # scontrol's flag words (MAINT,IGNORE_JOBS): one spelling, one path
+    "delete_reservation",
+)
+
+
+class PyslurmSlurm:
+    """The Slurm layer through pyslurm, composing the CLI client ``cli`` for
+    ``FORWARDED_TO_CLI`` (and for array-task ``job`` and unmapped ``submit``)."""
 
     backend = "pyslurm"
 
     def __init__(self, cli: Slurm):
-        # Same runner, tools and settings as the CLI client it was chosen over: the delegated
+        # Same runner, tools and settings as the CLI client it was chosen over: the forwarded
         # methods behave exactly as on the CLI backend.
-        super().__init__(cli.runner, settings=cli.settings, sleep=cli.sleep, tools=cli.tools)
+        self.cli = cli
+        self.runner, self.settings, self.tools, self.sleep = cli.runner, cli.settings, cli.tools, cli.sleep
+        self.timeout_s, self.read_attempts, self.backoff_s = cli.timeout_s, cli.read_attempts, cli.backoff_s
         self.ps = _load(_conf_of(cli))
 
     # -- plumbing ---------------------------------------------------------------------
@@ -326,21 +344,17 @@ class PyslurmSlurm(Slurm):
         return SlurmError(f"{what}: {text}")
 
     def _rpc_read(self, what: str, fn, *args):
-        """A read RPC, retried with backoff like the CLI backend's reads."""
-        last: Optional[Exception] = None
-        for attempt in range(self.read_attempts):
+        """A read RPC, retried by the CLI backend's rule (``api.retry_read``, its ``Backoff``)."""
+        def attempt():
             try:
                 return fn(*args)
             except self.ps.PyslurmError as e:
                 err = self._error(e, what)
                 if isinstance(err, NotFoundError):
                     raise err from None
-                last = e
-            if attempt + 1 < self.read_attempts:
-                delay = self.backoff_s * (2 ** attempt)
-                log.info("%s failed (%s); retrying in %.1fs", what, last, delay)
-                self.sleep(delay)
-        raise SlurmUnavailable(f"Slurm did not answer after {self.read_attempts} attempts: {what}: {last}")
+                raise Retry(e) from None
+
+        return retry_read(attempt, self.cli.backoff, what=what, sleep=self.sleep, label=what)
 
     def _rpc_write(self, what: str, fn, *args):
         """A write RPC: once, never retried (as the CLI backend's writes)."""
@@ -405,7 +419,7 @@ class PyslurmSlurm(Slurm):
         jid = str(job_id)
         if not jid.isdigit():
             if jid.replace("_", "").isdigit():
-                return super().job(job_id)   # array task ids (123_4): pyslurm loads by number only
+                return self.cli.job(job_id)   # array task ids (123_4): pyslurm loads by number only
             raise InputError(f"job id must be a number, got {job_id!r}")
         return self._job_info(self._rpc_read(f"job {jid}", self.ps.Job.load, int(jid)))
 
@@ -416,24 +430,17 @@ class PyslurmSlurm(Slurm):
 
     def submit(self, script=None, args: Sequence[str] = (), *, text: Optional[str] = None,
                workdir: Optional[str] = None) -> int:
-        if (script is None) == (text is None):
-            raise InputError("submit takes a script path or its text, not both")
-        if script is not None:
-            path = Path(script)
-            if not path.is_file():
-                raise InputError(f"{path}: no such script")
-            body = path.read_text()
-        else:
-            body = text or ""
+        path = submit_body(script, text)
+        body = path.read_text() if path is not None else text or ""
         # sbatch reads SBATCH_* input variables too; this backend does not: let sbatch do it.
         sbatch_env = sorted(k for k in os.environ if k.startswith("SBATCH_"))
         try:
             if sbatch_env:
-                raise _Unmapped(f"input variables {', '.join(sbatch_env)}")
+                raise Unmapped(f"input variables {', '.join(sbatch_env)}")
             fields = submit_fields(body, args, workdir)
-        except _Unmapped as e:
+        except Unmapped as e:
             log.debug("pyslurm backend: %s is not mapped; submitting with sbatch", e)
-            return super().submit(script, args, text=text, workdir=workdir)
+            return self.cli.submit(script, args, text=text, workdir=workdir)
         # sbatch exports the submitter's whole environment (--export=ALL) with the client's
         # extras (SLURM_CONF, the prefix's PATH): the same here.
         env = {**os.environ, **dict(self.runner.env or {}), **self.tools.env(), **_sbatch_env()}
@@ -455,16 +462,13 @@ class PyslurmSlurm(Slurm):
     def release(self, job_id) -> None:
         self._rpc_write(f"release {job_id}", self.ps.Job(int(job_id)).release)
 
-    # update_job: delegated to the CLI backend (scontrol update): it takes scontrol's field
-    # names (ExcNodeList=, TimeLimit=), which pyslurm's JobSubmitDescription spells otherwise.
-
     def cancel(self, job_id, *, signal=None, batch: bool = False, full: bool = False,
                step: Optional[int] = None) -> None:
         # As on the CLI backend, an unknown id is an error (pyslurm, like scancel, ignores a
         # SIGKILL for a job it does not know).
         self.job(job_id)
         jid = int(job_id)
-        sig = _check_signal(signal) if signal is not None else "KILL"
+        sig = check_signal(signal) if signal is not None else "KILL"
         signum = int(sig) if sig.isdigit() else f"SIG{sig}"
         if step is not None:
             # A step built by hand (JobStep(job, step)) lacks the het-component id slurmctld
@@ -483,6 +487,11 @@ class PyslurmSlurm(Slurm):
         steps = "all" if full else "batch" if batch else "children"
         self._rpc_write(f"signal {jid}", self.ps.Job(jid).send_signal, signum, steps)
 
+    def signal(self, job_id, sig, *, batch: bool = False, full: bool = False,
+               step: Optional[int] = None) -> None:
+        """As on the CLI backend: a signal without ending the job, through ``cancel``."""
+        self.cancel(job_id, signal=sig, batch=batch, full=full, step=step)
+
     def steps(self, job_id) -> List[Tuple[str, str]]:
         # Job.load brings the steps of a job that is not pending along (one RPC).
         job = self._rpc_read(f"job {job_id}", self.ps.Job.load, int(job_id))
@@ -490,7 +499,7 @@ class PyslurmSlurm(Slurm):
 
     # -- nodes ----------------------------------------------------------------------------
     def _node_info(self, n: Any) -> NodeInfo:
-        base, flags = parse._split_node_state((n.state or "UNKNOWN").split("+"))
+        base, flags = parse.split_node_state((n.state or "UNKNOWN").split("+"))
         reason = parse.live_reason(base, flags, n.reason or None)
         return NodeInfo(
             name=n.name,
@@ -510,7 +519,7 @@ class PyslurmSlurm(Slurm):
         found = [self._node_info(n) for n in loaded.values()]
         if names is None:
             return found
-        wanted = hostlist.expand_hostlist(_hostlist(names))
+        wanted = hostlist.expand_hostlist(hostlist_of(names))
         by_name = {n.name: n for n in found}
         missing = [w for w in wanted if w not in by_name]
         if missing:
@@ -518,24 +527,18 @@ class PyslurmSlurm(Slurm):
             raise NotFoundError(f"node {hostlist.collect_hostlist(missing)} not found")
         return [by_name[w] for w in wanted]
 
-    # node_states (sinfo's state words with their *, ~ suffixes), partition_nodes and
-    # node_address: delegated to the CLI backend; pyslurm gives no sinfo-style words.
+    def node(self, name: str) -> NodeInfo:
+        return pick_node(self.nodes(name), name)
 
     def drain(self, nodes: Nodes, reason: str) -> None:
-        if not reason or "\n" in reason:
-            raise InputError("a drain reason is required, on one line")
-        if not is_ours(reason):
-            raise InputError(f"drain reason {reason!r}: clusterops writes only reasons starting 'clusterops:'")
-        names = _hostlist(nodes)
+        check_drain_reason(reason)
+        names = hostlist_of(nodes)
         self._update_nodes(names, f"drain {names}", state="DRAIN", reason=reason)
 
     def resume(self, nodes: Nodes) -> None:
-        names = _hostlist(nodes)
+        names = hostlist_of(nodes)
         # Read, then write, as on the CLI backend: the window is one RPC round trip.
-        foreign = [f"{n.name} ({n.reason!r})" for n in self.nodes(names) if is_foreign(n.reason)]
-        if foreign:
-            raise ForeignDrainError(f"not resuming {', '.join(foreign)}: drained by someone else; "
-                                    "an administrator resumes it with scontrol")
+        refuse_foreign(self.nodes(names))
         self._update_nodes(names, f"resume {names}", state="RESUME")
 
     def _update_nodes(self, names: str, what: str, **changes: str) -> None:
@@ -543,9 +546,21 @@ class PyslurmSlurm(Slurm):
         target = ps.Nodes(hostlist.expand_hostlist(names))
         self._rpc_write(what, target.modify, ps.Node(**changes))
 
-    # create_reservation / delete_reservation: delegated to the CLI backend (scontrol):
-    # pyslurm's Reservation takes flags as an enum set, and the layer's callers pass
-    # scontrol's flag words (MAINT,IGNORE_JOBS); one spelling, one path.
+
+
+def _forward(name: str):
+    cli_method = getattr(Slurm, name)
+
+    @functools.wraps(cli_method)   # the CLI's signature and docstring
+    def method(self, *args, **kwargs):
+        return getattr(self.cli, name)(*args, **kwargs)
+
+    return method
+
+
+for _name in FORWARDED_TO_CLI:
+    setattr(PyslurmSlurm, _name, _forward(_name))
+del _name
 
 
 def _gres_text(gres: Any) -> str:

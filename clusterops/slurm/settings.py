@@ -4,10 +4,10 @@
 for a flaky controller, the Slurm installation prefix, the backend). ``SlurmSettings.from_environment``
 reads them from ``CLUSTEROPS_SLURM_TIMEOUT_S``, ``CLUSTEROPS_SLURM_READ_ATTEMPTS``,
 ``CLUSTEROPS_SLURM_BACKOFF_S``, ``CLUSTEROPS_SLURM_PREFIX`` and ``CLUSTEROPS_SLURM_BACKEND``;
-a bad value is a one-line ``InputError`` (exit 2), never a traceback. ``connect(settings,
-**overrides)`` is the one way the rest of the package gets a ``Slurm`` client: callers that
-need a tighter bound (a health check's self-drain, a probe's gres lookup) pass overrides,
-and can only tighten the site's timeout, never loosen it.
+a bad value is a one-line ``InputError`` (exit 2), never a traceback. ``tightened`` is how
+callers that need a tighter bound (a health check's self-drain, a probe's gres lookup) get
+one: they can only tighten the site's timeout, never loosen it. ``factory.connect`` builds a
+client from these settings; this module imports no backend.
 
 The backend: ``cli`` runs Slurm's command-line tools (``client.Slurm``); ``pyslurm`` talks
 to the controller through the ``pyslurm`` library (``pyslurm_backend``, imported only when
@@ -98,23 +98,6 @@ def _positive(value: Any, name: str, *, upper: float, zero_ok: bool = False) -> 
     if not ok:
         raise InputError(f"Slurm settings: {name}: must be a number in {'[0' if zero_ok else '(0'}, "
                          f"{upper:g}], got {value!r}")
-
-
-def connect(settings: Optional[SlurmSettings] = None, *, runner=None, **overrides: Any):
-    """The Slurm client for ``settings`` (default: from the environment), tightened by
-    ``overrides`` (timeout_s, read_attempts, backoff_s), on the settings' backend: the CLI
-    client, or the pyslurm one (``auto``: pyslurm where it is installed and matches the
-    controller's major.minor). An explicit ``backend="pyslurm"`` that cannot be used raises
-    a one-line ``InputError``."""
-    from clusterops.slurm.client import Slurm
-
-    s = (settings or SlurmSettings.from_environment()).tightened(**overrides)
-    cli = Slurm(runner, settings=s) if runner is not None else Slurm.from_environment(settings=s)
-    if s.backend == "cli":
-        return cli
-    from clusterops.slurm import pyslurm_backend   # only when pyslurm may be chosen
-
-    return pyslurm_backend.choose(cli, explicit=s.backend == "pyslurm")
 
 
 def devcluster_conf(env: Optional[Mapping[str, str]] = None) -> Path:

@@ -8,7 +8,7 @@ only turns its actions into job steps and Slurm calls, and what it sees into eve
 The step argv lists come from :func:`clusterops.slurm.steps.srun_argv`, srun's error
 output is read by :func:`clusterops.slurm.parse.parse_srun_failures`, programs start
 through :class:`clusterops.runner.Runner`, and queries, signals, requeues and drains go
-through the Slurm client (``clusterops.slurm.settings.connect``). Each action class has
+through the Slurm client (``clusterops.slurm.factory.connect``). Each action class has
 its handler in one explicit table (``SupervisorRun._handlers``).
 
 The training step is one ``srun`` with one task per rank ("srun-native ranks": RANK
@@ -44,6 +44,7 @@ from clusterops import protocol
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Process, Runner, current_user, free_port, kill_group, wait_exit
+from clusterops.slurm.api import Backoff, SlurmAPI
 from clusterops.slurm.parse import parse_srun_failures
 from clusterops.slurm.steps import srun_argv
 from clusterops.supervisor import channel as hbchannel
@@ -335,16 +336,17 @@ def save_memory(job_dir: Path, memory: sv.Memory) -> None:
 
 # ------------------------------------------------------------------------------ the run
 class SupervisorRun:
-    def __init__(self, cfg: RunConfig, *, slurm=None, runner: Optional[Runner] = None,
+    def __init__(self, cfg: RunConfig, *, slurm: Optional[SlurmAPI] = None, runner: Optional[Runner] = None,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                  echo: Callable[[str], None] = print):
         self.cfg = cfg
         self.runner = runner or Runner()
         if slurm is None:
-            from clusterops.slurm.settings import connect
+            from clusterops.slurm.factory import connect
 
-            # Polls must not block the loop for long: few attempts, short timeouts.
-            slurm = connect(runner=self.runner, timeout_s=15.0, read_attempts=2, backoff_s=0.5)
+            # Polls must not block the loop for long: one attempt each, short timeouts; the
+            # loop retries on its own schedule (``_poll_nodes``: one budget, no nested retries).
+            slurm = connect(runner=self.runner, timeout_s=15.0, read_attempts=1)
         self.slurm = slurm
         self.clock = clock
         self.sleep = sleep
@@ -912,8 +914,7 @@ class SupervisorRun:
         except ClusteropsError as e:
             # A flaky controller is normal: back off, and say so after a few misses.
             self.node_poll_failures += 1
-            delay = min(self.cfg.node_poll_s * (2 ** self.node_poll_failures), 60.0)
-            self.next_node_poll = now + delay
+            self.next_node_poll = now + Backoff(self.cfg.node_poll_s, cap_s=60.0).delay(self.node_poll_failures)
             if self.node_poll_failures in (3, 10):
                 self._record("warning", {"what": f"node poll failed {self.node_poll_failures} times: {e.message}"})
             return None

@@ -11,7 +11,7 @@ out by ``apply_sweep_plan`` (the code here that changes node states after the ch
 two others are ``run_sweep`` resuming the clusterops-drained nodes it rechecks, inside the
 reservation, and ``_restore_drains`` draining them again when the recheck cannot run or
 the sweep fails), and the ``SweepReport`` recorded. The exit codes (``EXIT_*``) are the ``clusterops sweep``
-contract. A Slurm client comes from ``clusterops.slurm.settings.connect`` unless one is
+contract. A Slurm client comes from ``clusterops.slurm.factory.connect`` unless one is
 passed in.
 """
 
@@ -346,7 +346,7 @@ def require_privilege(opts: SweepOptions, slurm=None) -> None:
         return
     try:
         if slurm is None:
-            from clusterops.slurm.settings import connect
+            from clusterops.slurm.factory import connect
 
             slurm = connect(timeout_s=10, read_attempts=1)
         privilege.require(slurm, privilege.Level.ADMIN, "clusterops sweep",
@@ -361,7 +361,7 @@ def require_privilege(opts: SweepOptions, slurm=None) -> None:
 def _setup(opts: SweepOptions, slurm, errors: List[str]):
     """Slurm client, target names and their Slurm states, before any check runs."""
     if slurm is None:
-        from clusterops.slurm.settings import connect
+        from clusterops.slurm.factory import connect
 
         if opts.via == "slurm" or opts.partition or not opts.nodes:
             slurm = connect()

@@ -21,11 +21,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, TYPE_CHECKING, Tuple
 
 from clusterops.errors import ClusteropsError
 from clusterops.sweep import scripts
 from clusterops.sweep.results import NodeResult, one_line, parse_times, result_from_check
+
+if TYPE_CHECKING:   # annotations only: the Slurm layer is imported where it is used
+    from clusterops.slurm.api import SlurmAPI
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ class SlurmFanout:
     Each job has its own deadline, ``timeout_s`` from its submission.
     """
 
-    def __init__(self, slurm, argv: Sequence[str], work_dir: Path, *, timeout_s: float = 300.0,
+    def __init__(self, slurm: SlurmAPI, argv: Sequence[str], work_dir: Path, *, timeout_s: float = 300.0,
                  submit_concurrency: int = 16, max_running: int = 0, poll_s: float = 0.1,
                  squeue_every_s: float = 3.0, end_grace_s: float = 3.0,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):

@@ -74,7 +74,7 @@ def test_fsdp2_supervised_on_four_nodes_killed_preempted_and_resumed_bitwise(clu
 
     import torch
     from support import faultkit as fk
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
     from clusterops.supervisor import timeline as tl
 
     steps, every = 40, 5

@@ -225,7 +225,7 @@ def test_installed_wheel_writes_the_site_files_for_its_own_prefix(installed, tmp
 def test_a_supervised_job_runs_on_the_dev_cluster_from_the_installed_wheel(installed, cluster, tmp_path):
     from support import faultkit as fk
 
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
     from clusterops.supervisor import timeline as tl
 
     bindir = installed.venv / "bin"

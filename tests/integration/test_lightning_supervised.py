@@ -35,7 +35,7 @@ def events(job, kind):
 
 @pytest.mark.timeout(360)
 def test_lightning_kill9_and_preemption_heal_bitwise(cluster, tmp_path):
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
 
     slurm = connect()
     ref = tmp_path / "ref"

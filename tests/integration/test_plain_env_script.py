@@ -65,7 +65,7 @@ def wait_job(slurm, job_id: int, timeout_s: float, logs: Path):
 def unsupervised(devcluster, tmp_path_factory):
     """The script launched by the srun template as it is: no supervise:, no SDK."""
     from clusterops import launch
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
 
     root = tmp_path_factory.mktemp("plain-env-unsupervised")
     spec = launch.JobSpec.from_dict({
@@ -93,7 +93,7 @@ def test_env_script_unsupervised_gets_torch_env(cluster, unsupervised):
 @pytest.mark.timeout(420)
 def test_env_script_supervised_kill9_resumes_and_finishes_bitwise(cluster, unsupervised, tmp_path):
     """Before issue 18 every attempt died: "environment variable RANK expected, but not set"."""
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
 
     ref_root, ref_info = unsupervised
     assert ref_info.state == "COMPLETED", ref_info

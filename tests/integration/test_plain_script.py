@@ -32,7 +32,7 @@ def events(job, kind):
 
 @pytest.mark.timeout(300)
 def test_plain_script_kill9_and_preemption_heal_bitwise(cluster, tmp_path):
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
 
     slurm = connect()
     ref = tmp_path / "ref"

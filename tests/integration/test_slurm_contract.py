@@ -20,7 +20,8 @@ from support.wait import wait_for
 from clusterops.errors import InputError, NotFoundError
 from clusterops.runner import Runner
 from clusterops.slurm import ForeignDrainError, SlurmError
-from clusterops.slurm.settings import SlurmSettings, connect
+from clusterops.slurm.factory import connect
+from clusterops.slurm.settings import SlurmSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

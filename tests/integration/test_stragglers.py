@@ -42,7 +42,7 @@ def reference(tmp_path_factory):
 
 @pytest.fixture
 def slurm(cluster):
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
 
     return connect()
 

@@ -43,7 +43,7 @@ def worker_pids(job, rank: int):
 
 @pytest.mark.timeout(360)
 def test_torchrun_kill9_worker_and_preemption_heal_bitwise(cluster, tmp_path):
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
 
     slurm = connect()
     ref = tmp_path / "ref"

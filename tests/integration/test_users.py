@@ -61,7 +61,7 @@ def home(user):
 
 
 def _slurm(runner):
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
 
     return connect(runner=runner)
 

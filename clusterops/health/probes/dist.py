@@ -89,7 +89,7 @@ def rank_info(env: Mapping[str, str]) -> Dict[str, Any]:
 def node_address(name: str) -> str:
     """The rendezvous address of a Slurm node: the Slurm layer's one rule (its name when it
     resolves, else its NodeAddr), asked with a short bound."""
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
 
     return connect(read_attempts=2, timeout_s=10).node_address(name)
 

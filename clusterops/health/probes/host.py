@@ -376,7 +376,7 @@ def probe_stray_processes(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeR
         return [ProbeResult("host.stray_processes", "pass", value=0, unit="processes",
                             detail="no processes of Slurm jobs on this node")]
     try:
-        from clusterops.slurm.settings import connect
+        from clusterops.slurm.factory import connect
 
         slurm = connect(timeout_s=float(cfg.get("slurm_timeout_s", 3)), read_attempts=1)
         # Anything not finished counts as live (a completing job still owns its processes).

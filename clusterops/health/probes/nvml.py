@@ -357,7 +357,7 @@ def local_gpu_evidence(host_root: str = "/") -> List[str]:
 def slurm_gpu_count(node: str, timeout_s: float) -> Optional[int]:
     """GPUs Slurm's gres gives ``node`` (one bounded query; None when Slurm cannot say)."""
     from clusterops.slurm.gres import gpu_count
-    from clusterops.slurm.settings import connect
+    from clusterops.slurm.factory import connect
 
     slurm = connect(timeout_s=timeout_s, read_attempts=1)
     return gpu_count(slurm.node(node).gres)

@@ -1,0 +1,203 @@
+"""The Slurm layer's declared interface, and the rules every backend keeps.
+
+``SlurmAPI`` is the ``Protocol`` of a Slurm client: what the CLI backend
+(``client.Slurm``) and the pyslurm backend (``pyslurm_backend.PyslurmSlurm``) both offer,
+and what consumers annotate (``slurm: SlurmAPI``). tests/test_layout.py compares the
+signature of every method here with both backends and with every fake in
+tests/support/fakes.py.
+
+The shared rules live here once and both backends call them: the node-list and signal
+checks (``hostlist_of``, ``check_signal``), a drain reason that is one line and ours
+(``check_drain_reason``), the refusal to resume a node someone else drained
+(``refuse_foreign``), submit's script-or-text check (``submit_body``), and reads retried
+with backoff (``Backoff``, ``retry_read``: one rule, one budget; the supervisor's node poll
+schedules its own retries with the same ``Backoff`` and asks the client for one attempt).
+The Slurm errors are defined here so the rules and both backends share them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import (Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple, TypeVar, Union,
+                    runtime_checkable)
+
+import hostlist
+
+from clusterops.drains import is_foreign, is_ours
+from clusterops.errors import ClusteropsError, InputError, NotFoundError
+from clusterops.slurm.parse import JobInfo, NodeInfo
+
+log = logging.getLogger(__name__)
+
+Nodes = Union[str, Iterable[str]]
+T = TypeVar("T")
+
+_SIGNALS = {"HUP", "INT", "QUIT", "KILL", "USR1", "USR2", "TERM", "CONT", "STOP", "TSTP", "ALRM", "ABRT"}
+
+
+class SlurmError(ClusteropsError):
+    """A Slurm command refused what we asked (exit code 1)."""
+
+
+class SlurmUnavailable(SlurmError):
+    """The controller did not answer after the bounded retries."""
+
+
+class SlurmConfigError(SlurmError):
+    """No usable slurm.conf: retrying cannot help."""
+
+
+class ForeignDrainError(ClusteropsError):
+    """Asked to resume a node whose drain reason clusterops did not write."""
+
+
+@runtime_checkable
+class SlurmAPI(Protocol):
+    """A Slurm client: the CLI tools (``client.Slurm``) or pyslurm (``PyslurmSlurm``)."""
+
+    backend: str
+
+    # -- versions and configuration
+    def version(self) -> Tuple[int, ...]: ...
+    def show_config(self) -> str: ...
+    def admin_level_text(self, user: str) -> str: ...
+    def controller_version(self) -> Tuple[int, ...]: ...
+
+    # -- jobs
+    def submit(self, script: Union[str, os.PathLike, None] = None, args: Sequence[str] = (), *,
+               text: Optional[str] = None, workdir: Optional[str] = None) -> int: ...
+    def jobs(self, job_ids: Optional[Iterable[int]] = None) -> List[JobInfo]: ...
+    def job(self, job_id: Union[int, str]) -> JobInfo: ...
+    def job_tasks(self, job_id: Union[int, str]) -> List[JobInfo]: ...
+    def requeue(self, job_id: Union[int, str], *, hold: bool = False) -> None: ...
+    def hold(self, job_id: Union[int, str]) -> None: ...
+    def release(self, job_id: Union[int, str]) -> None: ...
+    def update_job(self, job_id: Union[int, str], **fields: object) -> None: ...
+    def cancel(self, job_id: Union[int, str], *, signal: Union[str, int, None] = None,
+               batch: bool = False, full: bool = False, step: Optional[int] = None) -> None: ...
+    def signal(self, job_id: Union[int, str], sig: Union[str, int], *, batch: bool = False,
+               full: bool = False, step: Optional[int] = None) -> None: ...
+    def steps(self, job_id: Union[int, str]) -> List[Tuple[str, str]]: ...
+
+    # -- nodes
+    def node_address(self, name: str) -> str: ...
+    def nodes(self, names: Optional[Nodes] = None) -> List[NodeInfo]: ...
+    def node_states(self) -> Dict[str, str]: ...
+    def node(self, name: str) -> NodeInfo: ...
+    def drain(self, nodes: Nodes, reason: str) -> None: ...
+    def resume(self, nodes: Nodes) -> None: ...
+    def partition_nodes(self, partition: str) -> List[str]: ...
+
+    # -- reservations
+    def create_reservation(self, name: str, nodes: Nodes, *, minutes: int, users: str,
+                           flags: str = "MAINT,IGNORE_JOBS") -> None: ...
+    def delete_reservation(self, name: str) -> None: ...
+
+
+def api_methods() -> List[str]:
+    """The public method names of ``SlurmAPI``, in declaration order."""
+    return [k for k, v in vars(SlurmAPI).items() if callable(v) and not k.startswith("_")]
+
+
+# ------------------------------------------------------------------------- shared rules
+def hostlist_of(nodes: Nodes) -> str:
+    """A node list (a hostlist expression or names) as one compressed hostlist; none is an error."""
+    names = hostlist.expand_hostlist(nodes) if isinstance(nodes, str) else list(nodes)
+    if not names:
+        raise InputError("no nodes given")
+    return hostlist.collect_hostlist(names)
+
+
+def check_signal(sig: Union[str, int]) -> str:
+    """A signal as Slurm spells it (``USR1``, ``9``); an unknown one is an ``InputError``."""
+    s = str(sig).upper()
+    if s.startswith("SIG"):
+        s = s[3:]
+    if s.isdigit() or s in _SIGNALS:
+        return s
+    raise InputError(f"unknown signal {sig!r}")
+
+
+def check_drain_reason(reason: str) -> None:
+    """A drain reason clusterops writes: one line, and ours (``clusterops.drains.make_reason``)."""
+    if not reason or "\n" in reason:
+        raise InputError("a drain reason is required, on one line")
+    if not is_ours(reason):
+        raise InputError(f"drain reason {reason!r}: clusterops writes only reasons starting 'clusterops:'")
+
+
+def refuse_foreign(infos: Iterable[NodeInfo]) -> None:
+    """``ForeignDrainError`` (nothing resumed) when any node carries a reason clusterops did
+    not write: the last line that never bends, whatever the caller decided."""
+    foreign = [f"{n.name} ({n.reason!r})" for n in infos if is_foreign(n.reason)]
+    if foreign:
+        raise ForeignDrainError(f"not resuming {', '.join(foreign)}: drained by someone else; "
+                                "an administrator resumes it with scontrol")
+
+
+def submit_body(script: Union[str, os.PathLike, None], text: Optional[str]) -> Optional[Path]:
+    """Submit's argument check: a script path or its text, exactly one; a path must exist.
+    Returns the path (None for text)."""
+    if (script is None) == (text is None):
+        raise InputError("submit takes a script path or its text, not both")
+    if script is None:
+        return None
+    path = Path(script)
+    if not path.is_file():
+        raise InputError(f"{path}: no such script")
+    return path
+
+
+def pick_node(infos: Iterable[NodeInfo], name: str) -> NodeInfo:
+    """The record of node ``name`` among ``infos``; ``NotFoundError`` when absent."""
+    for n in infos:
+        if n.name == name:
+            return n
+    raise NotFoundError(f"node {name} not found")
+
+
+# ------------------------------------------------------------------------------- retries
+@dataclass(frozen=True)
+class Backoff:
+    """The one retry rule: the n-th pause is ``first_s * 2**n`` (at most ``cap_s``), and
+    ``retry_read`` makes ``attempts`` tries. A caller that schedules its own retries (the
+    supervisor's node poll, which never gives up) takes only ``delay``."""
+
+    first_s: float
+    attempts: int = 1
+    cap_s: Optional[float] = None
+
+    def delay(self, n: int) -> float:
+        d = self.first_s * (2 ** n)
+        return d if self.cap_s is None else min(d, self.cap_s)
+
+
+class Retry(Exception):
+    """Raised by one attempt of a read to say: this failure may pass, try again."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def retry_read(attempt: Callable[[], T], backoff: Backoff, *, what: str, sleep: Callable[[float], None],
+               label: str = "") -> T:
+    """``attempt()`` until it returns, at most ``backoff.attempts`` times, pausing between
+    tries; an attempt raises ``Retry`` for a failure that may pass and anything else for one
+    that will not (that propagates at once). Out of attempts: ``SlurmUnavailable`` naming the
+    last failure (``label`` before it, when given)."""
+    last: Optional[BaseException] = None
+    for n in range(backoff.attempts):
+        try:
+            return attempt()
+        except Retry as r:
+            last = r.cause
+        if n + 1 < backoff.attempts:
+            delay = backoff.delay(n)
+            log.info("%s failed (%s); retrying in %.1fs", what, last, delay)
+            sleep(delay)
+    raise SlurmUnavailable(f"Slurm did not answer after {backoff.attempts} attempts: "
+                           f"{label + ': ' if label else ''}{last}")
