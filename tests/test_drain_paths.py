@@ -80,7 +80,8 @@ def test_sweep_drain_respects_the_partition_wide_guard():
 
 
 def test_sweep_exit_code_is_the_guards_when_the_partition_guard_refused():
-    from clusterops.sweep.run import EXIT_GUARD, SweepOptions, SweepReport, _exit_code
+    from clusterops.sweep.options import SweepOptions
+    from clusterops.sweep.run import EXIT_GUARD, SweepReport, _exit_code
 
     plan = _plan_with_drains(["n01"])
     plan.guard_tripped = True

@@ -58,41 +58,14 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
          lifted it again (too many nodes drained at once): node left in service
       4  error: a probe crashed, timed out or could not check: node left in service
     """
-    from clusterops import spool
-    from clusterops.health import (drain_settings, exit_code, format_table, health_metrics, load_profile,
-                                   load_site_config, run_check, self_drain)
-    from clusterops.health.probes.base import ProbeContext, node_name
+    from clusterops.health import format_table
+    from clusterops.health.flow import CheckRequest, check_node
 
-    profile = load_profile(profile_name, site_config)  # InputError -> exit 2
-    guard = drain_settings(site_config) if drain_on_fail else None  # bad drain: settings -> exit 2
-    site, site_path = load_site_config(site_config)
-    record_to = spool.settings(db_target, site, site_path)   # a bad --db / history: is exit 2, before the check
-    if prometheus:
-        from clusterops.fsutil import check_output_target
-
-        check_output_target(prometheus)   # /dev/null, a FIFO, a symlink: exit 2 before the check runs
-    if drain_on_fail:
-        _require_drain_privilege(drain_timeout_s)   # not a Slurm admin: exit 2, nothing run
-    ctx = ProbeContext(node=node or node_name())
-    run = run_check(profile, ctx)
-    report = run.report
-    if drain_on_fail:
-        report["slurm"] = self_drain(report, ctx.node, timeout_s=drain_timeout_s, guard=guard)
-        _notify_self_drain(report, site, site_path)
-    report["exit_code"] = exit_code(report["status"], report.get("slurm"))
-    if record_to is not None:
-        report["history"] = spool.record(report, record_to)
-        if report["history"]["error"]:
-            h = report["history"]
-            click.echo(f"warning: history not recorded now ({h['error']}); {h['pending']} check(s) wait in "
-                       f"{h['spool']}", err=True)
-    if prometheus:
-        from clusterops.errors import ClusteropsError
-
-        try:
-            health_metrics(report).write_textfile(prometheus)
-        except ClusteropsError as e:
-            raise ClusteropsError(f"--prometheus {prometheus}: {e.message}", exit_code=e.exit_code) from None
+    out = check_node(CheckRequest(profile=profile_name, site_config=site_config, node=node,
+                                  drain_on_fail=drain_on_fail, drain_timeout_s=drain_timeout_s, db=db_target,
+                                  prometheus=prometheus),
+                     warn=lambda m: click.echo(f"warning: {m}", err=True))
+    report = out.report
     if as_json:
         echo_json(report)
     else:
@@ -102,35 +75,16 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
             click.echo(f"slurm: {s['action']} ({s['why']})")
     # The two outcomes that leave a sick-looking node in service say so on stderr, one line.
     if report["status"] not in ("pass", "warn", "fail"):
-        click.echo(f"clusterops health: {ctx.node}: check status {report['status']}: it could not decide; "
+        click.echo(f"clusterops health: {out.node}: check status {report['status']}: it could not decide; "
                    "node left in service (exit 4); see the ERROR results", err=True)
     elif drain_on_fail and report["slurm"]["action"] in ("refused", "undone"):
         click.echo(f"clusterops health: {report['slurm']['why']}", err=True)
-    code = report["exit_code"]
-    if run.outcome.hung:
+    if out.hung:
         # A probe thread is stuck (maybe in the kernel): do not wait for it at exit.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
-    return code
-
-
-def _require_drain_privilege(timeout_s: float) -> None:
-    """--drain-on-fail by a user Slurm would not let drain: one line, exit 2, before the check.
-    A Slurm that cannot be asked now decides nothing here: the check runs, and its self-drain
-    reports what Slurm does then."""
-    from clusterops.errors import ClusteropsError
-    from clusterops.slurm import privilege
-    from clusterops.slurm.factory import connect
-
-    try:
-        slurm = connect(timeout_s=max(2.0, timeout_s / 3), read_attempts=1)
-        privilege.require(slurm, privilege.Level.ADMIN, "clusterops health check --drain-on-fail",
-                          "draining or resuming a node")
-    except privilege.PrivilegeError:
-        raise
-    except ClusteropsError:
-        pass
+        os._exit(out.exit_code)
+    return out.exit_code
 
 
 @health.command()
@@ -254,31 +208,3 @@ try:
 except ImportError:
     pass
 
-
-def _notify_self_drain(report, site, site_path) -> None:
-    """Tell the site config's ``notify:`` webhooks of a drain, a resume or a guard refusal
-    (rare events: a passing check sends nothing). Bounded at 5 s; never changes the exit."""
-    s = report.get("slurm") or {}
-    event = {"drain": "node_drained", "resume": "node_resumed"}.get(s.get("action")) if s.get("ok") else None
-    if s.get("action") in ("refused", "undone") and (s.get("guard") or s.get("excess")):
-        event = "guard_tripped"
-    if event is None or not (site or {}).get("notify"):
-        return
-    from clusterops import notify
-
-    try:
-        targets = notify.parse_targets(site.get("notify"), f"{site_path}: notify")
-    except Exception as e:  # noqa: BLE001 - validated with the site config already; never fail the check
-        click.echo(f"warning: notify: {e}", err=True)
-        return
-    node = report["node"]
-    summary = {"node_drained": f"{node} drained by its health check: {s.get('reason', '')}",
-               "node_resumed": f"{node} resumed: its health check passes again",
-               "guard_tripped": f"{node} fails its health check, but the fleet guard refused the drain: "
-                                f"{s.get('why', '')}"}[event]
-    n = notify.Notifier(targets)
-    n.send(event, summary, {"node": node, "profile": report.get("profile"), "reason": s.get("reason"),
-                            "why": s.get("why"), "status": report.get("status")})
-    for d in n.close(max_wait_s=5.0):
-        if not d.ok:
-            click.echo(f"warning: notify {event}: {d.error}", err=True)

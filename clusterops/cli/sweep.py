@@ -2,31 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shlex
+import signal
 import sys
-from pathlib import Path
 
 import click
 
 from clusterops.cli.common import echo_json, json_option
-
-
-@contextlib.contextmanager
-def _locked(sw, lock):
-    """Hold the sweep's lock (``clusterops.sweep.lock``); a lock that cannot even be asked
-    (the PostgreSQL history down) means the sweep cannot run (exit 5)."""
-    from clusterops.errors import ClusteropsError
-
-    try:
-        lock.__enter__()
-    except ClusteropsError as e:
-        raise sw.SweepCannotRun(f"sweep could not run: {e.message}") from None
-    try:
-        yield lock
-    finally:
-        lock.__exit__(None, None, None)
 
 
 class _Progress:
@@ -74,22 +56,6 @@ class _Progress:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
-
-
-def _check_output(flag: str, path: str, check_output_target) -> None:
-    """An output file must be creatable: a regular file or absent, under a directory that
-    exists (or can be made) and is writable. Checked before the sweep, not after it."""
-    from clusterops.errors import InputError
-
-    try:
-        check_output_target(path)
-    except InputError as e:
-        raise InputError(f"{flag} {e.message}") from None
-    parent = Path(path).absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {path}: {parent} is not a writable directory")
 
 
 def _console(stderr: bool = False):
@@ -202,8 +168,7 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
     """
     from clusterops import sweep as sw
     from clusterops.errors import InputError
-    from clusterops.fsutil import check_output_target
-    from clusterops.history import default_target, parse_target
+    from clusterops.sweep.session import SweepSession
 
     if check_cmd is not None:
         try:
@@ -220,125 +185,37 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
         check_cmd=check_argv, work_dir=work_dir, keep_work_dir=keep_work_dir,
         accept_new_hosts=accept_new_hosts, ssh_config=ssh_config, known_hosts=known_hosts, ssh_key=ssh_key,
         ssh_user=ssh_user, ssh_port=ssh_port)
-    opts.validate()
-    if not 0 < retention_days < 1e6:
-        raise InputError(f"--retention-days: must be positive (and under a million), got {retention_days}")
-    for flag, path in (("--report", report_path), ("--prometheus", prom_path)):
-        if path:
-            _check_output(flag, path, check_output_target)
-    target = parse_target(db_path if db_path else default_target())
-    if target.kind == "sqlite":
-        db = target.path
-        if db_path and db.exists() and not db.is_file():
-            raise InputError(f"--db: {db_path} is not a regular file")
-    # One sweep at a time per history: a file lock by a SQLite one, an advisory lock inside
-    # a PostgreSQL one (shared by every host that sweeps into it).
-    from clusterops.sweep.lock import sweep_lock
-
-    lock = sweep_lock(target, no_history=no_history)
-    opts.validate_profile()
-    sw.require_privilege(opts)   # not a Slurm admin, and the sweep would change nodes: exit 2 now
-    from clusterops import notify
-
-    notifier = notify.Notifier(notify.load_config(notify_config or os.environ.get("CLUSTEROPS_HEALTH_SITE")))
-    try:
-        return _run(sw, opts, target, lock, no_history, retention_days, as_json, quiet, prom_path, report_path,
-                    drain, dry_run, notifier)
-    except sw.SweepCannotRun as e:
-        notifier.send("sweep_cannot_run", e.message, {"exit_code": sw.EXIT_CANNOT_RUN})
-        _close_notifier(notifier)
-        raise
-
-
-def notify_events(doc, drain):
-    from clusterops.notify import sweep_events
-
-    return sweep_events(doc, drain)
-
-
-NOTIFY_WAIT_S = 20.0   # the most a sweep waits at its end for its webhooks
-
-
-def _close_notifier(notifier) -> list:
-    failed = [d for d in notifier.close(NOTIFY_WAIT_S) if not d.ok]
-    for d in failed:
-        click.echo(f"warning: notification {d.event} not delivered: {d.error}", err=True)
-    return failed
-
-
-def _run(sw, opts, target, lock, no_history, retention_days, as_json, quiet, prom_path, report_path, drain,
-         dry_run, notifier):
-    from clusterops.errors import ClusteropsError
-    from clusterops.history import History
-
-    import signal
-
-    def _terminate(signum, frame):
-        # systemd stops a unit with SIGTERM: unwind, so check jobs are cancelled, drains
-        # put back and the reservation deleted.
-        raise SystemExit(128 + signum)
-
+    session = SweepSession(opts, db=db_path, no_history=no_history, retention_days=retention_days,
+                           report_path=report_path, prom_path=prom_path, notify_config=notify_config,
+                           warn=lambda m: click.echo(f"warning: {m}", err=True))
     signal.signal(signal.SIGTERM, _terminate)
-    progress = _Progress(live=sys.stderr.isatty() and not as_json, quiet=quiet)
-    try:
-        with _locked(sw, lock):
-            try:
-                history = None if no_history else History.open(target)
-            except ClusteropsError as e:
-                raise sw.SweepCannotRun(f"sweep could not run: {e.message}") from None
-            try:
-                report = sw.run_sweep(opts, history=history, on_result=progress.result, on_targets=progress.targets)
-                if history is not None:
-                    try:
-                        history.prune(retention_days)
-                    except ClusteropsError as e:
-                        report.errors.append(f"history not pruned: {e.message}")
-                        report.exit_code = sw.EXIT_CANNOT_RUN
-            finally:
-                progress.close()
-                if history is not None:
-                    history.close()
-    except sw.SweepLocked as e:
-        click.echo(f"Error: another sweep is running ({lock.where} held{': ' + str(e) if str(e) else ''}); "
-                   "not starting a second one", err=True)
-        return sw.EXIT_LOCKED
-    except OSError as e:
-        raise sw.SweepCannotRun(f"sweep could not run: {lock.where}: {e.strerror or e}") from None
-    doc = report.to_dict()
-    if notifier.targets:
-        for event, summary, details in notify_events(doc, drain and not dry_run):
-            notifier.send(event, summary, details)
-        _close_notifier(notifier)
-        doc["notifications"] = [d.to_dict() for d in notifier.deliveries]
-    write_errors = []
-    if prom_path or report_path:
-        from clusterops import report as rep
-
-        for path, write in ((prom_path, rep.write_prometheus), (report_path, rep.write_html)):
-            if not path:
-                continue
-            try:
-                write(path, doc)
-            except ClusteropsError as e:
-                write_errors.append(e.message)
+    outcome = session.run(_Progress(live=sys.stderr.isatty() and not as_json, quiet=quiet))
+    if outcome.locked:
+        click.echo(f"Error: {outcome.locked}", err=True)
+        return outcome.exit_code
+    doc = outcome.doc
     if as_json:
         echo_json(doc)
     else:
         _summary(doc)
-        plan = report.plan
+        plan = outcome.report.plan
         if plan is not None:
             verb = "would " if (dry_run or not drain) else ""
             for a in plan.actions:
                 if a.action in ("drain", "resume"):
                     click.echo(f"{verb}{a.action} {a.node}: {a.reason or a.why}")
-    for e in report.errors:
+    for e in outcome.report.errors:
         click.echo(f"warning: {e}", err=True)
-    if report.plan is not None and report.plan.guard_tripped and drain:
+    if outcome.guard_message:
         # Loud, on stderr, where cron mail and journald will show it.
         bar = "!" * 78
-        click.echo(f"{bar}\n{report.plan.message}\n{bar}", err=True)
-    if write_errors:
-        # The sweep ran, but its outputs for monitoring are missing: not a success.
-        click.echo(f"Error: {'; '.join(write_errors)}", err=True)
-        return sw.EXIT_CANNOT_RUN
-    return report.exit_code
+        click.echo(f"{bar}\n{outcome.guard_message}\n{bar}", err=True)
+    if outcome.write_errors:
+        click.echo(f"Error: {'; '.join(outcome.write_errors)}", err=True)
+    return outcome.exit_code
+
+
+def _terminate(signum, frame):
+    # systemd stops a unit with SIGTERM: unwind, so check jobs are cancelled, drains
+    # put back and the reservation deleted.
+    raise SystemExit(128 + signum)

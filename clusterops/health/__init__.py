@@ -7,6 +7,8 @@
   3 unhealthy but the fleet guard refused the self-drain, 4 the check could not decide);
 - ``selfdrain``: the drain decision (pure) and the Slurm calls of ``--drain-on-fail``;
 - ``output``: Prometheus text and the terminal table;
+- ``flow``: one ``clusterops health check`` end to end (``check_node`` does it: inputs checked,
+  the check, self-drain and its webhooks, the history record, the Prometheus file);
 - ``probes/``: one module per kind of probe (NVML, XID, host, DCGM, matmul, dist).
 
 This module re-exports the names the CLI, the supervisor and the tests use.

@@ -11,11 +11,14 @@ The package, from pure to side-effecting:
 - ``slurm_fanout``: ``SlurmFanout``, one short exclusive check job pinned to each idle
   node; ``ssh``: the same over SSH (``ssh_fanout``), for nodes outside Slurm;
 - ``pairs``: 2-node all-reduce jobs over pairs of healthy nodes;
+- ``options``: ``SweepOptions``, the sweep's settings and their checks (exit 2);
 - ``lock``: one sweep at a time per history (a file lock by SQLite, an advisory lock
   inside PostgreSQL, so two cron hosts sharing one history never both sweep);
-- ``run``: ``SweepOptions``, ``run_sweep`` (select, check, judge, drain, record),
-  ``apply_sweep_plan`` (the code that changes node states after the checks; before them
-  ``run_sweep`` resumes the nodes it rechecks) and the exit codes.
+- ``run``: ``run_sweep`` (select, check, judge, drain, record), ``apply_sweep_plan``
+  (the code that changes node states after the checks; before them ``run_sweep`` resumes
+  the nodes it rechecks) and the exit codes;
+- ``session``: one ``clusterops sweep`` run around ``run_sweep`` (the lock, the history
+  opened and pruned, webhooks, the report files), returning a ``SweepOutcome``.
 
 Rules that never bend: a node whose check does not come back is ``unreachable``,
 never healthy; a node that runs jobs is skipped and listed; a node drained or downed
@@ -31,9 +34,9 @@ from clusterops.sweep.pairs import run_pairs
 from clusterops.sweep.policy import Action, DrainPlan, NodeSnapshot, allowed_drains, drain_reason, plan_drains
 from clusterops.sweep.results import (FAILING, HEALTHY, METRICS, STATUSES, NodeResult, extract_metrics,
                                       fleet_medians, mark_stragglers, parse_times, result_from_check)
+from clusterops.sweep.options import MAX_TARGETS, MAX_TIMEOUT_S, SweepOptions, expand_nodes, unique
 from clusterops.sweep.run import (EXIT_CANNOT_RUN, EXIT_GUARD, EXIT_LOCKED, EXIT_OK, EXIT_UNHEALTHY,
-                                  MAX_TARGETS, MAX_TIMEOUT_S, SweepCannotRun, SweepOptions, SweepReport,
-                                  apply_sweep_plan, expand_nodes, require_privilege, run_sweep, unique)
+                                  SweepCannotRun, SweepReport, apply_sweep_plan, require_privilege, run_sweep)
 from clusterops.sweep.scripts import check_argv, clusterops_argv
 from clusterops.sweep.slurm_fanout import SlurmFanout, Target
 from clusterops.sweep.ssh import ssh_fanout

@@ -13,17 +13,15 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Tuple
+from typing import Callable, Dict, List, Mapping, Tuple
 
 from clusterops.errors import ClusteropsError
 from clusterops.sweep import scripts
+from clusterops.sweep.options import SweepOptions
 from clusterops.sweep.results import NodeResult, natural_key, one_line
 
-if TYPE_CHECKING:
-    from clusterops.sweep.run import SweepOptions
 
-
-def run_pairs(slurm, results: Mapping[str, NodeResult], opts: "SweepOptions", work: Path,
+def run_pairs(slurm, results: Mapping[str, NodeResult], opts: SweepOptions, work: Path,
               errors: List[str], *, clock: Callable[[], float] = time.monotonic,
               sleep: Callable[[float], None] = time.sleep) -> List[dict]:
     """2-node all-reduce on pairs of healthy nodes (``clusterops health dist``), so a bad

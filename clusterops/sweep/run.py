@@ -1,15 +1,16 @@
 """One sweep, end to end: select the nodes, check them, judge, (drain), record.
 
-``SweepOptions`` are the sweep's settings, validated before Slurm is asked anything
-(bad ones: ``InputError``, exit 2); ``require_privilege`` then refuses, in one line (exit
-2), a sweep that would drain or resume nodes for a user who is not a Slurm admin. ``run_sweep`` ties the pieces together: the targets
+The sweep's settings are ``clusterops.sweep.options.SweepOptions`` (validated before
+Slurm is asked anything; bad ones: ``InputError``, exit 2); ``require_privilege`` then
+refuses, in one line (exit 2), a sweep that would drain or resume nodes for a user who is
+not a Slurm admin. ``run_sweep`` ties the pieces together: the targets
 and their Slurm states, busy/down/foreign-drained nodes skipped and listed, nodes that
 clusterops drained rechecked inside a short maintenance reservation, the checks run
 through ``SlurmFanout`` or ``ssh_fanout``, stragglers marked, optional node pairs,
 the drain plan made by ``policy.plan_drains`` from this sweep and the history, carried
 out by ``apply_sweep_plan`` (the code here that changes node states after the checks; the
 two others are ``run_sweep`` resuming the clusterops-drained nodes it rechecks, inside the
-reservation, and ``_restore_drains`` draining them again when the recheck cannot run or
+reservation (its step ``_open_recheck``), and ``_restore_drains`` draining them again when the recheck cannot run or
 the sweep fails), and the ``SweepReport`` recorded. The exit codes (``EXIT_*``) are the ``clusterops sweep``
 contract. A Slurm client comes from ``clusterops.slurm.factory.connect`` unless one is
 passed in.
@@ -19,18 +20,18 @@ from __future__ import annotations
 
 import getpass
 import logging
-import os
 import shutil
 import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from clusterops import drains
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.slurm import privilege
+from clusterops.sweep.options import SweepOptions, expand_nodes, unique
 from clusterops.sweep.pairs import run_pairs
 from clusterops.sweep.policy import DrainPlan, NodeSnapshot, drain_reason, plan_drains
 from clusterops.sweep.results import STATUSES, NodeResult, mark_stragglers, natural_key
@@ -54,10 +55,6 @@ class SweepCannotRun(ClusteropsError):
     exit_code = EXIT_CANNOT_RUN
 
 
-MAX_TARGETS = 100_000     # a hostlist typo like node[1-99999999] must not eat the memory
-MAX_TIMEOUT_S = 7 * 86400.0  # also keeps NaN and infinity out (they fail every comparison)
-
-
 # -- reservations (rechecking nodes we drained) --------------------------------------------
 
 def create_reservation(slurm, name: str, nodes: str, minutes: int) -> None:
@@ -71,115 +68,6 @@ def delete_reservation(slurm, name: str) -> None:
 
 
 # -- the sweep ---------------------------------------------------------------------
-
-@dataclass
-class SweepOptions:
-    partition: Optional[str] = None
-    nodes: Optional[str] = None            # hostlist
-    profile: str = "fast"
-    via: str = "slurm"                     # slurm | ssh
-    concurrency: int = 32                  # ssh sessions / parallel sbatch calls
-    max_running: int = 0                   # Slurm: check jobs in flight at once (0: all)
-    drain: bool = False
-    max_drain_fraction: float = 0.1
-    dry_run: bool = False
-    timeout_s: float = 300.0               # per check (Slurm: from submission)
-    connect_timeout_s: float = 10.0
-    pairs: bool = False
-    flap_k: int = 3
-    flap_n: int = 5
-    straggler_tolerance: float = 0.10
-    drain_stragglers: bool = False
-    recheck_drained: bool = True           # resume-check nodes clusterops drained (Slurm, not dry-run)
-    check_cmd: Optional[List[str]] = None
-    work_dir: Optional[str] = None
-    keep_work_dir: bool = False
-    accept_new_hosts: bool = False
-    ssh_config: Optional[str] = None
-    known_hosts: Optional[str] = None
-    ssh_key: Optional[str] = None
-    ssh_user: Optional[str] = None
-    ssh_port: Optional[int] = None
-
-    def validate(self) -> None:
-        if self.partition and self.nodes:
-            raise InputError("--partition and --nodes: give one or the other")
-        if self.via not in ("slurm", "ssh"):
-            raise InputError(f"--via: must be slurm or ssh, got {self.via!r}")
-        if self.concurrency < 1:
-            raise InputError(f"--concurrency: must be at least 1, got {self.concurrency}")
-        if self.max_running < 0:
-            raise InputError(f"--max-running: must be 0 (no cap) or more, got {self.max_running}")
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
-            raise InputError(f"--timeout: must be positive and at most {MAX_TIMEOUT_S:g} s, got {self.timeout_s}")
-        if not 0 <= self.max_drain_fraction <= 1:
-            raise InputError(f"--max-drain-fraction: must be between 0 and 1, got {self.max_drain_fraction}")
-        if not 1 <= self.flap_k <= self.flap_n:
-            raise InputError(f"--flap-k/--flap-n: need 1 <= k <= n, got k={self.flap_k} n={self.flap_n}")
-        if not 0 <= self.straggler_tolerance < 1:
-            raise InputError(f"--straggler-tolerance: must be in [0, 1), got {self.straggler_tolerance}")
-        if not 0 < self.connect_timeout_s <= MAX_TIMEOUT_S:
-            raise InputError(f"--connect-timeout: must be positive and at most {MAX_TIMEOUT_S:g} s, "
-                             f"got {self.connect_timeout_s}")
-        if self.flap_n > 1000:
-            raise InputError(f"--flap-n: at most 1000 sweeps, got {self.flap_n}")
-        if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
-            raise InputError(f"--ssh-port: must be 1..65535, got {self.ssh_port}")
-        if self.drain_stragglers and not self.drain:
-            raise InputError("--drain-stragglers: needs --drain")
-        if self.check_cmd is not None and not self.check_cmd:
-            raise InputError("--check-cmd: empty command")
-        if self.pairs and self.via != "slurm":
-            raise InputError("--pairs: needs --via slurm (pairs run as 2-node Slurm jobs)")
-        if self.work_dir is not None and Path(self.work_dir).exists() and not Path(self.work_dir).is_dir():
-            raise InputError(f"--work-dir: {self.work_dir} exists and is not a directory")
-        if self.via == "ssh":
-            for flag, value in (("--ssh-key", self.ssh_key), ("--ssh-config", self.ssh_config)):
-                if value is not None and not Path(os.path.expanduser(value)).is_file():
-                    raise InputError(f"{flag}: {value}: no such file")
-            if self.known_hosts is not None and Path(os.path.expanduser(self.known_hosts)).is_dir():
-                raise InputError(f"--known-hosts: {self.known_hosts} is a directory")
-        if self.nodes is not None:
-            expand_nodes(self.nodes)
-
-    def changes_nodes(self) -> bool:
-        """True when this sweep may drain or resume nodes (a Slurm admin's right: see
-        ``clusterops.slurm.privilege``): with --drain, or via Slurm, whose rechecks resume
-        clusterops-drained nodes for their check. A dry run changes nothing."""
-        if self.dry_run:
-            return False
-        return self.drain or (self.via == "slurm" and self.recheck_drained)
-
-    def validate_profile(self) -> None:
-        """The profile must load here (name or file, with the site config) before any node
-        is asked to run it; a wrapped check (--check-cmd) is the site's own business."""
-        if self.check_cmd:
-            return
-        from clusterops.health import load_profile
-
-        load_profile(self.profile)
-
-
-def expand_nodes(text: str) -> List[str]:
-    import hostlist
-
-    try:
-        names = hostlist.expand_hostlist(text)
-    except hostlist.BadHostlist as e:
-        raise InputError(f"--nodes: bad hostlist {text!r}: {e}") from None
-    except (ValueError, MemoryError, OverflowError) as e:
-        raise InputError(f"--nodes: bad hostlist {text!r}: {e}") from None
-    if not names:
-        raise InputError("--nodes: empty hostlist")
-    if len(names) > MAX_TARGETS:
-        raise InputError(f"--nodes: {len(names)} nodes is more than one sweep takes ({MAX_TARGETS})")
-    return unique(names)
-
-
-def unique(names: Iterable[str]) -> List[str]:
-    """Names in first-seen order, each once (a node listed twice is checked once)."""
-    return list(dict.fromkeys(names))
-
 
 @dataclass
 class SweepReport:
@@ -397,6 +285,26 @@ def resolve_targets(opts: SweepOptions, slurm) -> List[str]:
     return [n.name for n in slurm.nodes()]
 
 
+@dataclass
+class _SweepState:
+    """What one sweep holds while it runs, for the steps of ``run_sweep`` and its unwinding:
+    ``recheck`` are clusterops-drained nodes resumed for their check (re-drained on any
+    exit until the plan has been applied), ``reservation`` the maintenance reservation
+    they sit in (deleted on any exit)."""
+
+    opts: SweepOptions
+    sweep_id: str
+    started: float
+    slurm: object
+    names: List[str]
+    infos: Dict[str, object]
+    errors: List[str]
+    work: Optional[Path] = None
+    results: Dict[str, NodeResult] = field(default_factory=dict)
+    recheck: List[str] = field(default_factory=list)
+    reservation: Optional[str] = None
+
+
 def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Optional[Progress] = None,
               on_targets: Optional[Callable[[int], None]] = None, clock: Callable[[], float] = time.time,
               guard: Optional[drains.GuardSettings] = None) -> SweepReport:
@@ -409,6 +317,42 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
         from clusterops.health.profiles import drain_settings
 
         guard = drain_settings(None)   # a bad drain: block is exit 2 before anything runs
+    st = _start(opts, slurm, clock)
+    check = _select(st, on_result, on_targets)
+    st.work = _work_dir(opts, st.sweep_id)
+    try:
+        _check(st, check, on_result)
+        medians = mark_stragglers(st.results, opts.straggler_tolerance)
+        pair_results: List[dict] = []
+        if opts.pairs and opts.via == "slurm":
+            # Rechecked nodes sit in the sweep's maintenance reservation: not paired.
+            pair_results = run_pairs(st.slurm, {n: r for n, r in st.results.items() if n not in st.recheck},
+                                     opts, st.work, st.errors)
+        plan = _plan(st, history)
+        applied: List[dict] = []
+        if st.slurm is not None and not opts.dry_run:
+            done_, errs = apply_sweep_plan(st.slurm, plan, st.recheck, st.infos, drain=opts.drain, guard=guard)
+            applied += done_
+            st.errors += errs
+        st.recheck = []      # restored: nothing left to undo
+        report = SweepReport(st.sweep_id, st.started, clock(), _opts_dict(opts), list(st.names), st.results,
+                             medians, plan, applied, st.errors, pair_results)
+        report.exit_code = _exit_code(report, opts)
+        _record(report, history)
+        return report
+    except BaseException:
+        if st.recheck and st.slurm is not None and not opts.dry_run:
+            _restore_drains(st.slurm, st.recheck, st.infos, st.errors)
+        raise
+    finally:
+        if st.reservation:
+            reservation_cleanup(st.slurm, st.reservation, st.errors)
+        if not opts.keep_work_dir:
+            shutil.rmtree(st.work, ignore_errors=True)
+
+
+def _start(opts: SweepOptions, slurm, clock: Callable[[], float]) -> _SweepState:
+    """The sweep's id, its Slurm client, targets and their states; a Slurm that cannot be asked (or nothing to sweep) is ``SweepCannotRun``."""
     sweep_id = time.strftime("%Y%m%dT%H%M%S", time.gmtime(clock())) + "-" + uuid.uuid4().hex[:6]
     started = clock()
     errors: List[str] = []
@@ -422,89 +366,93 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
     except ClusteropsError as e:
         # Nothing was checked: no Slurm, an unknown/empty partition, no node list.
         raise SweepCannotRun(f"sweep could not run: {e.message}") from None
-    check, recheck, skipped = _classify_targets(names, infos, opts)
-    results: Dict[str, NodeResult] = dict(skipped)
-    if on_targets:
-        on_targets(len(names))
-    for r in skipped.values():
-        if on_result:
-            on_result(r)
-    argv = check_argv(opts.profile, opts.check_cmd)
-    reservation = None
+    return _SweepState(opts, sweep_id, started, slurm, names, infos, errors)
+
+
+def _work_dir(opts: SweepOptions, sweep_id: str) -> Path:
     # Slurm mode: the check jobs write their results here, so on a real cluster this must
     # be on a filesystem the nodes share (--work-dir); the default suits one machine.
     if opts.work_dir:
-        work = Path(opts.work_dir) / sweep_id
-    else:
-        work = Path(tempfile.mkdtemp(prefix=f"clusterops-sweep-{sweep_id}-"))
-    try:
-        if opts.via == "slurm":
-            targets = [Target(n, opts.partition or _first_partition(infos.get(n))) for n in check]
-            if recheck:
-                import hostlist
+        return Path(opts.work_dir) / sweep_id
+    return Path(tempfile.mkdtemp(prefix=f"clusterops-sweep-{sweep_id}-"))
 
-                reservation = f"clusterops-sweep-{sweep_id}"
-                minutes = max(2, int(opts.timeout_s // 60) + 2)
-                try:
-                    create_reservation(slurm, reservation, hostlist.collect_hostlist(recheck), minutes)
-                    slurm.resume(recheck)
-                    targets += [Target(n, opts.partition or _first_partition(infos.get(n)), reservation)
-                                for n in recheck]
-                except ClusteropsError as e:
-                    errors.append(f"could not recheck drained nodes {','.join(recheck)}: {e}")
-                    _restore_drains(slurm, recheck, infos, errors)
-                    reservation_cleanup(slurm, reservation, errors)
-                    reservation = None
-                    for n in recheck:
-                        results[n] = NodeResult(n, "skipped", detail=f"drained by clusterops "
-                                                f"({infos[n].reason}); recheck failed")
-                    recheck = []
-            fan = SlurmFanout(slurm, argv, work, timeout_s=opts.timeout_s,
-                              submit_concurrency=min(opts.concurrency, 16), max_running=opts.max_running)
-            results.update(fan.run(targets, on_result))
-        else:
-            results.update(ssh_fanout(check, argv, opts, on_result))
-        medians = mark_stragglers(results, opts.straggler_tolerance)
-        pair_results: List[dict] = []
-        if opts.pairs and opts.via == "slurm":
-            # Rechecked nodes sit in the sweep's maintenance reservation: not paired.
-            pair_results = run_pairs(slurm, {n: r for n, r in results.items() if n not in recheck},
-                                     opts, work, errors)
-        snaps = {n: NodeSnapshot.from_info(i) for n, i in infos.items()}
-        try:
-            history_fail = history.fail_history([n for n, r in results.items() if r.checked], opts.flap_n) \
-                if history is not None else {}
-        except ClusteropsError as e:
-            # Without the history the flapping rule cannot be applied: change no node.
-            raise SweepCannotRun(f"sweep could not read its history: {e.message}; no node changed") from None
-        plan = plan_drains(snaps, results, history_fail, max_drain_fraction=opts.max_drain_fraction,
-                           flap_k=opts.flap_k, flap_n=opts.flap_n, drain_stragglers=opts.drain_stragglers)
-        applied: List[dict] = []
-        if slurm is not None and not opts.dry_run:
-            done_, errs = apply_sweep_plan(slurm, plan, recheck, infos, drain=opts.drain, guard=guard)
-            applied += done_
-            errors += errs
-        recheck = []      # restored: nothing left to undo
-        finished = clock()
-        report = SweepReport(sweep_id, started, finished, _opts_dict(opts), list(names), results, medians,
-                             plan, applied, errors, pair_results)
-        report.exit_code = _exit_code(report, opts)
-        if history is not None:
-            try:
-                history.record(report)
-            except ClusteropsError as e:
-                report.errors.append(f"history not recorded: {e.message}")
-                report.exit_code = EXIT_CANNOT_RUN
-        return report
-    except BaseException:
-        if recheck and slurm is not None and not opts.dry_run:
-            _restore_drains(slurm, recheck, infos, errors)
-        raise
-    finally:
-        if reservation:
-            reservation_cleanup(slurm, reservation, errors)
-        if not opts.keep_work_dir:
-            shutil.rmtree(work, ignore_errors=True)
+
+def _select(st: _SweepState, on_result: Optional[Progress],
+            on_targets: Optional[Callable[[int], None]]) -> List[str]:
+    """Sort the targets: the nodes to check now are returned, the clusterops-drained ones
+    to recheck go to ``st.recheck``, the skipped ones straight into the results."""
+    check, st.recheck, skipped = _classify_targets(st.names, st.infos, st.opts)
+    st.results.update(skipped)
+    if on_targets:
+        on_targets(len(st.names))
+    for r in skipped.values():
+        if on_result:
+            on_result(r)
+    return check
+
+
+def _check(st: _SweepState, check: Sequence[str], on_result: Optional[Progress]) -> None:
+    """Run the checks: Slurm jobs (the rechecks inside a maintenance reservation) or SSH."""
+    opts = st.opts
+    argv = check_argv(opts.profile, opts.check_cmd)
+    if opts.via != "slurm":
+        st.results.update(ssh_fanout(check, argv, opts, on_result))
+        return
+    targets = [Target(n, opts.partition or _first_partition(st.infos.get(n))) for n in check]
+    if st.recheck:
+        targets += _open_recheck(st)
+    fan = SlurmFanout(st.slurm, argv, st.work, timeout_s=opts.timeout_s,
+                      submit_concurrency=min(opts.concurrency, 16), max_running=opts.max_running)
+    st.results.update(fan.run(targets, on_result))
+
+
+def _open_recheck(st: _SweepState) -> List[Target]:
+    """Resume the clusterops-drained nodes inside a fresh maintenance reservation for their
+    check; if that cannot be done they are drained again and listed as skipped."""
+    import hostlist
+
+    opts, recheck = st.opts, st.recheck
+    st.reservation = f"clusterops-sweep-{st.sweep_id}"
+    minutes = max(2, int(opts.timeout_s // 60) + 2)
+    try:
+        create_reservation(st.slurm, st.reservation, hostlist.collect_hostlist(recheck), minutes)
+        st.slurm.resume(recheck)
+        return [Target(n, opts.partition or _first_partition(st.infos.get(n)), st.reservation) for n in recheck]
+    except ClusteropsError as e:
+        st.errors.append(f"could not recheck drained nodes {','.join(recheck)}: {e}")
+        _restore_drains(st.slurm, recheck, st.infos, st.errors)
+        reservation_cleanup(st.slurm, st.reservation, st.errors)
+        st.reservation = None
+        for n in recheck:
+            st.results[n] = NodeResult(n, "skipped", detail=f"drained by clusterops "
+                                       f"({st.infos[n].reason}); recheck failed")
+        st.recheck = []
+        return []
+
+
+def _plan(st: _SweepState, history) -> DrainPlan:
+    """The drain plan from this sweep's results and the history's recent failures."""
+    opts = st.opts
+    snaps = {n: NodeSnapshot.from_info(i) for n, i in st.infos.items()}
+    try:
+        history_fail = history.fail_history([n for n, r in st.results.items() if r.checked], opts.flap_n) \
+            if history is not None else {}
+    except ClusteropsError as e:
+        # Without the history the flapping rule cannot be applied: change no node.
+        raise SweepCannotRun(f"sweep could not read its history: {e.message}; no node changed") from None
+    return plan_drains(snaps, st.results, history_fail, max_drain_fraction=opts.max_drain_fraction,
+                       flap_k=opts.flap_k, flap_n=opts.flap_n, drain_stragglers=opts.drain_stragglers)
+
+
+def _record(report: SweepReport, history) -> None:
+    """Record the report in the history; a sweep whose result is not recorded exits 5."""
+    if history is None:
+        return
+    try:
+        history.record(report)
+    except ClusteropsError as e:
+        report.errors.append(f"history not recorded: {e.message}")
+        report.exit_code = EXIT_CANNOT_RUN
 
 
 def _restore_drains(slurm, nodes: Sequence[str], infos: Mapping[str, object], errors: List[str]) -> None:

@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.sweep.results import NodeResult, one_line, parse_times, result_from_check
@@ -251,6 +251,8 @@ class _Deadline(Exception):
 
 def run_one(hc: HostConf, command: str, store: HostKeyStore, keys, opts: SSHOptions,
             clock: Callable[[], float] = time.monotonic) -> RemoteResult:
+    """``command`` on one host, within ``opts.timeout_s`` in all: connect, handshake (host
+    key pinned and verified), key authentication, then the command's output and exit."""
     import paramiko
 
     start = clock()
@@ -273,88 +275,13 @@ def run_one(hc: HostConf, command: str, store: HostKeyStore, keys, opts: SSHOpti
             res.error = f"connect to {hc.hostname}:{hc.port}: {e.strerror or e}"
             return res
         transport = paramiko.Transport(sock)
-        why = store.pin(hc.key_name, transport.get_security_options())
-        if why:
-            res.error = why
+        res.host_key_type, res.error = _handshake(transport, hc, store, opts, left, clock)
+        if res.error:
             return res
-        pinned = store.known_types(hc.key_name)
-        transport.banner_timeout = left(opts.connect_timeout_s)
-        transport.handshake_timeout = left(opts.connect_timeout_s)
-        hs_start = clock()
-        hs_budget = left(opts.connect_timeout_s)
-        try:
-            transport.start_client(timeout=hs_budget)
-        except (paramiko.SSHException, EOFError, OSError) as e:
-            # paramiko words a handshake timeout in several ways ("No existing session",
-            # banner errors); what counts is that the time ran out.
-            if clock() - hs_start >= hs_budget * 0.95 or isinstance(e, socket.timeout):
-                raise _Deadline() from None
-            if pinned and "host key" in str(e).lower():
-                res.error = (f"host key for {hc.key_name}: the server offers no {', '.join(pinned)} key, the "
-                             f"type(s) known_hosts pins: refused (possible man-in-the-middle; fix known_hosts "
-                             f"if the host was reinstalled)")
-                return res
-            res.error = f"ssh handshake with {hc.hostname}:{hc.port} failed: {e}"
-            return res
-        try:
-            # start_client returns quietly when its timeout passes: no server key then.
-            server_key = transport.get_remote_server_key()
-        except paramiko.SSHException as e:
-            if clock() - hs_start >= hs_budget * 0.95:
-                raise _Deadline() from None
-            res.error = f"ssh handshake with {hc.hostname}:{hc.port} failed: {e}"
-            return res
-        res.host_key_type = server_key.get_name()
-        why = store.verify(hc.key_name, server_key)
-        if why:
-            res.error = why
-            return res
-        def try_keys(candidates) -> bool:
-            for k in candidates:
-                try:
-                    transport.auth_publickey(hc.user, k)
-                except paramiko.AuthenticationException:
-                    continue
-                if transport.is_authenticated():
-                    return True
-            return False
-
-        def agent_keys():
-            try:
-                return paramiko.Agent().get_keys()
-            except Exception:
-                return ()
-
-        if not (try_keys(keys) or try_keys(agent_keys())):
+        if not _authenticate(transport, hc, keys):
             res.error = f"key authentication as {hc.user} refused (keys tried: {len(keys)})"
             return res
-        chan = transport.open_session(timeout=left())
-        chan.settimeout(0.5)
-        chan.exec_command(command)
-        out, err = [], []
-        eof = False
-        while True:
-            left()
-            if not eof:
-                try:
-                    data = chan.recv(65536)
-                    if data:
-                        out.append(data)
-                    else:
-                        eof = True
-                except socket.timeout:
-                    pass
-            while chan.recv_stderr_ready():
-                err.append(chan.recv_stderr(65536))
-            if eof:
-                if chan.exit_status_ready():
-                    while chan.recv_stderr_ready():
-                        err.append(chan.recv_stderr(65536))
-                    break
-                chan.status_event.wait(0.2)
-        res.exit_code = chan.recv_exit_status()
-        res.stdout = b"".join(out).decode(errors="replace")
-        res.stderr = b"".join(err).decode(errors="replace")
+        res.exit_code, res.stdout, res.stderr = _execute(transport, command, left)
         return res
     except _Deadline:
         res.error = (f"timed out after {clock() - start:.1f}s (no answer from {hc.hostname}:{hc.port}; "
@@ -369,6 +296,96 @@ def run_one(hc: HostConf, command: str, store: HostKeyStore, keys, opts: SSHOpti
             transport.close()
         elif sock is not None:
             sock.close()
+
+
+def _handshake(transport, hc: HostConf, store: HostKeyStore, opts: SSHOptions, left: Callable[..., float],
+               clock: Callable[[], float]) -> Tuple[Optional[str], Optional[str]]:
+    """The SSH handshake with the host key types pinned, then the server's key verified.
+    -> (the server key's type, ``None`` when the host is who known_hosts says, else why
+    not). Time running out is ``_Deadline``."""
+    import paramiko
+
+    why = store.pin(hc.key_name, transport.get_security_options())
+    if why:
+        return None, why
+    pinned = store.known_types(hc.key_name)
+    transport.banner_timeout = left(opts.connect_timeout_s)
+    transport.handshake_timeout = left(opts.connect_timeout_s)
+    hs_start = clock()
+    hs_budget = left(opts.connect_timeout_s)
+    try:
+        transport.start_client(timeout=hs_budget)
+    except (paramiko.SSHException, EOFError, OSError) as e:
+        # paramiko words a handshake timeout in several ways ("No existing session",
+        # banner errors); what counts is that the time ran out.
+        if clock() - hs_start >= hs_budget * 0.95 or isinstance(e, socket.timeout):
+            raise _Deadline() from None
+        if pinned and "host key" in str(e).lower():
+            return None, (f"host key for {hc.key_name}: the server offers no {', '.join(pinned)} key, the "
+                          f"type(s) known_hosts pins: refused (possible man-in-the-middle; fix known_hosts "
+                          f"if the host was reinstalled)")
+        return None, f"ssh handshake with {hc.hostname}:{hc.port} failed: {e}"
+    try:
+        # start_client returns quietly when its timeout passes: no server key then.
+        server_key = transport.get_remote_server_key()
+    except paramiko.SSHException as e:
+        if clock() - hs_start >= hs_budget * 0.95:
+            raise _Deadline() from None
+        return None, f"ssh handshake with {hc.hostname}:{hc.port} failed: {e}"
+    return server_key.get_name(), store.verify(hc.key_name, server_key)
+
+
+def _authenticate(transport, hc: HostConf, keys) -> bool:
+    """Public-key authentication as ``hc.user``: the given keys first, then the agent's."""
+    import paramiko
+
+    def try_keys(candidates) -> bool:
+        for k in candidates:
+            try:
+                transport.auth_publickey(hc.user, k)
+            except paramiko.AuthenticationException:
+                continue
+            if transport.is_authenticated():
+                return True
+        return False
+
+    def agent_keys():
+        try:
+            return paramiko.Agent().get_keys()
+        except Exception:
+            return ()
+
+    return try_keys(keys) or try_keys(agent_keys())
+
+
+def _execute(transport, command: str, left: Callable[..., float]) -> Tuple[int, str, str]:
+    """Run ``command`` on an authenticated transport; read its output until it exits (or the
+    host's time runs out: ``_Deadline``). -> (exit code, stdout, stderr)."""
+    chan = transport.open_session(timeout=left())
+    chan.settimeout(0.5)
+    chan.exec_command(command)
+    out, err = [], []
+    eof = False
+    while True:
+        left()
+        if not eof:
+            try:
+                data = chan.recv(65536)
+                if data:
+                    out.append(data)
+                else:
+                    eof = True
+            except socket.timeout:
+                pass
+        while chan.recv_stderr_ready():
+            err.append(chan.recv_stderr(65536))
+        if eof:
+            if chan.exit_status_ready():
+                while chan.recv_stderr_ready():
+                    err.append(chan.recv_stderr(65536))
+                break
+            chan.status_event.wait(0.2)
+    return chan.recv_exit_status(), b"".join(out).decode(errors="replace"), b"".join(err).decode(errors="replace")
 
 
 def fan_out(hosts: Sequence[str], command: str, opts: SSHOptions,
