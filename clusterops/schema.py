@@ -12,6 +12,12 @@ tables here:
   ``Policy`` is made from them (``dataclass_of``, ``problems``); the flags of
   ``clusterops supervise`` are generated from them.
 
+Values are walked by one interpreter, ``Checker.check(value, field, path)``, dispatching on
+the field's kind through a registry: ``KINDS`` (profiles, site config), ``POLICY_KINDS``
+(``problems``), and the job spec's ``clusterops.launch.spec.SPEC_KINDS``, which extends
+``KINDS`` with its own kinds (path, hostlist, time, mem, lines). docs/foundation.md says why
+this is not pydantic or msgspec.
+
 The key tables in docs/health.md, docs/launch.md and docs/supervisor.md are generated too
 (between ``<!-- schema:NAME -->`` marks): ``python -m clusterops.schema`` prints the health
 tables, ``--check ROOT`` compares every generated table with the docs, ``--write ROOT``
@@ -28,7 +34,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from clusterops.errors import InputError
 from clusterops.protocol import ENV_CKPT_DIR
@@ -487,37 +493,6 @@ def dataclass_of(fields: Sequence[Field], **options: Any):
     return make
 
 
-def _want(f: Field) -> str:
-    rng = f.range_text()
-    return ("a whole number" if f.kind == "int" else "a number") + (
-        (" in " if rng.startswith(("[", "(")) else " ") + rng if rng else "")
-
-
-def problems(obj: Any, fields: Sequence[Field]) -> List[str]:
-    """``name: must be ...`` for each attribute of ``obj`` that breaks its field's type or
-    bounds (None is fine where the field has no default)."""
-    bad = []
-    for f in fields:
-        v = getattr(obj, f.name)
-        if v is None and (f.default is None or f.kind == "profile"):   # a profile: None is off
-            continue
-        if f.kind == "bool":
-            if not isinstance(v, bool):
-                bad.append(f"{f.name}: must be true or false, got {_name(v)}")
-        elif f.kind in ("int", "number"):
-            ok = not isinstance(v, bool) and isinstance(v, int if f.kind == "int" else (int, float))
-            if ok and isinstance(v, float) and not math.isfinite(v):
-                ok = False
-            if ok:
-                lo, hi = f.min, f.max
-                ok = not ((lo is not None and (v <= lo if f.gt else v < lo)) or (hi is not None and v > hi))
-            if not ok:
-                bad.append(f"{f.name}: must be {_want(f)}, got {_name(v)}")
-        elif f.kind in ("str", "path", "profile") and not (isinstance(v, str) and v.strip()):
-            bad.append(f"{f.name}: must be a non-empty string, got {_name(v)}")
-    return bad
-
-
 # -- validation ------------------------------------------------------------------------------
 
 def suggest(word: str, options: Sequence[str]) -> str:
@@ -571,107 +546,225 @@ def _name(v: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check(v: Any, f: Field, path: Path_, w: _Where) -> None:
-    if v is None:
-        if f.nullable or f.kind in ("probe", "any"):
-            return
-        if f.kind in ("map", "dict"):
-            return  # an empty section (`probes:` with nothing under it)
-        raise w.error(path, f"must be {f.type_text()}, got null")
-    k = f.kind
-    if k == "bool":
-        if not isinstance(v, bool):
-            raise w.error(path, f"must be true or false, got {_name(v)}")
-    elif k in ("int", "number"):
-        rng = f.range_text()
-        want = ("a whole number" if k == "int" else "a number") + (
-            (" in " if rng.startswith(("[", "(")) else " ") + rng if rng else "")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (k == "int" and not isinstance(v, int)):
-            raise w.error(path, f"must be {want}, got {_name(v)}")
-        if isinstance(v, float) and not math.isfinite(v):
-            raise w.error(path, f"must be {want} (finite), got {_name(v)}")
-        lo, hi = f.min, f.max
-        if (lo is not None and (v <= lo if f.gt else v < lo)) or (hi is not None and v > hi):
-            raise w.error(path, f"must be {want}, got {_name(v)}")
-    elif k == "str":
-        if not isinstance(v, str):
-            raise w.error(path, f"must be a string, got {_name(v)}")
-        if not v.strip():
-            raise w.error(path, "must not be empty")
-    elif k == "url":
-        from clusterops.notify import url_problem   # the one webhook URL rule
+# -- the one interpreter of the field kinds -------------------------------------------------
+#
+# ``Checker.check(value, field, path)`` walks a value by its field, dispatching on the
+# field's kind through a registry (kind name -> function). Three inputs share it, each with
+# its registry and the wording its tests and users know:
+#
+# - ``KINDS``: health profiles and the site config (``validate``);
+# - ``POLICY_KINDS``: an object's attributes, e.g. the supervisor's Policy (``problems``);
+# - the job spec's registry in ``clusterops.launch.spec``, which extends ``KINDS`` with its
+#   own kinds (path, hostlist, time, mem, lines) and reads its text values as written.
+#
+# A new field kind is one function registered here (or in the job spec's registry when only
+# the job spec has it); ``Field.type_text`` names it for the docs and messages.
 
-        why = url_problem(v)
-        if why is not None:
-            raise w.error(path, why)   # the URL itself is not echoed: its path is often the secret
-    elif k == "enum":
-        if v not in f.choices or isinstance(v, bool):
-            raise w.error(path, f"must be one of {', '.join(map(str, f.choices))}, got {_name(v)}"
-                                f"{suggest(v, f.choices) if isinstance(v, str) else ''}")
-    elif k == "version":
-        if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not re.fullmatch(r"\d+(\.\d+)*", str(v)):
-            raise w.error(path, f"must be a version like \"550.54.15\" (quote it), got {_name(v)}")
-    elif k == "regex":
-        if not isinstance(v, str):
-            raise w.error(path, f"must be a regular expression (a string), got {_name(v)}")
+KindCheck = Callable[["Checker", Any, Field, Path_], Any]
+
+
+class Checker:
+    """One walk over a value by its field: ``check(value, field, path)`` returns the value
+    (converted where the kind converts) or raises the ``InputError`` that ``error`` makes."""
+
+    def __init__(self, kinds: Mapping[str, KindCheck], error: Callable[[Path_, str], InputError]):
+        self.kinds = kinds
+        self._error = error
+
+    def error(self, path: Path_, message: str) -> InputError:
+        return self._error(path, message)
+
+    def null(self, f: Field, path: Path_) -> bool:
+        """A null value: True when it stands (the walk returns None), an error when refused;
+        False hands it to the kind."""
+        if f.nullable or f.kind in ("probe", "any", "map", "dict"):  # map/dict: an empty section
+            return True
+        raise self.error(path, f"must be {f.type_text()}, got null")
+
+    def check(self, value: Any, f: Field, path: Path_ = ()) -> Any:
+        if value is None and self.null(f, path):
+            return None
+        kind = self.kinds.get(f.kind)
+        if kind is None:
+            raise AssertionError(f"no check for kind {f.kind!r}")   # a table/registry mismatch
+        return kind(self, value, f, path)
+
+
+def _want(f: Field) -> str:
+    rng = f.range_text()
+    return ("a whole number" if f.kind == "int" else "a number") + (
+        (" in " if rng.startswith(("[", "(")) else " ") + rng if rng else "")
+
+
+def _out_of_range(v: Any, f: Field) -> bool:
+    lo, hi = f.min, f.max
+    return (lo is not None and (v <= lo if f.gt else v < lo)) or (hi is not None and v > hi)
+
+
+def _k_bool(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    if not isinstance(v, bool):
+        raise c.error(path, f"must be true or false, got {_name(v)}")
+    return v
+
+
+def _k_number(c: Checker, v: Any, f: Field, path: Path_, finite_note: str = " (finite)") -> Any:
+    want = _want(f)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (f.kind == "int" and not isinstance(v, int)):
+        raise c.error(path, f"must be {want}, got {_name(v)}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise c.error(path, f"must be {want}{finite_note}, got {_name(v)}")
+    if _out_of_range(v, f):
+        raise c.error(path, f"must be {want}, got {_name(v)}")
+    return v
+
+
+def _k_str(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    if not isinstance(v, str):
+        raise c.error(path, f"must be a string, got {_name(v)}")
+    if not v.strip():
+        raise c.error(path, "must not be empty")
+    return v
+
+
+def _k_url(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    from clusterops.notify import url_problem   # the one webhook URL rule
+
+    why = url_problem(v)
+    if why is not None:
+        raise c.error(path, why)   # the URL itself is not echoed: its path is often the secret
+    return v
+
+
+def _k_enum(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    if v not in f.choices or isinstance(v, bool):
+        raise c.error(path, f"must be one of {', '.join(map(str, f.choices))}, got {_name(v)}"
+                            f"{suggest(v, f.choices) if isinstance(v, str) else ''}")
+    return v
+
+
+def _k_version(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not re.fullmatch(r"\d+(\.\d+)*", str(v)):
+        raise c.error(path, f"must be a version like \"550.54.15\" (quote it), got {_name(v)}")
+    return v
+
+
+def _k_regex(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    if not isinstance(v, str):
+        raise c.error(path, f"must be a regular expression (a string), got {_name(v)}")
+    try:
+        re.compile(v)
+    except re.error as e:
+        raise c.error(path, f"bad regular expression {v!r}: {e}") from None
+    return v
+
+
+def _k_list(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    if not isinstance(v, list):
+        raise c.error(path, f"must be a {f.type_text()}, got {_name(v)}")
+    if len(v) < f.min_len or (f.max_len is not None and len(v) > f.max_len):
+        want = (f"exactly {f.min_len}" if f.min_len == f.max_len else
+                f"at least {f.min_len}" if f.max_len is None else f"{f.min_len} to {f.max_len}")
+        raise c.error(path, f"must have {want} items, got {len(v)}")
+    if f.item is not None:
+        for i, item in enumerate(v):
+            c.check(item, f.item, path + (i,))
+    return v
+
+
+def _k_union(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    errors = []
+    for opt in f.options:
         try:
-            re.compile(v)
-        except re.error as e:
-            raise w.error(path, f"bad regular expression {v!r}: {e}") from None
-    elif k == "list":
-        if not isinstance(v, list):
-            raise w.error(path, f"must be a {f.type_text()}, got {_name(v)}")
-        if len(v) < f.min_len or (f.max_len is not None and len(v) > f.max_len):
-            want = (f"exactly {f.min_len}" if f.min_len == f.max_len else
-                    f"at least {f.min_len}" if f.max_len is None else f"{f.min_len} to {f.max_len}")
-            raise w.error(path, f"must have {want} items, got {len(v)}")
+            return c.check(v, opt, path)
+        except InputError as e:
+            errors.append(e)
+    # The option of the value's own shape explains best.
+    for opt, e in zip(f.options, errors):
+        if (opt.kind == "map" and isinstance(v, dict)) or (opt.kind in ("str", "url") and isinstance(v, str)):
+            raise e
+    raise c.error(path, f"must be {f.type_text()}, got {_name(v)}")
+
+
+def _k_probe(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    if v is False:
+        return v
+    if not isinstance(v, dict):
+        raise c.error(path, f"must be a mapping of settings, or false to disable the probe, got {_name(v)}")
+    return _check_map(c, v, f, path, "setting")
+
+
+def _k_map(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    if not isinstance(v, dict):
+        raise c.error(path, f"must be a mapping, got {_name(v)}")
+    return _check_map(c, v, f, path, "probe" if f.name == "probes" else "key")
+
+
+def _k_dict(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    if not isinstance(v, dict):
+        raise c.error(path, f"must be a mapping, got {_name(v)}")
+    for key, item in v.items():
+        if not isinstance(key, str) or not key.strip():
+            raise c.error(path + (key,), "names must be non-empty strings")
         if f.item is not None:
-            for i, item in enumerate(v):
-                _check(item, f.item, path + (i,), w)
-    elif k == "union":
-        errors = []
-        for opt in f.options:
-            try:
-                _check(v, opt, path, w)
-                return
-            except InputError as e:
-                errors.append(e)
-        # The option of the value's own shape explains best.
-        for opt, e in zip(f.options, errors):
-            if (opt.kind == "map" and isinstance(v, dict)) or (opt.kind in ("str", "url") and isinstance(v, str)):
-                raise e
-        raise w.error(path, f"must be {f.type_text()}, got {_name(v)}")
-    elif k == "probe":
-        if v is False:
-            return
-        if not isinstance(v, dict):
-            raise w.error(path, f"must be a mapping of settings, or false to disable the probe, got {_name(v)}")
-        _check_map(v, f, path, w, "setting")
-    elif k == "map":
-        if not isinstance(v, dict):
-            raise w.error(path, f"must be a mapping, got {_name(v)}")
-        _check_map(v, f, path, w, "probe" if f.name == "probes" else "key")
-    elif k == "dict":
-        if not isinstance(v, dict):
-            raise w.error(path, f"must be a mapping, got {_name(v)}")
-        for key, item in v.items():
-            if not isinstance(key, str) or not key.strip():
-                raise w.error(path + (key,), "names must be non-empty strings")
-            if f.item is not None:
-                _check(item, f.item, path + (key,), w)
+            c.check(item, f.item, path + (key,))
+    return v
 
 
-def _check_map(v: Dict[Any, Any], f: Field, path: Path_, w: _Where, what: str) -> None:
+def _check_map(c: Checker, v: Dict[Any, Any], f: Field, path: Path_, what: str) -> Any:
     known = {x.name: x for x in f.fields}
     for key, item in v.items():
         if key not in known:
             valid = ", ".join(known)
-            raise w.error(path + (key,), f"unknown {what}{suggest(key, known)}; "
+            raise c.error(path + (key,), f"unknown {what}{suggest(key, known)}; "
                                          f"{'known' if what == 'probe' else 'valid'}: {valid}")
-        _check(item, known[key], path + (key,), w)
+        c.check(item, known[key], path + (key,))
     for x in f.fields:
         if x.required and x.name not in v:
-            raise w.error(path, f"missing {x.name}")
+            raise c.error(path, f"missing {x.name}")
+    return v
+
+
+#: The kinds of the health profiles and the site config (``validate``).
+KINDS: Dict[str, KindCheck] = {
+    "bool": _k_bool, "int": _k_number, "number": _k_number, "str": _k_str, "url": _k_url,
+    "enum": _k_enum, "version": _k_version, "regex": _k_regex, "list": _k_list, "union": _k_union,
+    "probe": _k_probe, "map": _k_map, "dict": _k_dict, "any": lambda c, v, f, path: v,
+}
+
+
+def _k_nonempty(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    if not (isinstance(v, str) and v.strip()):
+        raise c.error(path, f"must be a non-empty string, got {_name(v)}")
+    return v
+
+
+#: The kinds of an object's attributes (``problems``: the supervisor's Policy).
+POLICY_KINDS: Dict[str, KindCheck] = {
+    "bool": _k_bool, "int": _k_number, "number": lambda c, v, f, path: _k_number(c, v, f, path, ""),
+    "str": _k_nonempty, "path": _k_nonempty, "profile": _k_nonempty,
+}
+
+
+class _PolicyChecker(Checker):
+    def null(self, f: Field, path: Path_) -> bool:
+        if f.default is None or f.kind == "profile":   # no default: None is fine; a profile: None is off
+            return True
+        return False
+
+
+def problems(obj: Any, fields: Sequence[Field]) -> List[str]:
+    """``name: must be ...`` for each attribute of ``obj`` that breaks its field's type or
+    bounds (None is fine where the field has no default)."""
+    c = _PolicyChecker(POLICY_KINDS, lambda path, message: InputError(f"{_dotted(path)}: {message}"))
+    bad = []
+    for f in fields:
+        if f.kind not in POLICY_KINDS:
+            continue
+        try:
+            c.check(getattr(obj, f.name), f, (f.name,))
+        except InputError as e:
+            bad.append(str(e))
+    return bad
 
 
 def validate(data: Any, schema: Field, source: str, lines: Optional[Mapping[Path_, int]] = None,
@@ -680,7 +773,7 @@ def validate(data: Any, schema: Field, source: str, lines: Optional[Mapping[Path
     w = _Where(source, lines or {}, prefix)
     if data is not None and not isinstance(data, dict) and schema.kind == "map":
         raise w.error((), f"a {schema.name} file is a YAML mapping of keys, got {_name(data)}")
-    _check(data, schema, (), w)
+    Checker(KINDS, w.error).check(data, schema, ())
 
 
 def defaults_of(f: Field) -> Dict[str, Any]:

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from clusterops import launch
-from clusterops.cli.supervise import _plain_contract
+from clusterops.supervisor.config import plain_contract
 from clusterops.errors import InputError
 from clusterops.protocol import read_heartbeats
 from clusterops.supervisor.run import PlainContract, ProgressReader, plain_checkpoints
@@ -76,7 +76,7 @@ def test_spec_keys_are_checked(tmp_path):
     """))
     sup = spec.supervise_dict
     assert sup["progress"] == {"regex": "step=(\\d+)"} and sup["checkpoint_glob"] == "ckpt_*.pt"
-    c = _plain_contract(sup)
+    c = plain_contract(sup)
     assert (c.progress_regex, c.checkpoint_glob, c.resume_args) == ("step=(\\d+)", "ckpt_*.pt",
                                                                     ["--resume", "{ckpt}"])
     for bad, words in (("progress: {regex: 'step=\\d+'}", "supervise.progress.regex: needs a group"),
@@ -90,10 +90,10 @@ def test_spec_keys_are_checked(tmp_path):
 
 
 def test_flags_give_json():
-    c = _plain_contract({"progress": '{"regex": "it (\\\\d+)"}', "resume_args": '["--from", "{ckpt}"]',
+    c = plain_contract({"progress": '{"regex": "it (\\\\d+)"}', "resume_args": '["--from", "{ckpt}"]',
                          "checkpoint_glob": "*.ckpt"})
     assert (c.progress_regex, c.resume_args, c.checkpoint_glob) == ("it (\\d+)", ["--from", "{ckpt}"], "*.ckpt")
     with pytest.raises(InputError, match="--resume-args: not valid JSON"):
-        _plain_contract({"resume_args": "[--from"})
+        plain_contract({"resume_args": "[--from"})
     with pytest.raises(InputError, match="needs a group"):
-        _plain_contract({"progress": {"regex": "x"}})
+        plain_contract({"progress": {"regex": "x"}})

@@ -118,7 +118,7 @@ def test_supervise_bad_inputs(tmp_path, monkeypatch, capsys):
 
 
 def test_policy_from_spec_keys():
-    from clusterops.cli.supervise import command_from_spec, policy_kwargs_from_spec
+    from clusterops.supervisor.config import command_from_spec, policy_kwargs_from_spec
     from clusterops.errors import InputError
 
     kw = policy_kwargs_from_spec({"nodes": 3, "gpus_per_node": 8, "supervise": {

@@ -1,8 +1,8 @@
 """Rendering: a JobSpec -> the text of its sbatch script (pure: reads templates, writes nothing).
 
-Templates are Jinja2 files (``<launcher>.sh.j2`` extending ``base.sh.j2``) searched in the
-``--templates`` directories, then ``$CLUSTEROPS_TEMPLATES``, then the built-in ``templates/``
-(found through ``clusterops.resources``). The environment uses StrictUndefined (a name a
+Templates are Jinja2 files (``<launcher>.sh.j2`` extending ``base.sh.j2``), found by
+``clusterops.launch.templates`` (the ``--templates`` directories, ``$CLUSTEROPS_TEMPLATES``,
+the built-in ``templates/``). The environment uses StrictUndefined (a name a
 template does not get is an error, not an empty string), and every value that reaches the
 shell goes through a quoting filter: ``q`` (bash), ``sbatch_q`` (an ``#SBATCH`` line),
 ``slurm_filename`` (``%`` in paths) and ``one_line`` (comments). A template failure is one
@@ -21,54 +21,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from clusterops import schema
 from clusterops.errors import InputError
 from clusterops.launch.spec import JobSpec
-
-TEMPLATE_SUFFIX = ".sh.j2"
-BASE_TEMPLATE = "base" + TEMPLATE_SUFFIX
-TEMPLATES_ENV = "CLUSTEROPS_TEMPLATES"
+from clusterops.launch.templates import TEMPLATE_SUFFIX, list_templates, template_search_path
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def builtin_template_dir() -> Path:
-    from clusterops.resources import data_dir
-
-    return data_dir("templates")
-
-
-def template_search_path(site_dirs: Sequence[str | os.PathLike] = (), *,
-                         environ: Optional[Mapping[str, str]] = None) -> List[Tuple[Path, str]]:
-    """Directories searched for templates, first match wins: [(dir, origin)].
-
-    Order: ``--templates`` directories, then ``$CLUSTEROPS_TEMPLATES`` (os.pathsep
-    separated), then the built-in templates.
-    """
-    environ = os.environ if environ is None else environ
-    dirs: List[Tuple[Path, str]] = []
-    for d in site_dirs:
-        dirs.append((Path(d), "--templates"))
-    for d in (environ.get(TEMPLATES_ENV) or "").split(os.pathsep):
-        if d.strip():
-            dirs.append((Path(d), TEMPLATES_ENV))
-    for d, origin in dirs:
-        if not d.is_dir():
-            raise InputError(f"{origin} {d}: no such templates directory")
-    dirs.append((builtin_template_dir(), "built-in"))
-    return dirs
-
-
-def list_templates(site_dirs: Sequence[str | os.PathLike] = (), *,
-                   environ: Optional[Mapping[str, str]] = None) -> List[Dict[str, Any]]:
-    """Every template name, where it is used from, and what it shadows."""
-    seen: Dict[str, Dict[str, Any]] = {}
-    for d, origin in template_search_path(site_dirs, environ=environ):
-        for p in sorted(d.glob("*" + TEMPLATE_SUFFIX)):
-            name = p.name[: -len(TEMPLATE_SUFFIX)]
-            if name in seen:
-                seen[name]["shadows"].append(str(p))
-            else:
-                seen[name] = {"name": name, "path": str(p), "origin": origin, "shadows": [],
-                              "launcher": name != "base"}
-    return sorted(seen.values(), key=lambda t: (t["name"] != "base", t["name"]))
 
 
 def shell_quote(value: Any) -> str:

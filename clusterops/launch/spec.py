@@ -1,9 +1,11 @@
 """The job spec: YAML (or a dict) -> a validated, resolved :class:`JobSpec`.
 
 The keys, their types, bounds and defaults are the table ``clusterops.schema.JOB_SPEC``
-(with its ``supervise:`` section, ``clusterops.schema.SUPERVISE``); the checks below follow
-it kind by kind, then apply the rules that tie keys together (the script must exist, the
-signal lead must fit the time limit, ``min_nodes`` at most ``nodes``, ...). Errors are one
+(with its ``supervise:`` section, ``clusterops.schema.SUPERVISE``); the schema's interpreter
+walks it with the job spec's registry of kinds (``SPEC_KINDS``: the schema's ``KINDS``
+extended by path, hostlist, time, mem, lines and text), then the rules below tie keys
+together (the script must exist, the signal lead must fit the time limit, ``min_nodes`` at
+most ``nodes``, ...). Errors are one
 line naming the file, the line and the key (``job.yaml:7: nodes: must be an integer from
 1 to 100000, got 0``); an unknown key suggests the closest valid one. ``--set key=value``
 overrides follow the same rules. Also here: Slurm time strings (``parse_slurm_time``).
@@ -321,7 +323,7 @@ def load_spec(path: str | os.PathLike, overrides: Sequence[str] = (),
     apply_overrides(data, locs, overrides)
     spec = _build_spec(data, locs, p.resolve().parent, source)
     if template_dirs is not None and spec.launcher not in LAUNCHERS:
-        from clusterops.launch.render import list_templates
+        from clusterops.launch.templates import list_templates
 
         known = sorted(t["name"] for t in list_templates(template_dirs) if t["launcher"])
         if spec.launcher not in known:
@@ -335,82 +337,24 @@ def load_spec(path: str | os.PathLike, overrides: Sequence[str] = (),
 # --------------------------------------------------------------------------------
 
 
-class _Checker:
-    """Checks one value against its field of the table; errors name the key path."""
+class _Checker(schema.Checker):
+    """The job spec's walk (``schema.Checker`` with the registry ``SPEC_KINDS``): values are
+    checked and resolved (paths made absolute against ``base``); errors name the key path."""
 
-    def __init__(self, data: Dict[str, Any], locs: _Locations):
+    def __init__(self, data: Dict[str, Any], locs: _Locations, base: Path):
+        super().__init__(SPEC_KINDS, lambda path, message: locs.error(path, message))
         self.data = data
         self.locs = locs
+        self.base = base
 
     def err(self, path, message) -> InputError:
         return self.locs.error(path if isinstance(path, tuple) else (path,), message)
 
+    def null(self, f: schema.Field, path: Tuple) -> bool:
+        return False   # the spec's callers skip unset keys; a kind that takes null says what it means
+
     def present(self, key: str) -> bool:
         return self.data.get(key) is not None
-
-    def check(self, f: schema.Field, value: Any, path: Tuple, base: Path) -> Any:
-        """``value`` checked (and resolved: paths made absolute) by ``f``'s kind and bounds."""
-        k = f.kind
-        if k == "str":
-            return self.text(path, value)
-        if k == "int":
-            return self.integer(path, value, f.min, f.max)
-        if k == "number":
-            return self.number(path, value, f)
-        if k == "bool":
-            return self.boolean(path, value)
-        if k == "path":
-            return self.path(path, value, base)
-        if k == "hostlist":
-            return self.hostlist(path, value)
-        if k == "list":
-            return self.str_list(path, value, allow_newline=f.item is not None and f.item.kind == "text")
-        if k == "time":
-            t = self.text(path, value).strip()
-            try:
-                parse_slurm_time(t)
-            except ValueError as e:
-                raise self.err(path, str(e)) from None
-            return t
-        if k == "mem":
-            mem = self.text(path, value)
-            if not _MEM.match(mem):
-                raise self.err(path, f"must be a size like 200G, 64000M or 0, got {mem!r}")
-            return mem.upper()
-        if k == "dict":
-            return self.env(path, value)
-        if k == "lines":
-            return self.lines(path, value)
-        if k == "map":
-            if not isinstance(value, dict):
-                raise self.err(path, f"must be a mapping, got {value!r}")
-            keys = {x.name: x for x in f.fields}
-            for key in value:
-                if key not in keys:
-                    raise self.err(path + (key,), f"unknown key{schema.suggest(str(key), keys)}")
-            out = {}
-            for x in f.fields:
-                if value.get(x.name) is not None:
-                    out[x.name] = self.check(x, value[x.name], path + (x.name,), base)
-                elif x.required:
-                    raise self.err(path, f"{x.name}: required")
-            return out
-        if k == "regex":
-            text = self.text(path, value)
-            try:
-                rx = re.compile(text)
-            except re.error as e:
-                raise self.err(path, f"not a valid regular expression: {e}") from None
-            if rx.groups < 1:
-                raise self.err(path, "needs a group for the step, e.g. 'step[= ](\\d+)'")
-            return text
-        if k == "profile":
-            if value is False or value is None:
-                return False
-            if value is True:
-                raise self.err(path, "name a health profile (e.g. preflight, fast, deep) or write false")
-            return self.text(path, value)
-        raise AssertionError(f"no check for kind {k!r}")  # pragma: no cover - a table/code mismatch
 
     # kinds ----------------------------------------------------------------
     def text(self, path: Tuple, value: Any, *, allow_newline=False, allow_empty=False) -> str:
@@ -515,8 +459,82 @@ class _Checker:
         return lines
 
 
+def _k_time(c: _Checker, value: Any, f: schema.Field, path: Tuple) -> str:
+    t = c.text(path, value).strip()
+    try:
+        parse_slurm_time(t)
+    except ValueError as e:
+        raise c.err(path, str(e)) from None
+    return t
+
+
+def _k_mem(c: _Checker, value: Any, f: schema.Field, path: Tuple) -> str:
+    mem = c.text(path, value)
+    if not _MEM.match(mem):
+        raise c.err(path, f"must be a size like 200G, 64000M or 0, got {mem!r}")
+    return mem.upper()
+
+
+def _k_map(c: _Checker, value: Any, f: schema.Field, path: Tuple) -> Dict[str, Any]:
+    if not isinstance(value, dict):
+        raise c.err(path, f"must be a mapping, got {value!r}")
+    keys = {x.name: x for x in f.fields}
+    for key in value:
+        if key not in keys:
+            raise c.err(path + (key,), f"unknown key{schema.suggest(str(key), keys)}")
+    out = {}
+    for x in f.fields:
+        if value.get(x.name) is not None:
+            out[x.name] = c.check(value[x.name], x, path + (x.name,))
+        elif x.required:
+            raise c.err(path, f"{x.name}: required")
+    return out
+
+
+def _k_regex(c: _Checker, value: Any, f: schema.Field, path: Tuple) -> str:
+    text = c.text(path, value)
+    try:
+        rx = re.compile(text)
+    except re.error as e:
+        raise c.err(path, f"not a valid regular expression: {e}") from None
+    if rx.groups < 1:
+        raise c.err(path, "needs a group for the step, e.g. 'step[= ](\\d+)'")
+    return text
+
+
+def _k_profile(c: _Checker, value: Any, f: schema.Field, path: Tuple) -> Any:
+    if value is False or value is None:
+        return False
+    if value is True:
+        raise c.err(path, "name a health profile (e.g. preflight, fast, deep) or write false")
+    return c.text(path, value)
+
+
+#: The job spec's kinds: the schema's registry, extended by the spec's own kinds (path,
+#: hostlist, time, mem, lines, text) and with the scalar kinds read as a YAML spec writes them
+#: (``nodes: "4"`` is 4, text keys keep what was written, errors say "an integer from 1 to N").
+SPEC_KINDS: Dict[str, schema.KindCheck] = {
+    **schema.KINDS,
+    "str": lambda c, v, f, path: c.text(path, v),
+    "text": lambda c, v, f, path: c.text(path, v, allow_newline=True, allow_empty=True),   # may span lines
+    "int": lambda c, v, f, path: c.integer(path, v, f.min, f.max),
+    "number": lambda c, v, f, path: c.number(path, v, f),
+    "bool": lambda c, v, f, path: c.boolean(path, v),
+    "path": lambda c, v, f, path: c.path(path, v, c.base),
+    "hostlist": lambda c, v, f, path: c.hostlist(path, v),
+    "list": lambda c, v, f, path: c.str_list(path, v, allow_newline=f.item is not None and f.item.kind == "text"),
+    "time": _k_time,
+    "mem": _k_mem,
+    "dict": lambda c, v, f, path: c.env(path, v),
+    "lines": lambda c, v, f, path: c.lines(path, v),
+    "map": _k_map,
+    "regex": _k_regex,
+    "profile": _k_profile,
+}
+
+
 def _build_spec(data: Dict[str, Any], locs: _Locations, base_dir: Path, source: Optional[str]) -> JobSpec:
-    c = _Checker(data, locs)
+    c = _Checker(data, locs, base_dir)
     for key in data:
         if key not in _FIELDS:
             raise c.err((key,), f"unknown key{schema.suggest(key, _FIELDS)}")
@@ -529,9 +547,10 @@ def _build_spec(data: Dict[str, Any], locs: _Locations, base_dir: Path, source: 
     # Paths are relative to workdir, which is relative to the spec file's directory.
     workdir = Path(c.path(("workdir",), data["workdir"], base_dir)) if c.present("workdir") else base_dir
     kw["workdir"] = os.path.normpath(str(workdir))
+    c.base = workdir
     for f in schema.JOB_SPEC.fields:
         if f.name not in ("workdir", "supervise") and c.present(f.name):
-            kw[f.name] = c.check(f, data[f.name], (f.name,), workdir)
+            kw[f.name] = c.check(data[f.name], f, (f.name,))
 
     # The rules that go beyond one key's kind and bounds.
     name = kw["name"]
@@ -680,7 +699,7 @@ def _build_supervise(c: _Checker, value: Any, kw: Dict[str, Any], workdir: Path)
             f = dataclasses.replace(f, max=kw["nodes"])
         # A profile's null means off; any other null means "the default".
         if f.name in value and (value[f.name] is not None or f.kind == "profile"):
-            out[f.name] = c.check(f, value[f.name], ("supervise", f.name), workdir)
+            out[f.name] = c.check(value[f.name], f, ("supervise", f.name))
 
     def p(key):
         return ("supervise", key)

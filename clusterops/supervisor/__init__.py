@@ -3,6 +3,8 @@
 - ``machine``: the pure state machine (events in, actions out, the clock passed in) and
   the ``Policy`` it decides by; re-exported here, so ``from clusterops import supervisor
   as sv; sv.Supervisor(...)`` is the way in.
+- ``config``: a resolved job spec and the command's flags -> the ``RunConfig`` that ``run``
+  takes (``clusterops supervise`` makes this one call before it runs).
 - ``run``: the runtime plumbing that turns the machine's actions into srun steps,
   signals, drains and requeues (``clusterops supervise`` runs it).
 - ``timeline``: the job's event log and its text/SVG/HTML views.
