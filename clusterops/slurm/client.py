@@ -262,7 +262,9 @@ class Slurm:
         self.cancel(job_id, signal=sig, batch=batch, full=full, step=step)
 
     def steps(self, job_id: Union[int, str]) -> List[Tuple[str, str]]:
-        """The running steps of a job as (step id, step name), e.g. [("0", "train")]."""
+        """The running steps of a job as (step id, step name), e.g. [("batch", "batch"),
+        ("0", "train")]: squeue lists the batch step (and an ``extern`` one where the site's
+        PrologFlags make it) beside the srun steps, and lists it first."""
         return parse.parse_steps(self._read(["squeue", "--noheader", "--steps", f"--jobs={job_id}",
                                              "--format=%i %j"]))
 

@@ -124,7 +124,9 @@ def test_cancel_a_step_only(slurm, tmp_path):
     body = 'srun --ntasks=1 sleep 300; echo "step ended rc=$?"; sleep 300'
     jid = slurm.submit(script(tmp_path, body), [f"--output={out}"])
     wait_for(lambda: slurm.job(jid).category == "running", what="running")
-    wait_for(lambda: slurm.steps(jid), what="the step to start")
+    # squeue lists the batch step ("N.batch") before the srun step: wait for step 0 itself
+    # (cancelling 0 before slurmctld has it answers "Invalid job id specified").
+    wait_for(lambda: any(s == "0" for s, _ in slurm.steps(jid)), what="step 0 to start")
     slurm.cancel(jid, step=0)
     wait_for(lambda: out.exists() and "step ended" in out.read_text(), what="step ends, job goes on")
     assert slurm.job(jid).category == "running"
