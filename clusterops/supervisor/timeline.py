@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from enum import Enum
 from pathlib import Path
 from typing import Callable, Iterable, List, Mapping, Optional, Tuple
 
@@ -21,11 +22,74 @@ from clusterops.textsafe import html_text, terminal
 
 FILE_NAME = "timeline.jsonl"
 
+
+class EventKind(str, Enum):
+    """The ``event`` of a timeline record (a ``str``: the JSON is the plain word)."""
+
+    # the state machine's records
+    START = "start"
+    PREFLIGHT_START = "preflight_start"
+    PREFLIGHT = "preflight"
+    LIVENESS = "liveness"
+    POSTMORTEM = "postmortem"
+    CHECK_BROKEN = "check_broken"
+    LAUNCH = "launch"
+    RESUME = "resume"
+    PROGRESS = "progress"
+    CHECKPOINT = "checkpoint"
+    HEARTBEAT_LOST = "heartbeat_lost"
+    STRAGGLER = "straggler"
+    NODE_DOWN = "node_down"
+    NODE_BAD = "node_bad"
+    STOP_REQUESTED = "stop_requested"
+    STOP_TIMEOUT = "stop_timeout"
+    KILL_ESCALATED = "kill_escalated"
+    STOPPED = "stopped"
+    STEP_EXIT = "step_exit"
+    SPARE_USED = "spare_used"
+    SHRINK = "shrink"
+    RESTART = "restart"
+    REQUEUE = "requeue"
+    DONE = "done"
+    GIVE_UP = "give_up"
+    WARNING = "warning"
+    # the plumbing's own records (clusterops.supervisor.run)
+    CHECKPOINT_BAD = "checkpoint_bad"
+    DRAIN = "drain"
+    DRAIN_REFUSED = "drain_refused"
+    DRAIN_SKIPPED = "drain_skipped"
+    HEARTBEAT_BIND = "heartbeat_bind"
+    HEARTBEAT_RECEIVER_RESTARTED = "heartbeat_receiver_restarted"
+    STACKS = "stacks"
+    STATE_INVALID = "state_invalid"
+    SUPERVISOR_ERROR = "supervisor_error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Cause(str, Enum):
+    """The ``cause`` of a ``step_exit`` record: why the training step ended."""
+
+    FINISHED = "finished"            # exit 0, nothing failed
+    HANG = "hang"                    # killed by us: heartbeats stopped
+    NODE_LOST = "node_lost"          # srun or Slurm saw a node of the step fail
+    PROGRAM_ERROR = "program_error"  # ranks on several nodes exited with an error
+    RANK_KILLED = "rank_killed"      # the first failed rank died of a signal
+    RANK_EXIT = "rank_exit"          # the first failed rank exited with an error
+    RANK_FAILED = "rank_failed"      # the first failed rank ended some other way
+    STEP_FAILED = "step_failed"      # non-zero exit with no failure srun named
+
+    def __str__(self) -> str:
+        return self.value
+
+
+E = EventKind
 # Event kinds drawn as markers on the chart, and how.
-FAULT_KINDS = {"heartbeat_lost", "node_down", "node_bad", "step_exit", "stop_timeout", "kill_escalated"}
-DECISION_KINDS = {"restart", "requeue", "give_up", "spare_used", "shrink", "stop_requested", "stopped", "done"}
+FAULT_KINDS = {E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.STEP_EXIT, E.STOP_TIMEOUT, E.KILL_ESCALATED}
+DECISION_KINDS = {E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED, E.DONE}
 # Findings that are neither a fault nor a decision: a slow node (drawn in orange).
-FINDING_KINDS = {"straggler"}
+FINDING_KINDS = {E.STRAGGLER}
 
 
 class Timeline:
@@ -39,7 +103,7 @@ class Timeline:
         self.clock = clock
 
     def append(self, event: str, data: Optional[Mapping] = None, *, t: Optional[float] = None) -> dict:
-        rec = {"t": round(self.clock() if t is None else t, 3), "event": event,
+        rec = {"t": round(self.clock() if t is None else t, 3), "event": str(event),
                "job_id": self.job_id, "incarnation": self.incarnation}
         rec.update(data or {})
         from clusterops.jsonout import dumps
@@ -134,15 +198,15 @@ def describe(rec: Mapping) -> str:
     e = rec.get("event")
     skip = {"t", "event", "job_id", "incarnation"}
     fields = {k: v for k, v in rec.items() if k not in skip}
-    if e == "launch":
+    if e == E.LAUNCH:
         return (f"launch attempt {fields.get('attempt')} on {_join(fields.get('nodes', []))}"
                 f" (resume from step {fields.get('resume_step')}"
                 + (f", spares {_join(fields['spares'])}" if fields.get("spares") else "") + ")")
-    if e == "progress":
+    if e == E.PROGRESS:
         return f"step {fields.get('step')}"
-    if e == "checkpoint":
+    if e == E.CHECKPOINT:
         return f"checkpoint committed: step {fields.get('step')}"
-    if e == "step_exit":
+    if e == E.STEP_EXIT:
         s = f"step exited {fields.get('returncode')}: {fields.get('cause')}"
         if fields.get("blamed"):
             s += f" (blamed: {_join(fields['blamed'])})"
@@ -151,16 +215,16 @@ def describe(rec: Mapping) -> str:
             f0 = failures[0]
             s += f"; first failure: rank {f0.get('rank')} on {f0.get('node')}: {f0.get('reason')}"
         return s
-    if e == "straggler":
+    if e == E.STRAGGLER:
         s = (f"straggler {fields.get('node')}: {fields.get('measure', 'busy')} time {fields.get('ratio')}x the other "
              f"nodes' median ({fields.get('node_ms')} vs {fields.get('others_ms')} ms/step"
              + (f", ranks {_join(fields['ranks'])}" if fields.get("ranks") else "") + ")")
         if fields.get("action") == "replace":
             return s + f"; replacing it with {fields.get('spare')} at a checkpoint"
         return s + f"; recorded only ({fields.get('why', 'no replacement')})"
-    if e == "give_up":
+    if e == E.GIVE_UP:
         return f"GIVE UP (exit {fields.get('code')}): {fields.get('reason')}"
-    if e == "done":
+    if e == E.DONE:
         return f"DONE: {fields.get('reason')}"
     parts = []
     for k, v in fields.items():
@@ -180,7 +244,7 @@ def format_text(records: Iterable[Mapping], *, progress: bool = False) -> str:
     t0 = recs[0]["t"]
     lines = []
     for r in recs:
-        if r.get("event") == "progress" and not progress:
+        if r.get("event") == E.PROGRESS and not progress:
             continue
         stamp = time.strftime("%H:%M:%S", time.gmtime(r["t"]))
         # Every field comes from the file: control characters are shown, never sent.
@@ -195,22 +259,22 @@ def summary(records: Iterable[Mapping]) -> dict:
            "outcome": None, "exit_code": None, "last_step": None, "checkpoints": [], "stragglers": []}
     for r in recs:
         e = r.get("event")
-        if e == "restart":
+        if e == E.RESTART:
             out["restarts"] += 1
-        elif e == "requeue":
+        elif e == E.REQUEUE:
             out["requeues"] += 1
-        elif e == "launch":
+        elif e == E.LAUNCH:
             out["launches"] += 1
-        elif e in ("heartbeat_lost", "node_down", "stop_requested") or (e == "step_exit" and r.get("cause") != "finished"):
+        elif e in (E.HEARTBEAT_LOST, E.NODE_DOWN, E.STOP_REQUESTED) or (e == E.STEP_EXIT and r.get("cause") != Cause.FINISHED):
             out["faults"].append(r.get("cause") or e)
-        elif e in ("done", "give_up"):
+        elif e in (E.DONE, E.GIVE_UP):
             out["outcome"] = e
             out["exit_code"] = r.get("code")
-        elif e == "progress":
+        elif e == E.PROGRESS:
             out["last_step"] = r.get("step")
-        elif e == "checkpoint" and r.get("step") is not None and r["step"] not in out["checkpoints"]:
+        elif e == E.CHECKPOINT and r.get("step") is not None and r["step"] not in out["checkpoints"]:
             out["checkpoints"].append(r["step"])
-        elif e == "straggler":
+        elif e == E.STRAGGLER:
             out["stragglers"].append({"node": r.get("node"), "ratio": r.get("ratio"), "action": r.get("action")})
     return out
 
@@ -243,7 +307,7 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
     progress after it, over the recoveries that completed.
     """
     recs = sorted((r for r in records if _finite(r.get("t")) is not None), key=lambda r: r["t"])
-    first = next((i for i, r in enumerate(recs) if r.get("event") == "launch"), None)
+    first = next((i for i, r in enumerate(recs) if r.get("event") == E.LAUNCH), None)
     if first is None:
         return None
     recs = recs[first:]
@@ -256,11 +320,11 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
     ckpt_since_last = False
     for i, r in enumerate(recs):
         e = r.get("event")
-        if e == "launch":
+        if e == E.LAUNCH:
             rs = _finite(r.get("resume_step"))
             last = (i, rs) if rs is not None else None
             ckpt_since_last = False
-        elif e == "progress" and _finite(r.get("step")) is not None:
+        elif e == E.PROGRESS and _finite(r.get("step")) is not None:
             step = _finite(r["step"])
             if last is not None and step > last[1]:
                 base = last[1] if hwm is None else max(last[1], min(step, hwm))
@@ -268,9 +332,9 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
                 hwm = step if hwm is None else max(hwm, step)
             last = (i, step)
             ckpt_since_last = False
-        elif e == "checkpoint":
+        elif e == E.CHECKPOINT:
             ckpt_since_last = True
-        elif e in FAULT_KINDS or e in ("restart", "requeue", "give_up"):
+        elif e in FAULT_KINDS or e in (E.RESTART, E.REQUEUE, E.GIVE_UP):
             last = None
     rates = sorted((recs[b]["t"] - recs[a]["t"]) / new for a, b, new, rec, ck in intervals if new > 0 and not ck)
     spp = rates[len(rates) // 2] if rates else None
@@ -294,16 +358,16 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
     adv_ends = {b for _, b, _, _, _ in intervals}
     for i, r in enumerate(recs):
         e = r.get("event")
-        if e in FAULT_KINDS or e in ("restart", "requeue"):
+        if e in FAULT_KINDS or e in (E.RESTART, E.REQUEUE):
             lost["restart"] += sum(pending)
             pending = []
             if mode != "ended":
                 if fault_at is None:
                     fault_at = r["t"]
-                mode = "requeue_wait" if e == "requeue" else "restart"
-        elif e == "launch" and i > 0 and mode != "ended":
+                mode = "requeue_wait" if e == E.REQUEUE else "restart"
+        elif e == E.LAUNCH and i > 0 and mode != "ended":
             mode = "restart"
-        elif e in ("done", "give_up"):
+        elif e in (E.DONE, E.GIVE_UP):
             lost["stalled"] += sum(pending)
             pending = []
             mode = "ended"
@@ -312,7 +376,7 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
                 recoveries.append(r["t"] - fault_at)
             fault_at = None
             mode = "running"
-        if e == "checkpoint" and pending:
+        if e == E.CHECKPOINT and pending:
             lost["checkpoint_stall"] += sum(pending)
             pending = []
         if i + 1 >= len(recs) or i in covered:
@@ -320,7 +384,7 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
         gap = recs[i + 1]["t"] - r["t"]
         nxt = recs[i + 1].get("event")
         if mode == "running":
-            if e == "checkpoint" or nxt == "checkpoint":
+            if e == E.CHECKPOINT or nxt == E.CHECKPOINT:
                 lost["checkpoint_stall"] += gap
             else:
                 pending.append(gap)
@@ -392,9 +456,9 @@ def job_metrics(records: Iterable[Mapping], job: str):
     prom.set("clusterops_job_stragglers_replaced", lab, sum(1 for x in s["stragglers"] if x["action"] == "replace"))
     ratios = {}
     for r in recs:
-        if r.get("event") == "straggler" and isinstance(r.get("node"), str) and _finite(r.get("ratio")) is not None:
+        if r.get("event") == E.STRAGGLER and isinstance(r.get("node"), str) and _finite(r.get("ratio")) is not None:
             ratios[r["node"]] = _finite(r["ratio"])
-    last = next((r for r in reversed(recs) if r.get("event") == "progress"), None)
+    last = next((r for r in reversed(recs) if r.get("event") == E.PROGRESS), None)
     slow = last.get("slowest") if last is not None else None
     if isinstance(slow, list) and len(slow) == 2 and isinstance(slow[0], str) and _finite(slow[1]) is not None:
         ratios[slow[0]] = _finite(slow[1])
@@ -420,9 +484,9 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
     points = []
     for r in recs:
         step = None
-        if r.get("event") == "progress":
+        if r.get("event") == E.PROGRESS:
             step = r.get("step")
-        elif r.get("event") in ("checkpoint", "stopped") and (r.get("step") or r.get("ckpt_step")) is not None:
+        elif r.get("event") in (E.CHECKPOINT, E.STOPPED) and (r.get("step") or r.get("ckpt_step")) is not None:
             step = r.get("step", r.get("ckpt_step"))
         step = _finite(step)
         if step is not None:
@@ -453,11 +517,11 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
     # Step line, broken at each launch so a restart shows as a drop back to the resume step.
     segs: List[List[tuple]] = [[]]
     for r in recs:
-        if r.get("event") == "launch":
+        if r.get("event") == E.LAUNCH:
             segs.append([])
             if _finite(r.get("resume_step")) is not None:
                 segs[-1].append((r["t"], _finite(r["resume_step"])))
-        elif r.get("event") == "progress" and _finite(r.get("step")) is not None:
+        elif r.get("event") == E.PROGRESS and _finite(r.get("step")) is not None:
             segs[-1].append((r["t"], _finite(r["step"])))
     for seg in segs:
         if len(seg) >= 2:
@@ -466,15 +530,15 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
         for t, s in seg:
             parts.append(f'<circle cx="{x(t):.1f}" cy="{y(s):.1f}" r="1.8" fill="#2a7"/>')
     for r in recs:
-        if r.get("event") == "checkpoint" and _finite(r.get("step")) is not None:
+        if r.get("event") == E.CHECKPOINT and _finite(r.get("step")) is not None:
             parts.append(f'<rect class="checkpoint" x="{x(r["t"]) - 3:.1f}" y="{y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
                          f'fill="#fc3" stroke="#960"><title>checkpoint step {esc(str(r["step"]))}</title></rect>')
     row = 0
     # Findings last, so that a decision taken at the same moment does not hide them.
     for r in sorted(recs, key=lambda r: r.get("event") in FINDING_KINDS):
         e = r.get("event")
-        if e == "step_exit" and r.get("cause") == "finished":
-            e = "done"
+        if e == E.STEP_EXIT and r.get("cause") == Cause.FINISHED:
+            e = E.DONE
         if e in FAULT_KINDS or e in DECISION_KINDS or e in FINDING_KINDS:
             color = "#d22" if e in FAULT_KINDS else ("#e80" if e in FINDING_KINDS else "#25c")
             kind = "fault" if e in FAULT_KINDS else ("finding" if e in FINDING_KINDS else "decision")
@@ -504,7 +568,7 @@ def render_html(records: Iterable[Mapping], *, title: str = "") -> str:
     rows = "\n".join(
         f"<tr><td>{time.strftime('%H:%M:%S', time.gmtime(r['t']))}</td><td>{html_text(r.get('incarnation', 0))}</td>"
         f"<td>{html_text(r.get('event'))}</td><td>{html_text(describe(r))}</td></tr>"
-        for r in recs if r.get("event") != "progress")
+        for r in recs if r.get("event") != E.PROGRESS)
     t = html_text(title or "supervised job timeline")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{t}</title>"
             "<style>body{font-family:sans-serif;margin:20px}td{padding:2px 8px;border-bottom:1px solid #eee}"
