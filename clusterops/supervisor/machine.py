@@ -732,30 +732,41 @@ class Supervisor:
             # The plumbing's look at the disk is the truth (a corrupted newest checkpoint
             # can move the latest good one back).
             self.memory.last_ckpt_step = ev.ckpt_step
-        failures = [{"node": f.node, "rank": f.rank, "reason": f.reason} for f in ev.failures]
         if self.state == STOPPING:
-            # (A clean exit without the stopped marker may also be a training that reached
-            # its end before it heard the stop; a script without the marker cannot say which.
-            # The relaunch then resumes from its last checkpoint: safe either way.)
-            out.append(Record(E.STOPPED, {"returncode": ev.returncode, "ckpt_step": self.memory.last_ckpt_step,
-                                          "reason": self.stop_reason}))
-            if self.replacing and not self.pending_stop:
-                return self._replace_straggler(ev.now, out, clean=ev.returncode == 0)
-            if self.replacing:
-                node, self.replacing = self.replacing, None
-                self._mark_straggler(node, ev.now, out)
-                self.stop_reason = self.pending_stop
-            return self._requeue(f"stopped for {self.stop_reason}", out)
+            return self._exited_on_our_stop(ev, out)
         if self.state == RUNNING and ev.returncode == 0 and ev.stopped_by:
-            # Exit 0 is not "finished" when the ranks were told to stop behind our back.
-            self.stop_reason = ev.stopped_by
-            out.append(Record(E.STOP_REQUESTED, {"reason": ev.stopped_by, "state": "seen after the exit"}))
-            out.append(Record(E.STOPPED, {"returncode": 0, "ckpt_step": self.memory.last_ckpt_step,
-                                          "reason": self.stop_reason}))
-            return self._requeue(f"stopped for {self.stop_reason}", out)
+            return self._exited_on_a_foreign_stop(ev, out)
         if self.state == RUNNING and ev.returncode == 0 and not ev.failures and not ev.node_failure:
             out.append(Record(E.STEP_EXIT, {"returncode": 0, "cause": Cause.FINISHED}))
             return self._exit(EXIT_DONE, "training finished", out)
+        return self._exited_failed(ev, out)
+
+    def _exited_on_our_stop(self, ev: StepExited, out: List[Action]) -> List[Action]:
+        """The ranks stopped as we asked (time limit, preemption, a straggler's replacement)."""
+        # (A clean exit without the stopped marker may also be a training that reached
+        # its end before it heard the stop; a script without the marker cannot say which.
+        # The relaunch then resumes from its last checkpoint: safe either way.)
+        out.append(Record(E.STOPPED, {"returncode": ev.returncode, "ckpt_step": self.memory.last_ckpt_step,
+                                      "reason": self.stop_reason}))
+        if self.replacing and not self.pending_stop:
+            return self._replace_straggler(ev.now, out, clean=ev.returncode == 0)
+        if self.replacing:
+            node, self.replacing = self.replacing, None
+            self._mark_straggler(node, ev.now, out)
+            self.stop_reason = self.pending_stop
+        return self._requeue(f"stopped for {self.stop_reason}", out)
+
+    def _exited_on_a_foreign_stop(self, ev: StepExited, out: List[Action]) -> List[Action]:
+        """Exit 0 is not "finished" when the ranks were told to stop behind our back."""
+        self.stop_reason = ev.stopped_by
+        out.append(Record(E.STOP_REQUESTED, {"reason": ev.stopped_by, "state": "seen after the exit"}))
+        out.append(Record(E.STOPPED, {"returncode": 0, "ckpt_step": self.memory.last_ckpt_step,
+                                      "reason": self.stop_reason}))
+        return self._requeue(f"stopped for {self.stop_reason}", out)
+
+    def _exited_failed(self, ev: StepExited, out: List[Action]) -> List[Action]:
+        """A failed step: classify it, count the attempt, blame nodes, check, relaunch."""
+        failures = [{"node": f.node, "rank": f.rank, "reason": f.reason} for f in ev.failures]
         cause, blamed = self.classify(ev)
         out.append(Record(E.STEP_EXIT, {"returncode": ev.returncode, "cause": cause, "blamed": blamed,
                                         "failures": failures[:8]}))
@@ -770,6 +781,15 @@ class Supervisor:
         if self.pending_stop:
             self.stop_reason = self.pending_stop
             return self._requeue(f"stopped for {self.pending_stop}", out)
+        given_up = self._count_failed_attempt(ev, cause, out)
+        if given_up is not None:
+            return given_up
+        self._blame(blamed, cause, ev.now, out)
+        self.last_cause = cause
+        return self._check_then_relaunch(ev.now, out)
+
+    def _count_failed_attempt(self, ev: StepExited, cause: Cause, out: List[Action]) -> Optional[List[Action]]:
+        """Count the attempt against the budgets; the exit's actions when one is spent, else None."""
         # A failed attempt that ended with no newer checkpoint than it started from made
         # no progress; K of those in a row is a crash loop, not bad luck.
         start, end = self.ckpt_at_launch, self.memory.last_ckpt_step
@@ -787,13 +807,18 @@ class Supervisor:
         if self.restarts_here > self.policy.max_restarts:
             return self._exit(EXIT_RESTART_BUDGET,
                               f"restart budget spent ({self.policy.max_restarts}); last failure: {cause}", out)
+        return None
+
+    def _blame(self, blamed: Sequence[str], cause: Cause, now: float, out: List[Action]) -> None:
+        """A lost node is out at once; another blamed node after node_fail_threshold failures."""
         for node in blamed:
             self.blame[node] = self.blame.get(node, 0) + 1
             if cause == Cause.NODE_LOST:
-                self._mark_bad(node, "node lost during the step", ev.now, out)
+                self._mark_bad(node, "node lost during the step", now, out)
             elif self.blame[node] >= self.policy.node_fail_threshold:
-                self._mark_bad(node, f"{self.blame[node]} failures blamed on it (last: {cause})", ev.now, out)
-        self.last_cause = cause
+                self._mark_bad(node, f"{self.blame[node]} failures blamed on it (last: {cause})", now, out)
+
+    def _check_then_relaunch(self, now: float, out: List[Action]) -> List[Action]:
         profile = self.policy.postmortem or (LIVENESS if self.policy.liveness_check else None)
         targets = tuple(n for n in self.active + self.spares if n not in self.bad)
         if profile and targets:
@@ -803,7 +828,7 @@ class Supervisor:
             timeout = self.policy.preflight_timeout_s if self.policy.postmortem else self.policy.liveness_timeout_s
             out.append(RunPreflight(targets, profile, timeout, postmortem=True))
             return out
-        return self._plan_launch(ev.now, out)
+        return self._plan_launch(now, out)
 
     # One handler per event class, spelled out so that grep finds them (handle() looks here).
     HANDLERS = {

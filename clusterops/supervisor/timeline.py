@@ -14,7 +14,7 @@ import os
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Iterable, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from clusterops.errors import InputError
 from clusterops.jsonout import finite
@@ -313,7 +313,26 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
     recs = recs[first:]
     t0, t1 = recs[0]["t"], recs[-1]["t"]
     lost = dict.fromkeys(LOST_CAUSES, 0.0)
-    # Pass 1: the advancing intervals, each (i_start, i_end, new_steps, recomputed_steps, has_checkpoint).
+    intervals = _advancing_intervals(recs)
+    productive, spp = _productive_time(recs, intervals, lost)
+    recoveries = _lost_gaps(recs, intervals, lost)
+    wall = t1 - t0
+    s = summary(recs)
+    return {
+        "wall_s": round(wall, 3),
+        "productive_s": round(productive, 3),
+        "goodput": round(productive / wall, 6) if wall > 0 else 0.0,
+        "lost_s": {k: round(v, 3) for k, v in lost.items()},
+        "restarts": s["restarts"] + s["requeues"],
+        "recoveries": len(recoveries),
+        "mttr_s": round(sum(recoveries) / len(recoveries), 3) if recoveries else None,
+        "seconds_per_step": round(spp, 6) if spp is not None else None,
+    }
+
+
+def _advancing_intervals(recs: List[Mapping]) -> List[Tuple[int, int, float, float, bool]]:
+    """Pass 1 of :func:`goodput_report`: the advancing intervals, each (i_start, i_end,
+    new_steps, recomputed_steps, has_checkpoint), over records sorted by time."""
     intervals = []
     last: Optional[Tuple[int, float]] = None   # (record index, step) of the last progress of this launch
     hwm = None
@@ -336,12 +355,16 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
             ckpt_since_last = True
         elif e in FAULT_KINDS or e in (E.RESTART, E.REQUEUE, E.GIVE_UP):
             last = None
+    return intervals
+
+
+def _productive_time(recs: List[Mapping], intervals, lost: Dict[str, float]) -> Tuple[float, Optional[float]]:
+    """The productive seconds of the advancing intervals and the median seconds per step;
+    their recomputed and checkpoint-stall shares are added to ``lost``."""
     rates = sorted((recs[b]["t"] - recs[a]["t"]) / new for a, b, new, rec, ck in intervals if new > 0 and not ck)
     spp = rates[len(rates) // 2] if rates else None
-    covered = set()
     productive = 0.0
     for a, b, new, rec, has_ck in intervals:
-        covered.update(range(a, b))
         d = recs[b]["t"] - recs[a]["t"]
         d_rec = d * rec / (new + rec)
         d_new = d - d_rec
@@ -350,7 +373,15 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
             lost["checkpoint_stall"] += d_new - new * spp
             d_new = new * spp
         productive += d_new
-    # Pass 2: every gap between two records outside the advancing intervals, by the state it is in.
+    return productive, spp
+
+
+def _lost_gaps(recs: List[Mapping], intervals, lost: Dict[str, float]) -> List[float]:
+    """Pass 2 of :func:`goodput_report`: every gap between two records outside the advancing
+    intervals, added to ``lost`` by the state it is in; returns the recovery times (MTTR)."""
+    covered = set()
+    for a, b, _, _, _ in intervals:
+        covered.update(range(a, b))
     mode = "startup"
     pending: List[float] = []          # running-mode gaps not yet explained (a later fault claims them)
     fault_at: Optional[float] = None
@@ -393,18 +424,7 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
         else:
             lost[mode] += gap
     lost["stalled"] += sum(pending)
-    wall = t1 - t0
-    s = summary(recs)
-    return {
-        "wall_s": round(wall, 3),
-        "productive_s": round(productive, 3),
-        "goodput": round(productive / wall, 6) if wall > 0 else 0.0,
-        "lost_s": {k: round(v, 3) for k, v in lost.items()},
-        "restarts": s["restarts"] + s["requeues"],
-        "recoveries": len(recoveries),
-        "mttr_s": round(sum(recoveries) / len(recoveries), 3) if recoveries else None,
-        "seconds_per_step": round(spp, 6) if spp is not None else None,
-    }
+    return recoveries
 
 
 def format_goodput(rep: Mapping) -> str:
@@ -471,50 +491,69 @@ def job_metrics(records: Iterable[Mapping], job: str):
 
 
 # ------------------------------------------------------------------------------ chart
+class _Frame:
+    """The chart's geometry: wall time and step mapped to pixels."""
+
+    def __init__(self, recs: List[Mapping], width: int, height: int):
+        self.pad_l, self.pad_r, self.pad_t, self.pad_b = 60, 20, 40, 90
+        self.width, self.height = width, height
+        self.w, self.h = width - self.pad_l - self.pad_r, height - self.pad_t - self.pad_b
+        self.t0 = recs[0]["t"]
+        self.span = max(max(r["t"] for r in recs) - self.t0, 1.0)
+        points = []
+        for r in recs:
+            step = None
+            if r.get("event") == E.PROGRESS:
+                step = r.get("step")
+            elif r.get("event") in (E.CHECKPOINT, E.STOPPED) and (r.get("step") or r.get("ckpt_step")) is not None:
+                step = r.get("step", r.get("ckpt_step"))
+            step = _finite(step)
+            if step is not None:
+                points.append((r["t"], step, r.get("event")))
+        self.smax = max([p[1] for p in points] + [1])
+
+    def x(self, t: float) -> float:
+        return self.pad_l + (t - self.t0) / self.span * self.w
+
+    def y(self, s: float) -> float:
+        return self.pad_t + self.h - (s / self.smax) * self.h
+
+
 def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 360, title: str = "") -> str:
     """Training step against wall time; faults (red) and decisions (blue) marked."""
     recs = list(records)
-    pad_l, pad_r, pad_t, pad_b = 60, 20, 40, 90
-    w, h = width - pad_l - pad_r, height - pad_t - pad_b
     if not recs:
         return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="60"><text x="10" y="30">empty timeline</text></svg>'
-    t0 = recs[0]["t"]
-    t1 = max(r["t"] for r in recs)
-    span = max(t1 - t0, 1.0)
-    points = []
-    for r in recs:
-        step = None
-        if r.get("event") == E.PROGRESS:
-            step = r.get("step")
-        elif r.get("event") in (E.CHECKPOINT, E.STOPPED) and (r.get("step") or r.get("ckpt_step")) is not None:
-            step = r.get("step", r.get("ckpt_step"))
-        step = _finite(step)
-        if step is not None:
-            points.append((r["t"], step, r.get("event")))
-    smax = max([p[1] for p in points] + [1])
+    f = _Frame(recs, width, height)
+    parts = _svg_axes(f, title) + _svg_steps(f, recs) + _svg_checkpoints(f, recs) + _svg_markers(f, recs)
+    parts.append(_svg_legend(f, any(r.get("event") in FINDING_KINDS for r in recs)))
+    parts.append("</svg>")
+    return "\n".join(parts)
 
-    def x(t):
-        return pad_l + (t - t0) / span * w
 
-    def y(s):
-        return pad_t + h - (s / smax) * h
-
-    esc = html_text
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+def _svg_axes(f: _Frame, title: str) -> List[str]:
+    """The frame, the title, the axes and their ticks."""
+    pad_l, pad_t, w, h = f.pad_l, f.pad_t, f.w, f.h
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{f.width}" height="{f.height}" '
              f'font-family="sans-serif" font-size="11">',
-             f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{pad_l}" y="20" font-size="14" font-weight="bold">{esc(title or "supervised job timeline")}</text>',
+             f'<rect x="0" y="0" width="{f.width}" height="{f.height}" fill="white"/>',
+             f'<text x="{pad_l}" y="20" font-size="14" font-weight="bold">{html_text(title or "supervised job timeline")}</text>',
              f'<line x1="{pad_l}" y1="{pad_t + h}" x2="{pad_l + w}" y2="{pad_t + h}" stroke="black"/>',
              f'<line x1="{pad_l}" y1="{pad_t}" x2="{pad_l}" y2="{pad_t + h}" stroke="black"/>',
              f'<text x="{pad_l + w / 2}" y="{pad_t + h + 30}" text-anchor="middle">wall time (s)</text>',
              f'<text x="15" y="{pad_t + h / 2}" transform="rotate(-90 15 {pad_t + h / 2})" text-anchor="middle">step</text>']
     for i in range(6):
-        tv = span * i / 5
-        parts.append(f'<text x="{x(t0 + tv):.1f}" y="{pad_t + h + 14}" text-anchor="middle">{tv:.0f}</text>')
-        sv = smax * i / 5
-        parts.append(f'<text x="{pad_l - 6}" y="{y(sv) + 4:.1f}" text-anchor="end">{sv:.0f}</text>')
-        parts.append(f'<line x1="{pad_l}" y1="{y(sv):.1f}" x2="{pad_l + w}" y2="{y(sv):.1f}" stroke="#eee"/>')
-    # Step line, broken at each launch so a restart shows as a drop back to the resume step.
+        tv = f.span * i / 5
+        parts.append(f'<text x="{f.x(f.t0 + tv):.1f}" y="{pad_t + h + 14}" text-anchor="middle">{tv:.0f}</text>')
+        sv = f.smax * i / 5
+        parts.append(f'<text x="{pad_l - 6}" y="{f.y(sv) + 4:.1f}" text-anchor="end">{sv:.0f}</text>')
+        parts.append(f'<line x1="{pad_l}" y1="{f.y(sv):.1f}" x2="{pad_l + w}" y2="{f.y(sv):.1f}" stroke="#eee"/>')
+    return parts
+
+
+def _svg_steps(f: _Frame, recs: List[Mapping]) -> List[str]:
+    """The step line, broken at each launch so a restart shows as a drop back to the resume step."""
+    parts = []
     segs: List[List[tuple]] = [[]]
     for r in recs:
         if r.get("event") == E.LAUNCH:
@@ -525,14 +564,24 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
             segs[-1].append((r["t"], _finite(r["step"])))
     for seg in segs:
         if len(seg) >= 2:
-            d = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in seg)
+            d = " ".join(f"{f.x(t):.1f},{f.y(s):.1f}" for t, s in seg)
             parts.append(f'<polyline class="step" points="{d}" fill="none" stroke="#2a7" stroke-width="2"/>')
         for t, s in seg:
-            parts.append(f'<circle cx="{x(t):.1f}" cy="{y(s):.1f}" r="1.8" fill="#2a7"/>')
-    for r in recs:
-        if r.get("event") == E.CHECKPOINT and _finite(r.get("step")) is not None:
-            parts.append(f'<rect class="checkpoint" x="{x(r["t"]) - 3:.1f}" y="{y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
-                         f'fill="#fc3" stroke="#960"><title>checkpoint step {esc(str(r["step"]))}</title></rect>')
+            parts.append(f'<circle cx="{f.x(t):.1f}" cy="{f.y(s):.1f}" r="1.8" fill="#2a7"/>')
+    return parts
+
+
+def _svg_checkpoints(f: _Frame, recs: List[Mapping]) -> List[str]:
+    esc = html_text
+    return [f'<rect class="checkpoint" x="{f.x(r["t"]) - 3:.1f}" y="{f.y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
+            f'fill="#fc3" stroke="#960"><title>checkpoint step {esc(str(r["step"]))}</title></rect>'
+            for r in recs if r.get("event") == E.CHECKPOINT and _finite(r.get("step")) is not None]
+
+
+def _svg_markers(f: _Frame, recs: List[Mapping]) -> List[str]:
+    """A dashed line and a label for each fault, decision and finding."""
+    esc = html_text
+    parts = []
     row = 0
     # Findings last, so that a decision taken at the same moment does not hide them.
     for r in sorted(recs, key=lambda r: r.get("event") in FINDING_KINDS):
@@ -542,25 +591,26 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
         if e in FAULT_KINDS or e in DECISION_KINDS or e in FINDING_KINDS:
             color = "#d22" if e in FAULT_KINDS else ("#e80" if e in FINDING_KINDS else "#25c")
             kind = "fault" if e in FAULT_KINDS else ("finding" if e in FINDING_KINDS else "decision")
-            xx = x(r["t"])
+            xx = f.x(r["t"])
             label = esc(describe(r), limit=80)   # shortened raw, then escaped: no cut entity
-            parts.append(f'<line class="{kind}" data-event="{esc(e, limit=40)}" x1="{xx:.1f}" y1="{pad_t}" x2="{xx:.1f}" y2="{pad_t + h}" stroke="{color}" '
+            parts.append(f'<line class="{kind}" data-event="{esc(e, limit=40)}" x1="{xx:.1f}" y1="{f.pad_t}" x2="{xx:.1f}" y2="{f.pad_t + f.h}" stroke="{color}" '
                          f'stroke-dasharray="4,3"><title>{label}</title></line>')
             short = esc(e.replace("_", " ") + (f": {r.get('cause')}" if r.get("cause") else "")
                         + (f": {r.get('node')}" if e in FINDING_KINDS and r.get("node") else ""), limit=60)
-            ly = pad_t + h + 46 + 12 * (row % 3)
+            ly = f.pad_t + f.h + 46 + 12 * (row % 3)
             parts.append(f'<text class="{kind}-label" x="{xx + 2:.1f}" y="{ly}" fill="{color}">{short}</text>')
             row += 1
-    findings = any(r.get("event") in FINDING_KINDS for r in recs)
-    parts.append(f'<g transform="translate({pad_l + w - (320 if findings else 250)},{pad_t - 14})">'
-                 '<line x1="0" y1="0" x2="16" y2="0" stroke="#2a7" stroke-width="2"/><text x="20" y="4">step</text>'
-                 '<rect x="60" y="-4" width="7" height="7" fill="#fc3" stroke="#960"/><text x="70" y="4">checkpoint</text>'
-                 '<line x1="140" y1="-6" x2="140" y2="6" stroke="#d22"/><text x="144" y="4">fault</text>'
-                 '<line x1="185" y1="-6" x2="185" y2="6" stroke="#25c"/><text x="189" y="4">decision</text>'
-                 + ('<line x1="240" y1="-6" x2="240" y2="6" stroke="#e80"/><text x="244" y="4">straggler</text>'
-                    if findings else "") + '</g>')
-    parts.append("</svg>")
-    return "\n".join(parts)
+    return parts
+
+
+def _svg_legend(f: _Frame, findings: bool) -> str:
+    return (f'<g transform="translate({f.pad_l + f.w - (320 if findings else 250)},{f.pad_t - 14})">'
+            '<line x1="0" y1="0" x2="16" y2="0" stroke="#2a7" stroke-width="2"/><text x="20" y="4">step</text>'
+            '<rect x="60" y="-4" width="7" height="7" fill="#fc3" stroke="#960"/><text x="70" y="4">checkpoint</text>'
+            '<line x1="140" y1="-6" x2="140" y2="6" stroke="#d22"/><text x="144" y="4">fault</text>'
+            '<line x1="185" y1="-6" x2="185" y2="6" stroke="#25c"/><text x="189" y="4">decision</text>'
+            + ('<line x1="240" y1="-6" x2="240" y2="6" stroke="#e80"/><text x="244" y="4">straggler</text>'
+               if findings else "") + '</g>')
 
 
 def render_html(records: Iterable[Mapping], *, title: str = "") -> str:
