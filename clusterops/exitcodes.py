@@ -154,7 +154,8 @@ TABLES: Dict[str, Tuple[Type[_Codes], str, str]] = {
 }
 
 #: A line the epilog adds after the codes.
-_NOTES = {Sweep: 'Only 0 and 1 mean "the sweep did its job" (the systemd unit\'s SuccessExitStatus=1).'}
+_NOTES = {Common: "Commands document any other code they use.",
+          Sweep: 'Only 0 and 1 mean "the sweep did its job" (the systemd unit\'s SuccessExitStatus=1).'}
 
 
 def epilog(codes: Type[_Codes]) -> str:

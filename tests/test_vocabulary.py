@@ -161,12 +161,12 @@ def test_a_docs_file_without_its_table_is_reported(tmp_path):
     assert exitcodes.drift(tmp_path) == ["missing: docs/launch.md: no <!-- exitcodes:launch --> table"]
 
 
-HELPS = [(["supervise"], exitcodes.Supervise), (["health", "check"], exitcodes.HealthCheck),
+HELPS = [([], exitcodes.Common), (["supervise"], exitcodes.Supervise), (["health", "check"], exitcodes.HealthCheck),
          (["sweep"], exitcodes.Sweep), (["ckpt"], exitcodes.Ckpt), (["launch"], exitcodes.Launch),
          (["deploy", "files"], exitcodes.Deploy)]
 
 
-@pytest.mark.parametrize("argv,codes", HELPS, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+@pytest.mark.parametrize("argv,codes", HELPS, ids=lambda v: " ".join(["clusterops"] + v) if isinstance(v, list) else "")
 def test_help_epilog_is_generated_from_the_enum(argv, codes):
     from clusterops.cli import cli
 
