@@ -61,6 +61,8 @@ __all__ = [
     "Memory",
     "Supervisor",
     "State",
+    "StopReason",
+    "KillCause",
     "TRANSITIONS",
     "IllegalTransition",
     "ExitCode",
@@ -100,6 +102,30 @@ class Policy:
         if isinstance(self.min_nodes, int) and isinstance(self.nodes, int) and self.min_nodes > self.nodes:
             bad.append(f"min_nodes: must be from 1 to nodes ({self.nodes}), got {self.min_nodes}")
         return bad
+
+
+class StopReason(str, Enum):
+    """Why the ranks are asked to save and stop (``StopRequested.reason``, ``RequestStop``)."""
+
+    TIME_LIMIT = "time_limit"    # SIGUSR1, Slurm's lead time before the time limit
+    PREEMPTION = "preemption"    # SIGTERM, or Slurm's PreemptTime seen on the job
+    USER = "user"                # any other signal (an operator's SIGINT)
+    SIGNAL = "signal"            # the ranks stopped on a signal that did not come through us
+    STRAGGLER = "straggler"      # a planned stop to replace a slow node
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class KillCause(str, Enum):
+    """Why the machine kills a step (``KillStep.reason``)."""
+
+    HANG = "hang"
+    NODE_DOWN = "node_down"
+    STOP_TIMEOUT = "stop_timeout"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 # --------------------------------------------------------------------------------------
@@ -158,7 +184,7 @@ class NodesDown(Event):
 
 @dataclass(frozen=True)
 class StopRequested(Event):
-    reason: str = "time_limit"     # 'time_limit' (USR1 lead time) | 'preemption' (SIGTERM) | 'user'
+    reason: str = StopReason.TIME_LIMIT     # a StopReason
 
 
 @dataclass(frozen=True)
@@ -559,7 +585,7 @@ class Supervisor:
                                                  "ages_s": [a for _, a in stale],
                                                  "culprits": list(self.hang_culprits)}))
             out.append(CaptureStacks(self.hung_ranks, nodes))
-            out += self._kill(ev.now, "hang")
+            out += self._kill(ev.now, KillCause.HANG)
             return out
         if self.detector is not None and ev.timing:
             for f in self.detector.feed(ev.timing):
@@ -584,12 +610,12 @@ class Supervisor:
         # A planned stop through the ordinary stop path: the ranks agree on a step, save it
         # and exit; the relaunch resumes from exactly that step without the slow node.
         self.replacing = f.node
-        self.stop_reason = "straggler"
+        self.stop_reason = StopReason.STRAGGLER
         self._enter(STOPPING)
         self.stop_deadline = now + self.policy.stop_timeout_s
         return [Record(E.STRAGGLER, dict(rec, action="replace", spare=free[0])),
-                Record(E.STOP_REQUESTED, {"reason": "straggler", "state": RUNNING, "node": f.node}),
-                RequestStop("straggler")]
+                Record(E.STOP_REQUESTED, {"reason": StopReason.STRAGGLER, "state": RUNNING, "node": f.node}),
+                RequestStop(StopReason.STRAGGLER)]
 
     def _mark_straggler(self, node: str, now: float, out: List[Action]) -> None:
         why, reason = self.straggler_why.get(node, ("straggler", drains.make_reason(drains.STRAGGLER, "straggler")))
@@ -602,7 +628,7 @@ class Supervisor:
         self._mark_straggler(node, now, out)
         self.stop_reason = None
         self.stop_deadline = None
-        self.last_cause = "straggler"
+        self.last_cause = StopReason.STRAGGLER
         if not clean:
             self.restarts_here += 1
             self.memory.restarts += 1
@@ -648,7 +674,7 @@ class Supervisor:
             if node in self.spares:
                 self.spares.remove(node)
         if any(n in self.active for n in fresh) and self.state == RUNNING:
-            out += self._kill(ev.now, "node_down")
+            out += self._kill(ev.now, KillCause.NODE_DOWN)
         return out
 
     def _on_stop_requested(self, ev: StopRequested) -> List[Action]:
@@ -685,7 +711,7 @@ class Supervisor:
         out: List[Action] = []
         if self.state == STOPPING and self.stop_deadline is not None and ev.now > self.stop_deadline:
             out.append(Record(E.STOP_TIMEOUT, {"after_s": self.policy.stop_timeout_s}))
-            out += self._kill(ev.now, "stop_timeout")
+            out += self._kill(ev.now, KillCause.STOP_TIMEOUT)
             if not self.replacing:      # a straggler's stop that timed out: relaunch, not requeue
                 self.pending_stop = self.stop_reason
         elif self.state == KILLING and self.kill_sent_at is not None:
@@ -707,10 +733,10 @@ class Supervisor:
     def classify(self, ev: StepExited) -> Tuple[Cause, List[str]]:
         """(cause, blamed nodes) for a failed step (srun's wording is read by each failure's
         ``kind``, in clusterops.slurm.parse)."""
-        if self.kill_cause == "hang":
+        if self.kill_cause == KillCause.HANG:
             return Cause.HANG, sorted({self.rank_node(r) for r in self.hang_culprits if self.rank_node(r)})
         lost = sorted(set(ev.node_failure) | (self.down_seen & set(self.active)))
-        if lost or self.kill_cause == "node_down":
+        if lost or self.kill_cause == KillCause.NODE_DOWN:
             return Cause.NODE_LOST, lost
         if ev.failures:
             first = ev.failures[0]

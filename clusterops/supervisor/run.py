@@ -372,8 +372,8 @@ class SupervisorRun:
     # -- signals ---------------------------------------------------------------------
     def install_signals(self) -> None:
         def on_signal(signum, frame):
-            self.signals.append({signal.SIGUSR1: "time_limit", signal.SIGTERM: "preemption"}.get(
-                signum, "user"))
+            self.signals.append({signal.SIGUSR1: sv.StopReason.TIME_LIMIT, signal.SIGTERM: sv.StopReason.PREEMPTION}.get(
+                signum, sv.StopReason.USER))
 
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
@@ -702,9 +702,9 @@ class SupervisorRun:
         it, rank 0's "stopped" output line; see clusterops.protocol) is the training's own word.
         """
         if self._preempt_time():
-            return "preemption"
+            return sv.StopReason.PREEMPTION
         if protocol.training_stopped(self.attempt_dir, step_log):
-            return "signal"
+            return sv.StopReason.SIGNAL
         return None
 
     def _preempt_time(self) -> Optional[float]:
