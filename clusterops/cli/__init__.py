@@ -17,6 +17,7 @@ import sys
 import click
 
 from clusterops import __version__
+from clusterops.exitcodes import Common, epilog
 
 # name -> "module:attribute"; each module owns its command group.
 COMMANDS = {
@@ -74,16 +75,11 @@ def _available(name: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=epilog(Common))
 @click.version_option(__version__, prog_name="clusterops")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv: debug, shows every command run).")
 def cli(verbose: int) -> None:
-    """clusterops: Slurm cluster operations for large-scale PyTorch training.
-
-    \b
-    Exit codes: 0 ok; 1 unhealthy / failed / not found; 2 usage or input error.
-    Commands document any other code they use.
-    """
+    """clusterops: Slurm cluster operations for large-scale PyTorch training."""
     level = logging.WARNING - 10 * verbose
     logging.basicConfig(level=max(level, logging.DEBUG), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from clusterops.cli.common import echo_json, json_option
+from clusterops.exitcodes import Ckpt, epilog
 from clusterops.textsafe import terminal
 
 
@@ -45,20 +46,13 @@ def _flock_warning(root) -> None:
         click.echo(f"warning: {why}", err=True)
 
 
-@click.group()
+@click.group(epilog=epilog(Ckpt))
 def ckpt() -> None:
     """List, verify, prune and shrink checkpoints.
 
     Malformed step directories are reported as BAD with the reason and skipped;
     no file in a checkpoint is ever loaded with code execution unless
     `shrink --unsafe-load` is given.
-
-    \b
-    Exit codes:
-      0  ok (list, prune, shrink done; latest found; verify good)
-      1  no good checkpoint (latest); checkpoint bad (verify); shrink refused
-         (bad checkpoint, or a file that needs pickled code without --unsafe-load)
-      2  usage error: missing root, root not a directory, bad flag value
     """
 
 

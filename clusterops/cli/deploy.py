@@ -5,11 +5,9 @@ from __future__ import annotations
 import click
 
 from clusterops.cli.common import echo_json, json_option
+from clusterops.exitcodes import Deploy, epilog
 
-EXIT_HELP = """\b
-Exit codes:
-  0  the files were written
-  2  bad --prefix or --out (nothing written)"""
+EXIT_HELP = epilog(Deploy)
 
 
 @click.group()

@@ -8,6 +8,7 @@ import sys
 import click
 
 from clusterops.cli.common import echo_json, json_option
+from clusterops.exitcodes import HealthCheck, epilog
 
 profile_option = click.option(
     "--profile", "profile_name", default="fast", show_default=True, metavar="NAME|PATH",
@@ -27,7 +28,7 @@ def health() -> None:
     """
 
 
-@health.command()
+@health.command(epilog=epilog(HealthCheck))
 @profile_option
 @site_option
 @json_option
@@ -46,18 +47,7 @@ def health() -> None:
                    "[default: $CLUSTEROPS_HISTORY_DB, else the site config's history.db; none: not recorded]. "
                    "Through a bounded local spool: a database that is down never fails the check.")
 def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, drain_timeout_s, db_target):
-    """Run a health profile on this node.
-
-    \b
-    Exit codes:
-      0  healthy (warnings allowed)
-      1  unhealthy: a probe failed (drained with --drain-on-fail)
-      2  bad usage, profile or site config, or --drain-on-fail by a user who
-         is not a Slurm admin: nothing run, nothing drained
-      3  unhealthy, but the fleet guard (or Slurm) refused the drain, or the guard
-         lifted it again (too many nodes drained at once): node left in service
-      4  error: a probe crashed, timed out or could not check: node left in service
-    """
+    """Run a health profile on this node."""
     from clusterops.health import format_table
     from clusterops.health.flow import CheckRequest, check_node
 

@@ -7,6 +7,7 @@ import sys
 import click
 
 from clusterops.cli.common import echo_json, json_option
+from clusterops.exitcodes import Launch, epilog
 
 set_option = click.option(
     "--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -19,20 +20,13 @@ templates_option = click.option(
          "templates. Repeatable.")
 
 
-@click.group()
+@click.group(epilog=epilog(Launch))
 def launch() -> None:
     """Render and submit sbatch scripts from a YAML job spec.
 
     \b
     A job spec names the launcher (torchrun, accelerate, deepspeed or srun), the
     script, its arguments and the Slurm resources; see docs/launch.md for every key.
-
-    \b
-    Exit codes:
-      0  ok
-      1  Slurm refused the job or failed (the script is not left behind)
-      2  bad spec, flag or template: one line naming the file, line and key;
-         nothing is written or submitted
     """
 
 

@@ -12,18 +12,10 @@ from __future__ import annotations
 import click
 
 from clusterops import schema
+from clusterops.errors import InputError
+from clusterops.exitcodes import Supervise, epilog
 
-EXIT_HELP = """\b
-Exit codes:
-  0  training finished
-  1  failed for good (e.g. the requeue itself failed)
-  2  usage or input error
-  3  no progress: latest checkpoint unchanged across K restarts
-  4  requeue budget spent (SLURM_RESTART_COUNT reached max_requeues)
-  5  in-allocation restart budget spent
-  6  too few healthy nodes and requeueing not allowed
-  7  stopped (time limit / preemption) with checkpoint saved, requeue not allowed
-"""
+EXIT_HELP = epilog(Supervise)
 
 
 def _setting_option(f: schema.Field):

@@ -9,6 +9,7 @@ import sys
 import click
 
 from clusterops.cli.common import echo_json, json_option
+from clusterops.exitcodes import Sweep, epilog
 
 
 class _Progress:
@@ -90,7 +91,7 @@ def _summary(doc: dict) -> None:
               soft_wrap=True)
 
 
-@click.command("sweep")
+@click.command("sweep", epilog=epilog(Sweep))
 @click.option("--partition", "-p", help="Sweep the nodes of this partition.")
 @click.option("--nodes", "-w", "nodes", metavar="HOSTLIST", help="Sweep these nodes (e.g. gpu[001-128]).")
 @click.option("--profile", default="fast", show_default=True, help="Health profile name or YAML file.")
@@ -152,19 +153,6 @@ def sweep(partition, nodes, profile, via, concurrency, max_running, timeout_s, d
 
     Every argument is checked (flags, hostlist, profile, output paths) before
     Slurm is asked anything or any node is touched; a bad one is exit 2.
-
-    \b
-    Exit codes:
-      0  every checked node healthy (skipped nodes allowed)
-      1  the sweep ran and at least one node failed, was unreachable, or its check errored
-      2  usage or input error, or a sweep that drains or resumes nodes (--drain, or
-         via Slurm without --dry-run) by a user who is not a Slurm admin (nothing run)
-      3  safety guard: more than --max-drain-fraction would be drained (none was), or
-         the partition-wide guard (site drain.max_drained_fraction) refused a drain
-      4  another sweep is running (lock held)
-      5  the sweep could not run: no Slurm, no usable history database, nothing to
-         sweep (or its result could not be recorded)
-    Only 0 and 1 mean "the sweep did its job" (the systemd unit's SuccessExitStatus=1).
     """
     from clusterops import sweep as sw
     from clusterops.errors import InputError

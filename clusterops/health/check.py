@@ -23,11 +23,13 @@ from clusterops.health.probes.base import (ProbeContext, ProbeResult, ProbeSpec,
                                            run_probes)
 from clusterops.health.profiles import Profile
 
-EXIT_HEALTHY = 0
-EXIT_UNHEALTHY = 1
-EXIT_USAGE = 2
-EXIT_GUARD = 3      # failing, but the fleet guard refused the self-drain
-EXIT_ERROR = 4      # the check could not decide (a probe raised or timed out): never drained
+from clusterops.exitcodes import HealthCheck as _Exit  # noqa: E402 - the codes are written there
+
+EXIT_HEALTHY = int(_Exit.HEALTHY)
+EXIT_UNHEALTHY = int(_Exit.UNHEALTHY)
+EXIT_USAGE = int(_Exit.USAGE)
+EXIT_GUARD = int(_Exit.GUARD)      # failing, but the fleet guard refused the self-drain
+EXIT_ERROR = int(_Exit.ERROR)      # the check could not decide (a probe raised or timed out): never drained
 
 ProbeFn = Callable[[Dict[str, Any], ProbeContext], List[ProbeResult]]
 

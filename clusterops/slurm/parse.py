@@ -16,6 +16,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from enum import Enum
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 import hostlist
@@ -510,13 +511,39 @@ SRUN_FAILURE = re.compile(r"srun: error: (\S+): tasks? ([\d,\-\[\] ]+): (.+?)\s*
 SRUN_NODE_FAILURE = re.compile(r"[Nn]ode failure on (\S+?)[\s,.;]*$")
 
 
+class FailureKind(str, Enum):
+    """What srun's wording for one task's end says happened (:func:`failure_kind`)."""
+
+    EXITED = "exited"        # "Exited with exit code 3": the program ended itself with an error
+    KILLED = "killed"        # "Killed", a signal, "Segmentation fault", "Aborted"
+    OTHER = "other"          # any other wording ("Terminated", ...); srun never writes both of the above
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def failure_kind(reason: str) -> FailureKind:
+    """Classify srun's reason text for one task (the only place that reads that wording)."""
+    text = reason.lower()
+    if any(w in text for w in ("killed", "signal", "segmentation", "aborted")):
+        return FailureKind.KILLED
+    if "exit code" in text:
+        return FailureKind.EXITED
+    return FailureKind.OTHER
+
+
 @dataclass(frozen=True)
 class TaskFailure:
-    """One task (rank) of a step that srun reported as ended badly."""
+    """One task (rank) of a step that srun reported as ended badly (also the job
+    supervisor's ``RankFailure``: one dataclass for both)."""
 
     node: str
     rank: int            # -1 when srun named the tasks in a form we do not know
     reason: str          # "Killed", "Exited with exit code 3", "Terminated", ...
+
+    @property
+    def kind(self) -> FailureKind:
+        return failure_kind(self.reason)
 
 
 def parse_srun_failures(text: str) -> Tuple[List[TaskFailure], List[str]]:

@@ -9,28 +9,21 @@ time, touches a process, a file or Slurm. ``clusterops.supervisor.run`` is the t
 plumbing that turns actions into srun/scancel/scontrol calls and observations into
 events.
 
-Exit codes of ``clusterops supervise`` (documented in ``--help`` and docs/supervisor.md):
-
-====  ==========================================================================
- 0    training finished
- 1    failed for good for another reason (e.g. the requeue itself failed)
- 2    usage / input error (bad spec, broken preflight profile)
- 3    no progress: the latest good checkpoint did not move across K restarts
- 4    requeue budget spent (``SLURM_RESTART_COUNT`` reached ``max_requeues``)
- 5    in-allocation restart budget spent (``max_restarts``)
- 6    too few healthy nodes and requeueing is not allowed
- 7    stopped (time limit / preemption) with the checkpoint saved, but requeueing
-      is not allowed
-====  ==========================================================================
+Exit codes of ``clusterops supervise``: ``clusterops.exitcodes.Supervise`` (the ``--help``
+epilog and the table in docs/supervisor.md are generated from it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from enum import Enum
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from clusterops import drains, schema
+from clusterops.exitcodes import Supervise as ExitCode
+from clusterops.slurm.parse import FailureKind, TaskFailure
 from clusterops.supervisor.stragglers import Detector
+from clusterops.supervisor.timeline import Cause, EventKind as E
 
 __all__ = [
     "EXIT_DONE",
@@ -67,17 +60,25 @@ __all__ = [
     "Exit",
     "Memory",
     "Supervisor",
+    "State",
+    "StopReason",
+    "KillCause",
+    "TRANSITIONS",
+    "IllegalTransition",
+    "ExitCode",
+    "Cause",
     "IDLE", "PREFLIGHT", "RUNNING", "KILLING", "STOPPING", "POSTMORTEM", "REQUEUEING", "DONE",
 ]
 
-EXIT_DONE = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_NO_PROGRESS = 3
-EXIT_REQUEUE_BUDGET = 4
-EXIT_RESTART_BUDGET = 5
-EXIT_TOO_FEW_NODES = 6
-EXIT_STOPPED_NO_REQUEUE = 7   # (docs/supervisor.md tabulates the codes)
+# The names the plumbing and the tests use; the codes are ``clusterops.exitcodes.Supervise``.
+EXIT_DONE = ExitCode.DONE
+EXIT_FAILED = ExitCode.FAILED
+EXIT_USAGE = ExitCode.USAGE
+EXIT_NO_PROGRESS = ExitCode.NO_PROGRESS
+EXIT_REQUEUE_BUDGET = ExitCode.REQUEUE_BUDGET
+EXIT_RESTART_BUDGET = ExitCode.RESTART_BUDGET
+EXIT_TOO_FEW_NODES = ExitCode.TOO_FEW_NODES
+EXIT_STOPPED_NO_REQUEUE = ExitCode.STOPPED_NO_REQUEUE
 
 
 # --------------------------------------------------------------------------------------
@@ -103,6 +104,30 @@ class Policy:
         return bad
 
 
+class StopReason(str, Enum):
+    """Why the ranks are asked to save and stop (``StopRequested.reason``, ``RequestStop``)."""
+
+    TIME_LIMIT = "time_limit"    # SIGUSR1, Slurm's lead time before the time limit
+    PREEMPTION = "preemption"    # SIGTERM, or Slurm's PreemptTime seen on the job
+    USER = "user"                # any other signal (an operator's SIGINT)
+    SIGNAL = "signal"            # the ranks stopped on a signal that did not come through us
+    STRAGGLER = "straggler"      # a planned stop to replace a slow node
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class KillCause(str, Enum):
+    """Why the machine kills a step (``KillStep.reason``)."""
+
+    HANG = "hang"
+    NODE_DOWN = "node_down"
+    STOP_TIMEOUT = "stop_timeout"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # --------------------------------------------------------------------------------------
 # Events (in)
 # --------------------------------------------------------------------------------------
@@ -125,11 +150,9 @@ class StepLaunched(Event):
     step_id: Optional[str] = None
 
 
-@dataclass(frozen=True)
-class RankFailure:
-    node: str
-    rank: int
-    reason: str          # "Killed", "Exited with exit code 3", "Terminated", "Node failure"...
+# One rank srun reported as ended badly: srun's own record (node, rank, reason), whose
+# ``kind`` classifies srun's wording in clusterops.slurm.parse (the machine never reads it).
+RankFailure = TaskFailure
 
 
 @dataclass(frozen=True)
@@ -161,7 +184,7 @@ class NodesDown(Event):
 
 @dataclass(frozen=True)
 class StopRequested(Event):
-    reason: str = "time_limit"     # 'time_limit' (USR1 lead time) | 'preemption' (SIGTERM) | 'user'
+    reason: str = StopReason.TIME_LIMIT     # a StopReason
 
 
 @dataclass(frozen=True)
@@ -261,8 +284,40 @@ class Exit(Action):
 # The profile name the plumbing runs as a bare "does this node still run a task" check.
 LIVENESS = ":liveness"
 
-IDLE, PREFLIGHT, RUNNING, KILLING, STOPPING, POSTMORTEM, REQUEUEING, DONE = (
-    "idle", "preflight", "running", "killing", "stopping", "postmortem", "requeueing", "done")
+class State(str, Enum):
+    """Where the supervisor is (a ``str``: records and the state file keep the plain word)."""
+
+    IDLE = "idle"                # before start()
+    PREFLIGHT = "preflight"      # the health check before the first launch runs
+    RUNNING = "running"          # a training step runs
+    KILLING = "killing"          # the step is being killed (hang, lost node, stop timeout)
+    STOPPING = "stopping"        # the ranks were asked to save and stop
+    POSTMORTEM = "postmortem"    # the check after a failed step runs
+    REQUEUEING = "requeueing"    # the job asked Slurm to requeue it
+    DONE = "done"                # an exit code is decided
+
+    def __str__(self) -> str:
+        return self.value
+
+
+IDLE, PREFLIGHT, RUNNING, KILLING, STOPPING, POSTMORTEM, REQUEUEING, DONE = State
+
+#: The allowed moves, checked in one place (:meth:`Supervisor._enter`). Every state but DONE
+#: may end (DONE) or requeue; a launch (RUNNING) follows the checks and a step's end.
+TRANSITIONS: Mapping[State, FrozenSet[State]] = {
+    IDLE: frozenset({PREFLIGHT, RUNNING, REQUEUEING, DONE}),
+    PREFLIGHT: frozenset({RUNNING, REQUEUEING, DONE}),
+    RUNNING: frozenset({RUNNING, STOPPING, KILLING, POSTMORTEM, REQUEUEING, DONE}),
+    STOPPING: frozenset({KILLING, RUNNING, REQUEUEING, DONE}),
+    KILLING: frozenset({RUNNING, POSTMORTEM, REQUEUEING, DONE}),
+    POSTMORTEM: frozenset({RUNNING, REQUEUEING, DONE}),
+    REQUEUEING: frozenset({DONE}),
+    DONE: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """The machine tried a move that :data:`TRANSITIONS` does not allow (a bug, not input)."""
 
 
 @dataclass
@@ -302,7 +357,7 @@ class Supervisor:
         self.memory = memory or Memory()
         if self.memory.last_ckpt_step is None:
             self.memory.last_ckpt_step = ckpt_step
-        self.state = IDLE
+        self.state: State = IDLE
         self.bad: Dict[str, str] = {}             # node -> why (this incarnation)
         self.blame: Dict[str, int] = {}           # node -> failures blamed on it
         self.down_seen: Set[str] = set()
@@ -328,6 +383,12 @@ class Supervisor:
         self.straggler_why: Dict[str, Tuple[str, str]] = {}   # node -> (why, drain reason)
 
     # -- helpers ---------------------------------------------------------------------
+    def _enter(self, state: State) -> None:
+        """Move to ``state``: the one place a state changes, checked against TRANSITIONS."""
+        if state not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"supervisor: {self.state} -> {state} is not an allowed transition")
+        self.state = state
+
     def _usable(self) -> List[str]:
         return [n for n in self.allocation if n not in self.bad]
 
@@ -340,14 +401,14 @@ class Supervisor:
             return
         self.bad[node] = why
         self.memory.bad_nodes[node] = why
-        out.append(Record("node_bad", {"node": node, "why": why}))
+        out.append(Record(E.NODE_BAD, {"node": node, "why": why}))
         if self.policy.drain_bad_nodes and drain:
             out.append(DrainNodes((node,), reason or drains.make_reason(drains.SUPERVISOR, why)))
 
     def _exit(self, code: int, reason: str, out: List[Action]) -> List[Action]:
-        self.state = DONE
+        self._enter(DONE)
         self.exit_code = code
-        kind = "done" if code == EXIT_DONE else "give_up"
+        kind = E.DONE if code == EXIT_DONE else E.GIVE_UP
         out.append(Record(kind, {"code": code, "reason": reason}))
         out.append(Exit(code, reason))
         return out
@@ -361,9 +422,9 @@ class Supervisor:
         if not self.policy.requeue:
             code = EXIT_STOPPED_NO_REQUEUE if self.stop_reason else EXIT_TOO_FEW_NODES
             return self._exit(code, f"{reason}; requeue not allowed", out)
-        self.state = REQUEUEING
+        self._enter(REQUEUEING)
         exclude = tuple(sorted(set(self.memory.bad_nodes)))
-        out.append(Record("requeue", {"reason": reason, "exclude": list(exclude),
+        out.append(Record(E.REQUEUE, {"reason": reason, "exclude": list(exclude),
                                       "restart_count": self.slurm_restart_count + 1}))
         out.append(Requeue(exclude, reason))
         return out
@@ -372,7 +433,7 @@ class Supervisor:
     def start(self, now: float) -> List[Action]:
         out: List[Action] = []
         known = {n: w for n, w in self.memory.bad_nodes.items() if n in self.allocation}
-        out.append(Record("start", {"nodes": list(self.allocation),
+        out.append(Record(E.START, {"nodes": list(self.allocation),
                                     "slurm_restart_count": self.slurm_restart_count,
                                     "known_bad": sorted(known),
                                     "policy": {"nodes": self.policy.nodes, "spare_nodes": self.policy.spare_nodes,
@@ -382,9 +443,9 @@ class Supervisor:
             # changed on a running job): keep it out of this allocation's steps.
             self.bad[node] = why
         if self.policy.preflight and not self.preflight_done:
-            self.state = PREFLIGHT
+            self._enter(PREFLIGHT)
             nodes = tuple(self._usable())
-            out.append(Record("preflight_start", {"nodes": list(nodes), "profile": self.policy.preflight}))
+            out.append(Record(E.PREFLIGHT_START, {"nodes": list(nodes), "profile": self.policy.preflight}))
             out.append(RunPreflight(nodes, self.policy.preflight, self.policy.preflight_timeout_s))
             return out
         return self._plan_launch(now, out, first=True)
@@ -413,14 +474,14 @@ class Supervisor:
         if previous and not first:
             added = [n for n in active if n not in previous]
             if added:
-                out.append(Record("spare_used", {"nodes": added}))
+                out.append(Record(E.SPARE_USED, {"nodes": added}))
             if len(active) < len(previous):
-                out.append(Record("shrink", {"from": len(previous), "to": len(active)}))
+                out.append(Record(E.SHRINK, {"from": len(previous), "to": len(active)}))
         if not first:
-            out.append(Record("restart", {"cause": self.last_cause, "restart": self.memory.restarts,
+            out.append(Record(E.RESTART, {"cause": self.last_cause, "restart": self.memory.restarts,
                                           "resume_step": self.memory.last_ckpt_step}))
         self.active = active
-        self.state = RUNNING
+        self._enter(RUNNING)
         self.step_started_at = now
         self.kill_sent_at = None
         self.kill_cause = None
@@ -436,7 +497,7 @@ class Supervisor:
         attempt = self.memory.attempts
         self.memory.attempts += 1
         self.ckpt_at_launch = self.memory.last_ckpt_step
-        out.append(Record("launch", {"nodes": list(active), "spares": list(self.spares), "attempt": attempt,
+        out.append(Record(E.LAUNCH, {"nodes": list(active), "spares": list(self.spares), "attempt": attempt,
                                      "restart_count": self.memory.restarts, "resume_step": self.memory.last_ckpt_step}))
         out.append(Launch(tuple(active), attempt, self.memory.restarts))
         return out
@@ -456,17 +517,17 @@ class Supervisor:
             return out
         statuses = dict(ev.statuses)
         answered = [n for n, s in statuses.items() if s in ("pass", "warn", "fail")]
-        kind = "preflight" if not ev.postmortem else (
-            "liveness" if self.policy.postmortem is None else "postmortem")
+        kind = E.PREFLIGHT if not ev.postmortem else (
+            E.LIVENESS if self.policy.postmortem is None else E.POSTMORTEM)
         out.append(Record(kind, {"statuses": statuses, "details": dict(ev.details)}))
         if not answered:
             # Nobody could run the check: the check is broken, not every node. Do not
             # empty the allocation on its word (the sweep's safety idea).
-            out.append(Record("warning", {"what": f"{kind} gave no usable result on any node; ignored"}))
+            out.append(Record(E.WARNING, {"what": f"{kind} gave no usable result on any node; ignored"}))
         elif len(statuses) >= 2 and not any(s in ("pass", "warn") for s in statuses.values()):
             # Failing on every node of the allocation: a broken check (a bad profile or site
             # setting pushed everywhere), not a broken allocation. Nobody excluded or drained.
-            out.append(Record("check_broken", {
+            out.append(Record(E.CHECK_BROKEN, {
                 "check": kind, "nodes": sorted(statuses),
                 "what": f"{kind} failed on all {len(statuses)} nodes: treated as a broken check; "
                         "no node excluded or drained"}))
@@ -503,7 +564,7 @@ class Supervisor:
                 slowest = self.detector.slowest() if self.detector is not None else None
                 if slowest is not None:
                     rec["slowest"] = [slowest[0], slowest[1]]   # node, its ratio to the others (metrics)
-                out.append(Record("progress", rec))
+                out.append(Record(E.PROGRESS, rec))
                 self.last_progress_step = low
                 self.last_progress_record = ev.now
         stale = []
@@ -520,11 +581,11 @@ class Supervisor:
             self.hung_ranks = tuple(r for r, _ in stale)
             self.hang_culprits = self._hang_culprits(ev.beats, ranks)
             nodes = tuple(sorted({self.rank_node(r) for r in self.hung_ranks if self.rank_node(r)}))
-            out.append(Record("heartbeat_lost", {"ranks": list(self.hung_ranks), "nodes": list(nodes),
+            out.append(Record(E.HEARTBEAT_LOST, {"ranks": list(self.hung_ranks), "nodes": list(nodes),
                                                  "ages_s": [a for _, a in stale],
                                                  "culprits": list(self.hang_culprits)}))
             out.append(CaptureStacks(self.hung_ranks, nodes))
-            out += self._kill(ev.now, "hang")
+            out += self._kill(ev.now, KillCause.HANG)
             return out
         if self.detector is not None and ev.timing:
             for f in self.detector.feed(ev.timing):
@@ -541,20 +602,20 @@ class Supervisor:
                "others_ms": f.others_ms, "ranks": list(f.ranks), "step": f.step}
         free = [n for n in self.spares if n not in self.bad]
         if not self.policy.replace_stragglers:
-            return [Record("straggler", dict(rec, action="record", why="replace_stragglers is off"))]
+            return [Record(E.STRAGGLER, dict(rec, action="record", why="replace_stragglers is off"))]
         if not free:
-            return [Record("straggler", dict(rec, action="record", why="no spare node"))]
+            return [Record(E.STRAGGLER, dict(rec, action="record", why="no spare node"))]
         if self.state != RUNNING or self.replacing:
-            return [Record("straggler", dict(rec, action="record", why="a stop is already under way"))]
+            return [Record(E.STRAGGLER, dict(rec, action="record", why="a stop is already under way"))]
         # A planned stop through the ordinary stop path: the ranks agree on a step, save it
         # and exit; the relaunch resumes from exactly that step without the slow node.
         self.replacing = f.node
-        self.stop_reason = "straggler"
-        self.state = STOPPING
+        self.stop_reason = StopReason.STRAGGLER
+        self._enter(STOPPING)
         self.stop_deadline = now + self.policy.stop_timeout_s
-        return [Record("straggler", dict(rec, action="replace", spare=free[0])),
-                Record("stop_requested", {"reason": "straggler", "state": RUNNING, "node": f.node}),
-                RequestStop("straggler")]
+        return [Record(E.STRAGGLER, dict(rec, action="replace", spare=free[0])),
+                Record(E.STOP_REQUESTED, {"reason": StopReason.STRAGGLER, "state": RUNNING, "node": f.node}),
+                RequestStop(StopReason.STRAGGLER)]
 
     def _mark_straggler(self, node: str, now: float, out: List[Action]) -> None:
         why, reason = self.straggler_why.get(node, ("straggler", drains.make_reason(drains.STRAGGLER, "straggler")))
@@ -567,7 +628,7 @@ class Supervisor:
         self._mark_straggler(node, now, out)
         self.stop_reason = None
         self.stop_deadline = None
-        self.last_cause = "straggler"
+        self.last_cause = StopReason.STRAGGLER
         if not clean:
             self.restarts_here += 1
             self.memory.restarts += 1
@@ -598,7 +659,7 @@ class Supervisor:
         return self.active[i] if 0 <= i < len(self.active) else None
 
     def _kill(self, now: float, cause: str) -> List[Action]:
-        self.state = KILLING
+        self._enter(KILLING)
         self.kill_cause = cause
         self.kill_sent_at = now
         return [KillStep(cause)]
@@ -608,16 +669,16 @@ class Supervisor:
         fresh = {n: s for n, s in ev.nodes.items() if n in self.allocation and n not in self.down_seen}
         for node, st in sorted(fresh.items()):
             self.down_seen.add(node)
-            out.append(Record("node_down", {"node": node, "state": st}))
+            out.append(Record(E.NODE_DOWN, {"node": node, "state": st}))
             self._mark_bad(node, f"node {st}", ev.now, out)
             if node in self.spares:
                 self.spares.remove(node)
         if any(n in self.active for n in fresh) and self.state == RUNNING:
-            out += self._kill(ev.now, "node_down")
+            out += self._kill(ev.now, KillCause.NODE_DOWN)
         return out
 
     def _on_stop_requested(self, ev: StopRequested) -> List[Action]:
-        out: List[Action] = [Record("stop_requested", {"reason": ev.reason, "state": self.state})]
+        out: List[Action] = [Record(E.STOP_REQUESTED, {"reason": ev.reason, "state": self.state})]
         if self.replacing and not self.pending_stop:
             # The ranks are already stopping (to replace a straggler): their checkpoint
             # serves this stop too, which then wins (requeue, not relaunch).
@@ -627,7 +688,7 @@ class Supervisor:
             return out          # one stop is enough; the first deadline stands
         if self.state == RUNNING:
             self.stop_reason = ev.reason
-            self.state = STOPPING
+            self._enter(STOPPING)
             self.stop_deadline = ev.now + self.policy.stop_timeout_s
             out.append(RequestStop(ev.reason))
         elif self.state == KILLING:
@@ -641,7 +702,7 @@ class Supervisor:
         return out
 
     def _on_checkpoint_committed(self, ev: CheckpointCommitted) -> List[Action]:
-        out: List[Action] = [Record("checkpoint", {"step": ev.step, "path": ev.path})]
+        out: List[Action] = [Record(E.CHECKPOINT, {"step": ev.step, "path": ev.path})]
         if self.memory.last_ckpt_step is None or ev.step > self.memory.last_ckpt_step:
             self.memory.last_ckpt_step = ev.step
         return out
@@ -649,14 +710,14 @@ class Supervisor:
     def _on_tick(self, ev: Tick) -> List[Action]:
         out: List[Action] = []
         if self.state == STOPPING and self.stop_deadline is not None and ev.now > self.stop_deadline:
-            out.append(Record("stop_timeout", {"after_s": self.policy.stop_timeout_s}))
-            out += self._kill(ev.now, "stop_timeout")
+            out.append(Record(E.STOP_TIMEOUT, {"after_s": self.policy.stop_timeout_s}))
+            out += self._kill(ev.now, KillCause.STOP_TIMEOUT)
             if not self.replacing:      # a straggler's stop that timed out: relaunch, not requeue
                 self.pending_stop = self.stop_reason
         elif self.state == KILLING and self.kill_sent_at is not None:
             if ev.now - self.kill_sent_at > self.policy.kill_timeout_s:
                 self.kill_sent_at = ev.now
-                out.append(Record("kill_escalated", {"cause": self.kill_cause}))
+                out.append(Record(E.KILL_ESCALATED, {"cause": self.kill_cause}))
                 out.append(KillStep(self.kill_cause or "unknown", force=True))
         return out
 
@@ -664,34 +725,30 @@ class Supervisor:
         self.memory.last_ckpt_step = ev.step
         if self.state == RUNNING:
             self.ckpt_at_launch = ev.step
-        return [Record("resume", {"step": ev.step, "path": ev.path, "skipped": list(ev.skipped)})]
+        return [Record(E.RESUME, {"step": ev.step, "path": ev.path, "skipped": list(ev.skipped)})]
 
     def _on_requeue_failed(self, ev: RequeueFailed) -> List[Action]:
         return self._exit(EXIT_FAILED, f"requeue failed: {ev.error}", [])
 
-    def classify(self, ev: StepExited) -> Tuple[str, List[str]]:
-        """(cause, blamed nodes) for a failed step."""
-        if self.kill_cause == "hang":
-            return "hang", sorted({self.rank_node(r) for r in self.hang_culprits if self.rank_node(r)})
+    def classify(self, ev: StepExited) -> Tuple[Cause, List[str]]:
+        """(cause, blamed nodes) for a failed step (srun's wording is read by each failure's
+        ``kind``, in clusterops.slurm.parse)."""
+        if self.kill_cause == KillCause.HANG:
+            return Cause.HANG, sorted({self.rank_node(r) for r in self.hang_culprits if self.rank_node(r)})
         lost = sorted(set(ev.node_failure) | (self.down_seen & set(self.active)))
-        if lost or self.kill_cause == "node_down":
-            return "node_lost", lost
+        if lost or self.kill_cause == KillCause.NODE_DOWN:
+            return Cause.NODE_LOST, lost
         if ev.failures:
             first = ev.failures[0]
-            reason = first.reason.lower()
-            exited = {f.node for f in ev.failures if "exit code" in f.reason.lower()}
-            if "exit code" in reason and len(exited) >= 2:
+            exited = {f.node for f in ev.failures if f.kind == FailureKind.EXITED}
+            if first.kind == FailureKind.EXITED and len(exited) >= 2:
                 # Ranks on several nodes exited with an error on their own: the program
                 # (or its input) is at fault, not a node.
-                return "program_error", []
-            if "killed" in reason or "signal" in reason or "segmentation" in reason or "aborted" in reason:
-                cause = "rank_killed"
-            elif "exit code" in reason:
-                cause = "rank_exit"
-            else:
-                cause = "rank_failed"
+                return Cause.PROGRAM_ERROR, []
+            cause = {FailureKind.KILLED: Cause.RANK_KILLED, FailureKind.EXITED: Cause.RANK_EXIT}.get(
+                first.kind, Cause.RANK_FAILED)
             return cause, [first.node] if first.node else []
-        return "step_failed", []
+        return Cause.STEP_FAILED, []
 
     def _on_step_exited(self, ev: StepExited) -> List[Action]:
         out: List[Action] = []
@@ -701,32 +758,43 @@ class Supervisor:
             # The plumbing's look at the disk is the truth (a corrupted newest checkpoint
             # can move the latest good one back).
             self.memory.last_ckpt_step = ev.ckpt_step
-        failures = [{"node": f.node, "rank": f.rank, "reason": f.reason} for f in ev.failures]
         if self.state == STOPPING:
-            # (A clean exit without the stopped marker may also be a training that reached
-            # its end before it heard the stop; a script without the marker cannot say which.
-            # The relaunch then resumes from its last checkpoint: safe either way.)
-            out.append(Record("stopped", {"returncode": ev.returncode, "ckpt_step": self.memory.last_ckpt_step,
-                                          "reason": self.stop_reason}))
-            if self.replacing and not self.pending_stop:
-                return self._replace_straggler(ev.now, out, clean=ev.returncode == 0)
-            if self.replacing:
-                node, self.replacing = self.replacing, None
-                self._mark_straggler(node, ev.now, out)
-                self.stop_reason = self.pending_stop
-            return self._requeue(f"stopped for {self.stop_reason}", out)
+            return self._exited_on_our_stop(ev, out)
         if self.state == RUNNING and ev.returncode == 0 and ev.stopped_by:
-            # Exit 0 is not "finished" when the ranks were told to stop behind our back.
-            self.stop_reason = ev.stopped_by
-            out.append(Record("stop_requested", {"reason": ev.stopped_by, "state": "seen after the exit"}))
-            out.append(Record("stopped", {"returncode": 0, "ckpt_step": self.memory.last_ckpt_step,
-                                          "reason": self.stop_reason}))
-            return self._requeue(f"stopped for {self.stop_reason}", out)
+            return self._exited_on_a_foreign_stop(ev, out)
         if self.state == RUNNING and ev.returncode == 0 and not ev.failures and not ev.node_failure:
-            out.append(Record("step_exit", {"returncode": 0, "cause": "finished"}))
+            out.append(Record(E.STEP_EXIT, {"returncode": 0, "cause": Cause.FINISHED}))
             return self._exit(EXIT_DONE, "training finished", out)
+        return self._exited_failed(ev, out)
+
+    def _exited_on_our_stop(self, ev: StepExited, out: List[Action]) -> List[Action]:
+        """The ranks stopped as we asked (time limit, preemption, a straggler's replacement)."""
+        # (A clean exit without the stopped marker may also be a training that reached
+        # its end before it heard the stop; a script without the marker cannot say which.
+        # The relaunch then resumes from its last checkpoint: safe either way.)
+        out.append(Record(E.STOPPED, {"returncode": ev.returncode, "ckpt_step": self.memory.last_ckpt_step,
+                                      "reason": self.stop_reason}))
+        if self.replacing and not self.pending_stop:
+            return self._replace_straggler(ev.now, out, clean=ev.returncode == 0)
+        if self.replacing:
+            node, self.replacing = self.replacing, None
+            self._mark_straggler(node, ev.now, out)
+            self.stop_reason = self.pending_stop
+        return self._requeue(f"stopped for {self.stop_reason}", out)
+
+    def _exited_on_a_foreign_stop(self, ev: StepExited, out: List[Action]) -> List[Action]:
+        """Exit 0 is not "finished" when the ranks were told to stop behind our back."""
+        self.stop_reason = ev.stopped_by
+        out.append(Record(E.STOP_REQUESTED, {"reason": ev.stopped_by, "state": "seen after the exit"}))
+        out.append(Record(E.STOPPED, {"returncode": 0, "ckpt_step": self.memory.last_ckpt_step,
+                                      "reason": self.stop_reason}))
+        return self._requeue(f"stopped for {self.stop_reason}", out)
+
+    def _exited_failed(self, ev: StepExited, out: List[Action]) -> List[Action]:
+        """A failed step: classify it, count the attempt, blame nodes, check, relaunch."""
+        failures = [{"node": f.node, "rank": f.rank, "reason": f.reason} for f in ev.failures]
         cause, blamed = self.classify(ev)
-        out.append(Record("step_exit", {"returncode": ev.returncode, "cause": cause, "blamed": blamed,
+        out.append(Record(E.STEP_EXIT, {"returncode": ev.returncode, "cause": cause, "blamed": blamed,
                                         "failures": failures[:8]}))
         if self.replacing:
             # The straggler's planned stop timed out and the step was killed: relaunch
@@ -739,6 +807,15 @@ class Supervisor:
         if self.pending_stop:
             self.stop_reason = self.pending_stop
             return self._requeue(f"stopped for {self.pending_stop}", out)
+        given_up = self._count_failed_attempt(ev, cause, out)
+        if given_up is not None:
+            return given_up
+        self._blame(blamed, cause, ev.now, out)
+        self.last_cause = cause
+        return self._check_then_relaunch(ev.now, out)
+
+    def _count_failed_attempt(self, ev: StepExited, cause: Cause, out: List[Action]) -> Optional[List[Action]]:
+        """Count the attempt against the budgets; the exit's actions when one is spent, else None."""
         # A failed attempt that ended with no newer checkpoint than it started from made
         # no progress; K of those in a row is a crash loop, not bad luck.
         start, end = self.ckpt_at_launch, self.memory.last_ckpt_step
@@ -756,23 +833,28 @@ class Supervisor:
         if self.restarts_here > self.policy.max_restarts:
             return self._exit(EXIT_RESTART_BUDGET,
                               f"restart budget spent ({self.policy.max_restarts}); last failure: {cause}", out)
+        return None
+
+    def _blame(self, blamed: Sequence[str], cause: Cause, now: float, out: List[Action]) -> None:
+        """A lost node is out at once; another blamed node after node_fail_threshold failures."""
         for node in blamed:
             self.blame[node] = self.blame.get(node, 0) + 1
-            if cause == "node_lost":
-                self._mark_bad(node, "node lost during the step", ev.now, out)
+            if cause == Cause.NODE_LOST:
+                self._mark_bad(node, "node lost during the step", now, out)
             elif self.blame[node] >= self.policy.node_fail_threshold:
-                self._mark_bad(node, f"{self.blame[node]} failures blamed on it (last: {cause})", ev.now, out)
-        self.last_cause = cause
+                self._mark_bad(node, f"{self.blame[node]} failures blamed on it (last: {cause})", now, out)
+
+    def _check_then_relaunch(self, now: float, out: List[Action]) -> List[Action]:
         profile = self.policy.postmortem or (LIVENESS if self.policy.liveness_check else None)
         targets = tuple(n for n in self.active + self.spares if n not in self.bad)
         if profile and targets:
             # Before trusting the same nodes again: does every node still answer (a
             # lost slurmd is seen here in a second, by Slurm only after SlurmdTimeout)?
-            self.state = POSTMORTEM
+            self._enter(POSTMORTEM)
             timeout = self.policy.preflight_timeout_s if self.policy.postmortem else self.policy.liveness_timeout_s
             out.append(RunPreflight(targets, profile, timeout, postmortem=True))
             return out
-        return self._plan_launch(ev.now, out)
+        return self._plan_launch(now, out)
 
     # One handler per event class, spelled out so that grep finds them (handle() looks here).
     HANDLERS = {

@@ -48,7 +48,7 @@ from clusterops.slurm.api import Backoff, SlurmAPI
 from clusterops.slurm.parse import parse_srun_failures
 from clusterops.slurm.steps import srun_argv
 from clusterops.supervisor import channel as hbchannel
-from clusterops.supervisor.timeline import Timeline
+from clusterops.supervisor.timeline import EventKind as E, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -394,8 +394,8 @@ class SupervisorRun:
     # -- signals ---------------------------------------------------------------------
     def install_signals(self) -> None:
         def on_signal(signum, frame):
-            self.signals.append({signal.SIGUSR1: "time_limit", signal.SIGTERM: "preemption"}.get(
-                signum, "user"))
+            self.signals.append({signal.SIGUSR1: sv.StopReason.TIME_LIMIT, signal.SIGTERM: sv.StopReason.PREEMPTION}.get(
+                signum, sv.StopReason.USER))
 
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
@@ -410,7 +410,7 @@ class SupervisorRun:
         try:
             memory = load_memory(cfg.job_dir)
         except InputError as e:
-            self._record("state_invalid", {"error": e.message})   # nothing launched: stop here
+            self._record(E.STATE_INVALID, {"error": e.message})   # nothing launched: stop here
             raise
         self.install_signals()
         latest = self._latest_ckpt(deep=False)
@@ -428,7 +428,7 @@ class SupervisorRun:
         except BaseException as e:
             # A bug or an interrupt in the plumbing: say so in the timeline and take the
             # step down with us rather than leave ranks running unsupervised.
-            self._record("supervisor_error", {"error": f"{type(e).__name__}: {e}"})
+            self._record(E.SUPERVISOR_ERROR, {"error": f"{type(e).__name__}: {e}"})
             for p in (self.train, self.preflight):
                 if p is not None and p.poll() is None:
                     kill_group(p)
@@ -489,12 +489,12 @@ class SupervisorRun:
             why = self.channel.revive()
         except OSError as e:
             if not self.revive_failed:      # said once; tried again every poll
-                self._record("warning", {"what": f"heartbeat receiver ended and cannot be restarted: {e}"})
+                self._record(E.WARNING, {"what": f"heartbeat receiver ended and cannot be restarted: {e}"})
             self.revive_failed = True
             return
         self.revive_failed = False
         if why is not None:
-            self._record("heartbeat_receiver_restarted", {"error": why, "port": self.channel.receiver.port,
+            self._record(E.HEARTBEAT_RECEIVER_RESTARTED, {"error": why, "port": self.channel.receiver.port,
                                                           "restarts": self.channel.receiver.restarts})
 
     # -- actions ---------------------------------------------------------------------
@@ -508,7 +508,7 @@ class SupervisorRun:
             try:
                 handler(a)
             except ClusteropsError as e:
-                self._record("warning", {"what": f"{type(a).__name__} failed: {e.message}"})
+                self._record(E.WARNING, {"what": f"{type(a).__name__} failed: {e.message}"})
                 if isinstance(a, sv.Requeue):
                     self._do(self.sup.handle(sv.RequeueFailed(self.clock(), e.message)))
                 elif isinstance(a, sv.Launch):
@@ -521,7 +521,7 @@ class SupervisorRun:
 
         rec = self.timeline.append(kind, data or {})
         self.echo(f"[clusterops supervise] {time.strftime('%H:%M:%S', time.gmtime(rec['t']))} {describe(rec)}")
-        if kind not in ("progress", "warning"):
+        if kind not in (E.PROGRESS, E.WARNING):
             self._write_metrics()
 
     def _write_metrics(self) -> None:
@@ -644,7 +644,7 @@ class SupervisorRun:
         self.channel = hbchannel.Channel(cfg.heartbeat, protocol.heartbeat_dir(d), clock=self.clock,
                                          advertise_host=self.slurm.node_address(cfg.nodes[0]))
         if self.channel.bind_fallback:
-            self._record("heartbeat_bind", {"listening": "every interface", "why": self.channel.bind_fallback})
+            self._record(E.HEARTBEAT_BIND, {"listening": "every interface", "why": self.channel.bind_fallback})
         # Resume from a checkpoint verified now (hashes too): a newest checkpoint that was
         # damaged since it was written is skipped and said so, not loaded.
         resume = ""
@@ -656,10 +656,10 @@ class SupervisorRun:
             else:
                 lookup = ck.find_latest_good(cfg.ckpt_dir, deep=cfg.deep_verify)
         except ClusteropsError as e:  # the root itself unreadable: start without one, say why
-            self._record("checkpoint_bad", {"step": None, "path": str(cfg.ckpt_dir), "problems": [e.message]})
+            self._record(E.CHECKPOINT_BAD, {"step": None, "path": str(cfg.ckpt_dir), "problems": [e.message]})
             lookup = ck.Lookup(None, [])
         for bad in lookup.skipped:
-            self._record("checkpoint_bad", {"step": bad.step, "path": str(bad.path), "problems": bad.problems[:3]})
+            self._record(E.CHECKPOINT_BAD, {"step": bad.step, "path": str(bad.path), "problems": bad.problems[:3]})
         if lookup.latest is not None:
             resume = str(lookup.latest.path)
         self.seen_ckpt = lookup.latest.step if lookup.latest else None
@@ -726,9 +726,9 @@ class SupervisorRun:
         it, rank 0's "stopped" output line; see clusterops.protocol) is the training's own word.
         """
         if self._preempt_time():
-            return "preemption"
+            return sv.StopReason.PREEMPTION
         if protocol.training_stopped(self.attempt_dir, step_log):
-            return "signal"
+            return sv.StopReason.SIGNAL
         return None
 
     def _preempt_time(self) -> Optional[float]:
@@ -759,7 +759,7 @@ class SupervisorRun:
             self.slurm.cancel(self.cfg.job_id, signal=sig, step=int(step))
             return True
         except ClusteropsError as e:
-            self._record("warning", {"what": f"scancel --signal={sig} {self.cfg.job_id}.{step}: {e}"})
+            self._record(E.WARNING, {"what": f"scancel --signal={sig} {self.cfg.job_id}.{step}: {e}"})
             return False
 
     def _act_kill_step(self, a: sv.KillStep) -> None:
@@ -788,7 +788,7 @@ class SupervisorRun:
             try:
                 procs[node] = (self.runner.spawn(argv, log_path=str(out / f"{node}.srun.log")), ranks)
             except ClusteropsError as e:
-                self._record("warning", {"what": f"stack capture on {node}: {e.message}"})
+                self._record(E.WARNING, {"what": f"stack capture on {node}: {e.message}"})
         deadline = self.clock() + self.cfg.stacks_timeout_s
         while any(p.poll() is None for p, _ in procs.values()) and self.clock() < deadline:
             self.sleep(0.2)
@@ -796,7 +796,7 @@ class SupervisorRun:
             if p.poll() is None:
                 kill_group(p)
                 p.wait()
-        self._record("stacks", {"nodes": nodes, "dir": str(out),
+        self._record(E.STACKS, {"nodes": nodes, "dir": str(out),
                                 "complete": all(p.returncode == 0 for p, _ in procs.values())})
 
     def _act_request_stop(self, a: sv.RequestStop) -> None:
@@ -834,21 +834,21 @@ class SupervisorRun:
             try:
                 out = da.apply_drain(self.slurm, node, a.reason, self._guard_settings(), sleep=self.sleep)
             except ClusteropsError as e:
-                self._record("warning", {"what": f"drain {node} failed: {e.message}"})
+                self._record(E.WARNING, {"what": f"drain {node} failed: {e.message}"})
                 continue
             if out.action == da.KEPT:
-                self._record("drain_skipped", {"node": node, "why": out.why})
+                self._record(E.DRAIN_SKIPPED, {"node": node, "why": out.why})
             elif out.action in (da.REFUSED, da.UNDONE):
                 why = out.why
                 if "Slurm refused" in why:
                     why = f"user {current_user()}: {why}"
-                self._record("drain_refused", {"node": node, "reason": a.reason, "why": why})
+                self._record(E.DRAIN_REFUSED, {"node": node, "reason": a.reason, "why": why})
             elif out.action == da.DRAINED:
-                self._record("drain", {"node": node, "reason": a.reason})
+                self._record(E.DRAIN, {"node": node, "reason": a.reason})
                 if not out.ok:
-                    self._record("warning", {"what": f"drain {node}: {out.why}"})
+                    self._record(E.WARNING, {"what": f"drain {node}: {out.why}"})
             else:
-                self._record("warning", {"what": out.why})
+                self._record(E.WARNING, {"what": out.why})
 
     def _guard_settings(self) -> drains.GuardSettings:
         if self.guard is None:
@@ -878,10 +878,10 @@ class SupervisorRun:
             self.notifier.send(event, summary, details)
             for d in self.notifier.close(max_wait_s=wait_s):
                 if not d.ok:
-                    self._record("warning", {"what": f"notify {event}: {d.error}"})
+                    self._record(E.WARNING, {"what": f"notify {event}: {d.error}"})
             self.notifier = None
         except Exception as e:  # noqa: BLE001 - a notification must never take the job down
-            self._record("warning", {"what": f"notify {event}: {type(e).__name__}: {e}"})
+            self._record(E.WARNING, {"what": f"notify {event}: {type(e).__name__}: {e}"})
 
     def _act_requeue(self, a: sv.Requeue) -> None:
         save_memory(self.cfg.job_dir, self.sup.memory)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from enum import Enum
 from pathlib import Path
-from typing import Callable, Iterable, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from clusterops.errors import InputError
 from clusterops.jsonout import finite
@@ -21,11 +22,74 @@ from clusterops.textsafe import html_text, terminal
 
 FILE_NAME = "timeline.jsonl"
 
+
+class EventKind(str, Enum):
+    """The ``event`` of a timeline record (a ``str``: the JSON is the plain word)."""
+
+    # the state machine's records
+    START = "start"
+    PREFLIGHT_START = "preflight_start"
+    PREFLIGHT = "preflight"
+    LIVENESS = "liveness"
+    POSTMORTEM = "postmortem"
+    CHECK_BROKEN = "check_broken"
+    LAUNCH = "launch"
+    RESUME = "resume"
+    PROGRESS = "progress"
+    CHECKPOINT = "checkpoint"
+    HEARTBEAT_LOST = "heartbeat_lost"
+    STRAGGLER = "straggler"
+    NODE_DOWN = "node_down"
+    NODE_BAD = "node_bad"
+    STOP_REQUESTED = "stop_requested"
+    STOP_TIMEOUT = "stop_timeout"
+    KILL_ESCALATED = "kill_escalated"
+    STOPPED = "stopped"
+    STEP_EXIT = "step_exit"
+    SPARE_USED = "spare_used"
+    SHRINK = "shrink"
+    RESTART = "restart"
+    REQUEUE = "requeue"
+    DONE = "done"
+    GIVE_UP = "give_up"
+    WARNING = "warning"
+    # the plumbing's own records (clusterops.supervisor.run)
+    CHECKPOINT_BAD = "checkpoint_bad"
+    DRAIN = "drain"
+    DRAIN_REFUSED = "drain_refused"
+    DRAIN_SKIPPED = "drain_skipped"
+    HEARTBEAT_BIND = "heartbeat_bind"
+    HEARTBEAT_RECEIVER_RESTARTED = "heartbeat_receiver_restarted"
+    STACKS = "stacks"
+    STATE_INVALID = "state_invalid"
+    SUPERVISOR_ERROR = "supervisor_error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Cause(str, Enum):
+    """The ``cause`` of a ``step_exit`` record: why the training step ended."""
+
+    FINISHED = "finished"            # exit 0, nothing failed
+    HANG = "hang"                    # killed by us: heartbeats stopped
+    NODE_LOST = "node_lost"          # srun or Slurm saw a node of the step fail
+    PROGRAM_ERROR = "program_error"  # ranks on several nodes exited with an error
+    RANK_KILLED = "rank_killed"      # the first failed rank died of a signal
+    RANK_EXIT = "rank_exit"          # the first failed rank exited with an error
+    RANK_FAILED = "rank_failed"      # the first failed rank ended some other way
+    STEP_FAILED = "step_failed"      # non-zero exit with no failure srun named
+
+    def __str__(self) -> str:
+        return self.value
+
+
+E = EventKind
 # Event kinds drawn as markers on the chart, and how.
-FAULT_KINDS = {"heartbeat_lost", "node_down", "node_bad", "step_exit", "stop_timeout", "kill_escalated"}
-DECISION_KINDS = {"restart", "requeue", "give_up", "spare_used", "shrink", "stop_requested", "stopped", "done"}
+FAULT_KINDS = {E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.STEP_EXIT, E.STOP_TIMEOUT, E.KILL_ESCALATED}
+DECISION_KINDS = {E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED, E.DONE}
 # Findings that are neither a fault nor a decision: a slow node (drawn in orange).
-FINDING_KINDS = {"straggler"}
+FINDING_KINDS = {E.STRAGGLER}
 
 
 class Timeline:
@@ -39,7 +103,7 @@ class Timeline:
         self.clock = clock
 
     def append(self, event: str, data: Optional[Mapping] = None, *, t: Optional[float] = None) -> dict:
-        rec = {"t": round(self.clock() if t is None else t, 3), "event": event,
+        rec = {"t": round(self.clock() if t is None else t, 3), "event": str(event),
                "job_id": self.job_id, "incarnation": self.incarnation}
         rec.update(data or {})
         from clusterops.jsonout import dumps
@@ -134,15 +198,15 @@ def describe(rec: Mapping) -> str:
     e = rec.get("event")
     skip = {"t", "event", "job_id", "incarnation"}
     fields = {k: v for k, v in rec.items() if k not in skip}
-    if e == "launch":
+    if e == E.LAUNCH:
         return (f"launch attempt {fields.get('attempt')} on {_join(fields.get('nodes', []))}"
                 f" (resume from step {fields.get('resume_step')}"
                 + (f", spares {_join(fields['spares'])}" if fields.get("spares") else "") + ")")
-    if e == "progress":
+    if e == E.PROGRESS:
         return f"step {fields.get('step')}"
-    if e == "checkpoint":
+    if e == E.CHECKPOINT:
         return f"checkpoint committed: step {fields.get('step')}"
-    if e == "step_exit":
+    if e == E.STEP_EXIT:
         s = f"step exited {fields.get('returncode')}: {fields.get('cause')}"
         if fields.get("blamed"):
             s += f" (blamed: {_join(fields['blamed'])})"
@@ -151,16 +215,16 @@ def describe(rec: Mapping) -> str:
             f0 = failures[0]
             s += f"; first failure: rank {f0.get('rank')} on {f0.get('node')}: {f0.get('reason')}"
         return s
-    if e == "straggler":
+    if e == E.STRAGGLER:
         s = (f"straggler {fields.get('node')}: {fields.get('measure', 'busy')} time {fields.get('ratio')}x the other "
              f"nodes' median ({fields.get('node_ms')} vs {fields.get('others_ms')} ms/step"
              + (f", ranks {_join(fields['ranks'])}" if fields.get("ranks") else "") + ")")
         if fields.get("action") == "replace":
             return s + f"; replacing it with {fields.get('spare')} at a checkpoint"
         return s + f"; recorded only ({fields.get('why', 'no replacement')})"
-    if e == "give_up":
+    if e == E.GIVE_UP:
         return f"GIVE UP (exit {fields.get('code')}): {fields.get('reason')}"
-    if e == "done":
+    if e == E.DONE:
         return f"DONE: {fields.get('reason')}"
     parts = []
     for k, v in fields.items():
@@ -180,7 +244,7 @@ def format_text(records: Iterable[Mapping], *, progress: bool = False) -> str:
     t0 = recs[0]["t"]
     lines = []
     for r in recs:
-        if r.get("event") == "progress" and not progress:
+        if r.get("event") == E.PROGRESS and not progress:
             continue
         stamp = time.strftime("%H:%M:%S", time.gmtime(r["t"]))
         # Every field comes from the file: control characters are shown, never sent.
@@ -195,22 +259,22 @@ def summary(records: Iterable[Mapping]) -> dict:
            "outcome": None, "exit_code": None, "last_step": None, "checkpoints": [], "stragglers": []}
     for r in recs:
         e = r.get("event")
-        if e == "restart":
+        if e == E.RESTART:
             out["restarts"] += 1
-        elif e == "requeue":
+        elif e == E.REQUEUE:
             out["requeues"] += 1
-        elif e == "launch":
+        elif e == E.LAUNCH:
             out["launches"] += 1
-        elif e in ("heartbeat_lost", "node_down", "stop_requested") or (e == "step_exit" and r.get("cause") != "finished"):
+        elif e in (E.HEARTBEAT_LOST, E.NODE_DOWN, E.STOP_REQUESTED) or (e == E.STEP_EXIT and r.get("cause") != Cause.FINISHED):
             out["faults"].append(r.get("cause") or e)
-        elif e in ("done", "give_up"):
+        elif e in (E.DONE, E.GIVE_UP):
             out["outcome"] = e
             out["exit_code"] = r.get("code")
-        elif e == "progress":
+        elif e == E.PROGRESS:
             out["last_step"] = r.get("step")
-        elif e == "checkpoint" and r.get("step") is not None and r["step"] not in out["checkpoints"]:
+        elif e == E.CHECKPOINT and r.get("step") is not None and r["step"] not in out["checkpoints"]:
             out["checkpoints"].append(r["step"])
-        elif e == "straggler":
+        elif e == E.STRAGGLER:
             out["stragglers"].append({"node": r.get("node"), "ratio": r.get("ratio"), "action": r.get("action")})
     return out
 
@@ -243,92 +307,15 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
     progress after it, over the recoveries that completed.
     """
     recs = sorted((r for r in records if _finite(r.get("t")) is not None), key=lambda r: r["t"])
-    first = next((i for i, r in enumerate(recs) if r.get("event") == "launch"), None)
+    first = next((i for i, r in enumerate(recs) if r.get("event") == E.LAUNCH), None)
     if first is None:
         return None
     recs = recs[first:]
     t0, t1 = recs[0]["t"], recs[-1]["t"]
     lost = dict.fromkeys(LOST_CAUSES, 0.0)
-    # Pass 1: the advancing intervals, each (i_start, i_end, new_steps, recomputed_steps, has_checkpoint).
-    intervals = []
-    last: Optional[Tuple[int, float]] = None   # (record index, step) of the last progress of this launch
-    hwm = None
-    ckpt_since_last = False
-    for i, r in enumerate(recs):
-        e = r.get("event")
-        if e == "launch":
-            rs = _finite(r.get("resume_step"))
-            last = (i, rs) if rs is not None else None
-            ckpt_since_last = False
-        elif e == "progress" and _finite(r.get("step")) is not None:
-            step = _finite(r["step"])
-            if last is not None and step > last[1]:
-                base = last[1] if hwm is None else max(last[1], min(step, hwm))
-                intervals.append((last[0], i, step - base, base - last[1], ckpt_since_last))
-                hwm = step if hwm is None else max(hwm, step)
-            last = (i, step)
-            ckpt_since_last = False
-        elif e == "checkpoint":
-            ckpt_since_last = True
-        elif e in FAULT_KINDS or e in ("restart", "requeue", "give_up"):
-            last = None
-    rates = sorted((recs[b]["t"] - recs[a]["t"]) / new for a, b, new, rec, ck in intervals if new > 0 and not ck)
-    spp = rates[len(rates) // 2] if rates else None
-    covered = set()
-    productive = 0.0
-    for a, b, new, rec, has_ck in intervals:
-        covered.update(range(a, b))
-        d = recs[b]["t"] - recs[a]["t"]
-        d_rec = d * rec / (new + rec)
-        d_new = d - d_rec
-        lost["recomputed"] += d_rec
-        if has_ck and spp is not None and d_new > new * spp:
-            lost["checkpoint_stall"] += d_new - new * spp
-            d_new = new * spp
-        productive += d_new
-    # Pass 2: every gap between two records outside the advancing intervals, by the state it is in.
-    mode = "startup"
-    pending: List[float] = []          # running-mode gaps not yet explained (a later fault claims them)
-    fault_at: Optional[float] = None
-    recoveries: List[float] = []
-    adv_ends = {b for _, b, _, _, _ in intervals}
-    for i, r in enumerate(recs):
-        e = r.get("event")
-        if e in FAULT_KINDS or e in ("restart", "requeue"):
-            lost["restart"] += sum(pending)
-            pending = []
-            if mode != "ended":
-                if fault_at is None:
-                    fault_at = r["t"]
-                mode = "requeue_wait" if e == "requeue" else "restart"
-        elif e == "launch" and i > 0 and mode != "ended":
-            mode = "restart"
-        elif e in ("done", "give_up"):
-            lost["stalled"] += sum(pending)
-            pending = []
-            mode = "ended"
-        elif i in adv_ends:
-            if mode in ("startup", "restart", "requeue_wait") and fault_at is not None:
-                recoveries.append(r["t"] - fault_at)
-            fault_at = None
-            mode = "running"
-        if e == "checkpoint" and pending:
-            lost["checkpoint_stall"] += sum(pending)
-            pending = []
-        if i + 1 >= len(recs) or i in covered:
-            continue
-        gap = recs[i + 1]["t"] - r["t"]
-        nxt = recs[i + 1].get("event")
-        if mode == "running":
-            if e == "checkpoint" or nxt == "checkpoint":
-                lost["checkpoint_stall"] += gap
-            else:
-                pending.append(gap)
-        elif mode == "ended":
-            lost["other"] += gap
-        else:
-            lost[mode] += gap
-    lost["stalled"] += sum(pending)
+    intervals = _advancing_intervals(recs)
+    productive, spp = _productive_time(recs, intervals, lost)
+    recoveries = _lost_gaps(recs, intervals, lost)
     wall = t1 - t0
     s = summary(recs)
     return {
@@ -341,6 +328,103 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
         "mttr_s": round(sum(recoveries) / len(recoveries), 3) if recoveries else None,
         "seconds_per_step": round(spp, 6) if spp is not None else None,
     }
+
+
+def _advancing_intervals(recs: List[Mapping]) -> List[Tuple[int, int, float, float, bool]]:
+    """Pass 1 of :func:`goodput_report`: the advancing intervals, each (i_start, i_end,
+    new_steps, recomputed_steps, has_checkpoint), over records sorted by time."""
+    intervals = []
+    last: Optional[Tuple[int, float]] = None   # (record index, step) of the last progress of this launch
+    hwm = None
+    ckpt_since_last = False
+    for i, r in enumerate(recs):
+        e = r.get("event")
+        if e == E.LAUNCH:
+            rs = _finite(r.get("resume_step"))
+            last = (i, rs) if rs is not None else None
+            ckpt_since_last = False
+        elif e == E.PROGRESS and _finite(r.get("step")) is not None:
+            step = _finite(r["step"])
+            if last is not None and step > last[1]:
+                base = last[1] if hwm is None else max(last[1], min(step, hwm))
+                intervals.append((last[0], i, step - base, base - last[1], ckpt_since_last))
+                hwm = step if hwm is None else max(hwm, step)
+            last = (i, step)
+            ckpt_since_last = False
+        elif e == E.CHECKPOINT:
+            ckpt_since_last = True
+        elif e in FAULT_KINDS or e in (E.RESTART, E.REQUEUE, E.GIVE_UP):
+            last = None
+    return intervals
+
+
+def _productive_time(recs: List[Mapping], intervals, lost: Dict[str, float]) -> Tuple[float, Optional[float]]:
+    """The productive seconds of the advancing intervals and the median seconds per step;
+    their recomputed and checkpoint-stall shares are added to ``lost``."""
+    rates = sorted((recs[b]["t"] - recs[a]["t"]) / new for a, b, new, rec, ck in intervals if new > 0 and not ck)
+    spp = rates[len(rates) // 2] if rates else None
+    productive = 0.0
+    for a, b, new, rec, has_ck in intervals:
+        d = recs[b]["t"] - recs[a]["t"]
+        d_rec = d * rec / (new + rec)
+        d_new = d - d_rec
+        lost["recomputed"] += d_rec
+        if has_ck and spp is not None and d_new > new * spp:
+            lost["checkpoint_stall"] += d_new - new * spp
+            d_new = new * spp
+        productive += d_new
+    return productive, spp
+
+
+def _lost_gaps(recs: List[Mapping], intervals, lost: Dict[str, float]) -> List[float]:
+    """Pass 2 of :func:`goodput_report`: every gap between two records outside the advancing
+    intervals, added to ``lost`` by the state it is in; returns the recovery times (MTTR)."""
+    covered = set()
+    for a, b, _, _, _ in intervals:
+        covered.update(range(a, b))
+    mode = "startup"
+    pending: List[float] = []          # running-mode gaps not yet explained (a later fault claims them)
+    fault_at: Optional[float] = None
+    recoveries: List[float] = []
+    adv_ends = {b for _, b, _, _, _ in intervals}
+    for i, r in enumerate(recs):
+        e = r.get("event")
+        if e in FAULT_KINDS or e in (E.RESTART, E.REQUEUE):
+            lost["restart"] += sum(pending)
+            pending = []
+            if mode != "ended":
+                if fault_at is None:
+                    fault_at = r["t"]
+                mode = "requeue_wait" if e == E.REQUEUE else "restart"
+        elif e == E.LAUNCH and i > 0 and mode != "ended":
+            mode = "restart"
+        elif e in (E.DONE, E.GIVE_UP):
+            lost["stalled"] += sum(pending)
+            pending = []
+            mode = "ended"
+        elif i in adv_ends:
+            if mode in ("startup", "restart", "requeue_wait") and fault_at is not None:
+                recoveries.append(r["t"] - fault_at)
+            fault_at = None
+            mode = "running"
+        if e == E.CHECKPOINT and pending:
+            lost["checkpoint_stall"] += sum(pending)
+            pending = []
+        if i + 1 >= len(recs) or i in covered:
+            continue
+        gap = recs[i + 1]["t"] - r["t"]
+        nxt = recs[i + 1].get("event")
+        if mode == "running":
+            if e == E.CHECKPOINT or nxt == E.CHECKPOINT:
+                lost["checkpoint_stall"] += gap
+            else:
+                pending.append(gap)
+        elif mode == "ended":
+            lost["other"] += gap
+        else:
+            lost[mode] += gap
+    lost["stalled"] += sum(pending)
+    return recoveries
 
 
 def format_goodput(rep: Mapping) -> str:
@@ -392,9 +476,9 @@ def job_metrics(records: Iterable[Mapping], job: str):
     prom.set("clusterops_job_stragglers_replaced", lab, sum(1 for x in s["stragglers"] if x["action"] == "replace"))
     ratios = {}
     for r in recs:
-        if r.get("event") == "straggler" and isinstance(r.get("node"), str) and _finite(r.get("ratio")) is not None:
+        if r.get("event") == E.STRAGGLER and isinstance(r.get("node"), str) and _finite(r.get("ratio")) is not None:
             ratios[r["node"]] = _finite(r["ratio"])
-    last = next((r for r in reversed(recs) if r.get("event") == "progress"), None)
+    last = next((r for r in reversed(recs) if r.get("event") == E.PROGRESS), None)
     slow = last.get("slowest") if last is not None else None
     if isinstance(slow, list) and len(slow) == 2 and isinstance(slow[0], str) and _finite(slow[1]) is not None:
         ratios[slow[0]] = _finite(slow[1])
@@ -407,96 +491,126 @@ def job_metrics(records: Iterable[Mapping], job: str):
 
 
 # ------------------------------------------------------------------------------ chart
+class _Frame:
+    """The chart's geometry: wall time and step mapped to pixels."""
+
+    def __init__(self, recs: List[Mapping], width: int, height: int):
+        self.pad_l, self.pad_r, self.pad_t, self.pad_b = 60, 20, 40, 90
+        self.width, self.height = width, height
+        self.w, self.h = width - self.pad_l - self.pad_r, height - self.pad_t - self.pad_b
+        self.t0 = recs[0]["t"]
+        self.span = max(max(r["t"] for r in recs) - self.t0, 1.0)
+        points = []
+        for r in recs:
+            step = None
+            if r.get("event") == E.PROGRESS:
+                step = r.get("step")
+            elif r.get("event") in (E.CHECKPOINT, E.STOPPED) and (r.get("step") or r.get("ckpt_step")) is not None:
+                step = r.get("step", r.get("ckpt_step"))
+            step = _finite(step)
+            if step is not None:
+                points.append((r["t"], step, r.get("event")))
+        self.smax = max([p[1] for p in points] + [1])
+
+    def x(self, t: float) -> float:
+        return self.pad_l + (t - self.t0) / self.span * self.w
+
+    def y(self, s: float) -> float:
+        return self.pad_t + self.h - (s / self.smax) * self.h
+
+
 def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 360, title: str = "") -> str:
     """Training step against wall time; faults (red) and decisions (blue) marked."""
     recs = list(records)
-    pad_l, pad_r, pad_t, pad_b = 60, 20, 40, 90
-    w, h = width - pad_l - pad_r, height - pad_t - pad_b
     if not recs:
         return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="60"><text x="10" y="30">empty timeline</text></svg>'
-    t0 = recs[0]["t"]
-    t1 = max(r["t"] for r in recs)
-    span = max(t1 - t0, 1.0)
-    points = []
-    for r in recs:
-        step = None
-        if r.get("event") == "progress":
-            step = r.get("step")
-        elif r.get("event") in ("checkpoint", "stopped") and (r.get("step") or r.get("ckpt_step")) is not None:
-            step = r.get("step", r.get("ckpt_step"))
-        step = _finite(step)
-        if step is not None:
-            points.append((r["t"], step, r.get("event")))
-    smax = max([p[1] for p in points] + [1])
+    f = _Frame(recs, width, height)
+    parts = _svg_axes(f, title) + _svg_steps(f, recs) + _svg_checkpoints(f, recs) + _svg_markers(f, recs)
+    parts.append(_svg_legend(f, any(r.get("event") in FINDING_KINDS for r in recs)))
+    parts.append("</svg>")
+    return "\n".join(parts)
 
-    def x(t):
-        return pad_l + (t - t0) / span * w
 
-    def y(s):
-        return pad_t + h - (s / smax) * h
-
-    esc = html_text
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+def _svg_axes(f: _Frame, title: str) -> List[str]:
+    """The frame, the title, the axes and their ticks."""
+    pad_l, pad_t, w, h = f.pad_l, f.pad_t, f.w, f.h
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{f.width}" height="{f.height}" '
              f'font-family="sans-serif" font-size="11">',
-             f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{pad_l}" y="20" font-size="14" font-weight="bold">{esc(title or "supervised job timeline")}</text>',
+             f'<rect x="0" y="0" width="{f.width}" height="{f.height}" fill="white"/>',
+             f'<text x="{pad_l}" y="20" font-size="14" font-weight="bold">{html_text(title or "supervised job timeline")}</text>',
              f'<line x1="{pad_l}" y1="{pad_t + h}" x2="{pad_l + w}" y2="{pad_t + h}" stroke="black"/>',
              f'<line x1="{pad_l}" y1="{pad_t}" x2="{pad_l}" y2="{pad_t + h}" stroke="black"/>',
              f'<text x="{pad_l + w / 2}" y="{pad_t + h + 30}" text-anchor="middle">wall time (s)</text>',
              f'<text x="15" y="{pad_t + h / 2}" transform="rotate(-90 15 {pad_t + h / 2})" text-anchor="middle">step</text>']
     for i in range(6):
-        tv = span * i / 5
-        parts.append(f'<text x="{x(t0 + tv):.1f}" y="{pad_t + h + 14}" text-anchor="middle">{tv:.0f}</text>')
-        sv = smax * i / 5
-        parts.append(f'<text x="{pad_l - 6}" y="{y(sv) + 4:.1f}" text-anchor="end">{sv:.0f}</text>')
-        parts.append(f'<line x1="{pad_l}" y1="{y(sv):.1f}" x2="{pad_l + w}" y2="{y(sv):.1f}" stroke="#eee"/>')
-    # Step line, broken at each launch so a restart shows as a drop back to the resume step.
+        tv = f.span * i / 5
+        parts.append(f'<text x="{f.x(f.t0 + tv):.1f}" y="{pad_t + h + 14}" text-anchor="middle">{tv:.0f}</text>')
+        sv = f.smax * i / 5
+        parts.append(f'<text x="{pad_l - 6}" y="{f.y(sv) + 4:.1f}" text-anchor="end">{sv:.0f}</text>')
+        parts.append(f'<line x1="{pad_l}" y1="{f.y(sv):.1f}" x2="{pad_l + w}" y2="{f.y(sv):.1f}" stroke="#eee"/>')
+    return parts
+
+
+def _svg_steps(f: _Frame, recs: List[Mapping]) -> List[str]:
+    """The step line, broken at each launch so a restart shows as a drop back to the resume step."""
+    parts = []
     segs: List[List[tuple]] = [[]]
     for r in recs:
-        if r.get("event") == "launch":
+        if r.get("event") == E.LAUNCH:
             segs.append([])
             if _finite(r.get("resume_step")) is not None:
                 segs[-1].append((r["t"], _finite(r["resume_step"])))
-        elif r.get("event") == "progress" and _finite(r.get("step")) is not None:
+        elif r.get("event") == E.PROGRESS and _finite(r.get("step")) is not None:
             segs[-1].append((r["t"], _finite(r["step"])))
     for seg in segs:
         if len(seg) >= 2:
-            d = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in seg)
+            d = " ".join(f"{f.x(t):.1f},{f.y(s):.1f}" for t, s in seg)
             parts.append(f'<polyline class="step" points="{d}" fill="none" stroke="#2a7" stroke-width="2"/>')
         for t, s in seg:
-            parts.append(f'<circle cx="{x(t):.1f}" cy="{y(s):.1f}" r="1.8" fill="#2a7"/>')
-    for r in recs:
-        if r.get("event") == "checkpoint" and _finite(r.get("step")) is not None:
-            parts.append(f'<rect class="checkpoint" x="{x(r["t"]) - 3:.1f}" y="{y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
-                         f'fill="#fc3" stroke="#960"><title>checkpoint step {esc(str(r["step"]))}</title></rect>')
+            parts.append(f'<circle cx="{f.x(t):.1f}" cy="{f.y(s):.1f}" r="1.8" fill="#2a7"/>')
+    return parts
+
+
+def _svg_checkpoints(f: _Frame, recs: List[Mapping]) -> List[str]:
+    esc = html_text
+    return [f'<rect class="checkpoint" x="{f.x(r["t"]) - 3:.1f}" y="{f.y(_finite(r["step"])) - 3:.1f}" width="6" height="6" '
+            f'fill="#fc3" stroke="#960"><title>checkpoint step {esc(str(r["step"]))}</title></rect>'
+            for r in recs if r.get("event") == E.CHECKPOINT and _finite(r.get("step")) is not None]
+
+
+def _svg_markers(f: _Frame, recs: List[Mapping]) -> List[str]:
+    """A dashed line and a label for each fault, decision and finding."""
+    esc = html_text
+    parts = []
     row = 0
     # Findings last, so that a decision taken at the same moment does not hide them.
     for r in sorted(recs, key=lambda r: r.get("event") in FINDING_KINDS):
         e = r.get("event")
-        if e == "step_exit" and r.get("cause") == "finished":
-            e = "done"
+        if e == E.STEP_EXIT and r.get("cause") == Cause.FINISHED:
+            e = E.DONE
         if e in FAULT_KINDS or e in DECISION_KINDS or e in FINDING_KINDS:
             color = "#d22" if e in FAULT_KINDS else ("#e80" if e in FINDING_KINDS else "#25c")
             kind = "fault" if e in FAULT_KINDS else ("finding" if e in FINDING_KINDS else "decision")
-            xx = x(r["t"])
+            xx = f.x(r["t"])
             label = esc(describe(r), limit=80)   # shortened raw, then escaped: no cut entity
-            parts.append(f'<line class="{kind}" data-event="{esc(e, limit=40)}" x1="{xx:.1f}" y1="{pad_t}" x2="{xx:.1f}" y2="{pad_t + h}" stroke="{color}" '
+            parts.append(f'<line class="{kind}" data-event="{esc(e, limit=40)}" x1="{xx:.1f}" y1="{f.pad_t}" x2="{xx:.1f}" y2="{f.pad_t + f.h}" stroke="{color}" '
                          f'stroke-dasharray="4,3"><title>{label}</title></line>')
             short = esc(e.replace("_", " ") + (f": {r.get('cause')}" if r.get("cause") else "")
                         + (f": {r.get('node')}" if e in FINDING_KINDS and r.get("node") else ""), limit=60)
-            ly = pad_t + h + 46 + 12 * (row % 3)
+            ly = f.pad_t + f.h + 46 + 12 * (row % 3)
             parts.append(f'<text class="{kind}-label" x="{xx + 2:.1f}" y="{ly}" fill="{color}">{short}</text>')
             row += 1
-    findings = any(r.get("event") in FINDING_KINDS for r in recs)
-    parts.append(f'<g transform="translate({pad_l + w - (320 if findings else 250)},{pad_t - 14})">'
-                 '<line x1="0" y1="0" x2="16" y2="0" stroke="#2a7" stroke-width="2"/><text x="20" y="4">step</text>'
-                 '<rect x="60" y="-4" width="7" height="7" fill="#fc3" stroke="#960"/><text x="70" y="4">checkpoint</text>'
-                 '<line x1="140" y1="-6" x2="140" y2="6" stroke="#d22"/><text x="144" y="4">fault</text>'
-                 '<line x1="185" y1="-6" x2="185" y2="6" stroke="#25c"/><text x="189" y="4">decision</text>'
-                 + ('<line x1="240" y1="-6" x2="240" y2="6" stroke="#e80"/><text x="244" y="4">straggler</text>'
-                    if findings else "") + '</g>')
-    parts.append("</svg>")
-    return "\n".join(parts)
+    return parts
+
+
+def _svg_legend(f: _Frame, findings: bool) -> str:
+    return (f'<g transform="translate({f.pad_l + f.w - (320 if findings else 250)},{f.pad_t - 14})">'
+            '<line x1="0" y1="0" x2="16" y2="0" stroke="#2a7" stroke-width="2"/><text x="20" y="4">step</text>'
+            '<rect x="60" y="-4" width="7" height="7" fill="#fc3" stroke="#960"/><text x="70" y="4">checkpoint</text>'
+            '<line x1="140" y1="-6" x2="140" y2="6" stroke="#d22"/><text x="144" y="4">fault</text>'
+            '<line x1="185" y1="-6" x2="185" y2="6" stroke="#25c"/><text x="189" y="4">decision</text>'
+            + ('<line x1="240" y1="-6" x2="240" y2="6" stroke="#e80"/><text x="244" y="4">straggler</text>'
+               if findings else "") + '</g>')
 
 
 def render_html(records: Iterable[Mapping], *, title: str = "") -> str:
@@ -504,7 +618,7 @@ def render_html(records: Iterable[Mapping], *, title: str = "") -> str:
     rows = "\n".join(
         f"<tr><td>{time.strftime('%H:%M:%S', time.gmtime(r['t']))}</td><td>{html_text(r.get('incarnation', 0))}</td>"
         f"<td>{html_text(r.get('event'))}</td><td>{html_text(describe(r))}</td></tr>"
-        for r in recs if r.get("event") != "progress")
+        for r in recs if r.get("event") != E.PROGRESS)
     t = html_text(title or "supervised job timeline")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{t}</title>"
             "<style>body{font-family:sans-serif;margin:20px}td{padding:2px 8px;border-bottom:1px solid #eee}"

@@ -41,11 +41,13 @@ from clusterops.sweep.ssh import ssh_fanout
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_UNHEALTHY = 1
-EXIT_GUARD = 3      # the safety guard refused to drain: too many nodes would go
-EXIT_LOCKED = 4     # another sweep holds the lock
-EXIT_CANNOT_RUN = 5  # no Slurm, no history database, nothing to sweep: nothing was judged
+from clusterops.exitcodes import Sweep as _Exit  # noqa: E402 - the codes are written there
+
+EXIT_OK = int(_Exit.OK)
+EXIT_UNHEALTHY = int(_Exit.UNHEALTHY)
+EXIT_GUARD = int(_Exit.GUARD)      # the safety guard refused to drain: too many nodes would go
+EXIT_LOCKED = int(_Exit.LOCKED)     # another sweep holds the lock
+EXIT_CANNOT_RUN = int(_Exit.CANNOT_RUN)  # no Slurm, no history database, nothing to sweep: nothing was judged
 
 
 class SweepCannotRun(ClusteropsError):
