@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from clusterops import yamlio
 from clusterops.errors import InputError
 from clusterops.protocol import ENV_CKPT_DIR
 
@@ -500,19 +501,10 @@ def suggest(word: str, options: Sequence[str]) -> str:
     return f" (did you mean {m[0]!r}?)" if m else ""
 
 
-_PLAIN_KEY = re.compile(r"[\w.\-/$@+:<>]+")
-
-
-def key_text(k: Any) -> str:
-    """A key as it may appear in a one-line message: plain names as they are, others quoted."""
-    return k if isinstance(k, str) and _PLAIN_KEY.fullmatch(k) else repr(k)
-
-
-def _dotted(path: Path_) -> str:
-    out = ""
-    for p in path:
-        out += f"[{p}]" if isinstance(p, int) and not isinstance(p, bool) else (("." if out else "") + key_text(p))
-    return out
+# How a key path reads in a message (``a.b[2]``): written once, in the loader, which names
+# keys in its own errors before any schema is asked.
+key_text = yamlio.key_text
+_dotted = yamlio.dotted
 
 
 class _Where:

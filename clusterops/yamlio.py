@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -62,10 +63,21 @@ def _loader_class():
     return Loader
 
 
-def _dotted(path: Tuple[Any, ...]) -> str:
-    from clusterops.schema import _dotted as dotted
+_PLAIN_KEY = re.compile(r"[\w.\-/$@+:<>]+")
 
-    return dotted(path)
+
+def key_text(k: Any) -> str:
+    """A key as it may appear in a one-line message: plain names as they are, others quoted."""
+    return k if isinstance(k, str) and _PLAIN_KEY.fullmatch(k) else repr(k)
+
+
+def dotted(path: Tuple[Any, ...]) -> str:
+    """A key path as messages write it: ``a.b[2].c`` (list indexes in brackets)."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) and not isinstance(p, bool) else (("." if out else "") + key_text(p))
+    return out
+
 
 
 def _one_line(x: Any) -> str:
@@ -183,12 +195,12 @@ def to_python(node, source: str, lines: Optional[Lines] = None, path: Tuple[Any,
             for k, v in n.value:
                 where = _at(source, k.start_mark)
                 if not isinstance(k, yaml.ScalarNode):
-                    raise InputError(f"{where}: {_dotted(p) or 'top level'}: keys must be plain names")
+                    raise InputError(f"{where}: {dotted(p) or 'top level'}: keys must be plain names")
                 key = k.value
                 if key == "<<" and k.tag == "tag:yaml.org,2002:merge":
                     raise InputError(f"{where}: YAML merge keys (<<) are not supported: write the keys out")
                 if key in out:
-                    raise InputError(f"{where}: {_dotted(p + (key,))}: duplicate key "
+                    raise InputError(f"{where}: {dotted(p + (key,))}: duplicate key "
                                      f"(first at line {lines.get(p + (key,))})")
                 lines[p + (key,)] = k.start_mark.line + 1
                 out[key] = walk(v, p + (key,))
@@ -207,11 +219,11 @@ def to_python(node, source: str, lines: Optional[Lines] = None, path: Tuple[Any,
         try:
             return loader.construct_object(n, deep=True)
         except yaml.YAMLError as e:
-            raise InputError(f"{_at(source, n.start_mark)}: {_dotted(p)}: "
+            raise InputError(f"{_at(source, n.start_mark)}: {dotted(p)}: "
                              f"{_one_line(getattr(e, 'problem', None) or e)}") from None
         except (ValueError, OverflowError, TypeError, AttributeError) as e:
             # PyYAML's constructors trip on e.g. a timestamp 2024-13-45 or `!!timestamp x`
-            raise InputError(f"{_at(source, n.start_mark)}: {_dotted(p)}: bad value {n.value[:40]!r}: "
+            raise InputError(f"{_at(source, n.start_mark)}: {dotted(p)}: bad value {n.value[:40]!r}: "
                              f"{_one_line(e)}") from None
 
     return walk(node, path)

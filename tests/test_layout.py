@@ -272,3 +272,89 @@ def test_slurm_settings_import_no_backend():
     # The interface is the base both backends build on: it imports neither.
     found = set(_imported_modules(_parse(PACKAGE / "slurm" / "api.py")))
     assert not found & (backends | {"clusterops.slurm.settings"}), sorted(found & backends)
+
+
+def _import_graph():
+    """Module -> the clusterops modules it imports, at any level of the file: top level,
+    inside functions, under ``if TYPE_CHECKING:`` (an import put off is still an arrow)."""
+    root = REPO / "clusterops"
+    mods = {}
+    for p in root.rglob("*.py"):
+        parts = list(p.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = p
+
+    def resolve(name):
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {m: set() for m in mods}
+    for m, p in mods.items():
+        pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                    modname = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    modname = node.module or ""
+                targets = [f"{modname}.{a.name}" if f"{modname}.{a.name}" in mods else modname for a in node.names]
+            for t in targets:
+                if t.startswith("clusterops"):
+                    r = resolve(t)
+                    if r and r != m:
+                        graph[m].add(r)
+    return graph
+
+
+def _cycles(graph):
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter[0]; counter[0] += 1
+        stack.append(start); on.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]; counter[0] += 1
+                    stack.append(w); on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop(); on.discard(x); comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_cycles_counting_function_level_and_type_checking_imports():
+    """Issue 19: no two modules of the package import each other, directly or round a loop,
+    whether the import is at the top, inside a function or under TYPE_CHECKING. (A package's
+    __init__ re-exporting its own modules is not an arrow back: its modules import the
+    modules, not the package.)"""
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

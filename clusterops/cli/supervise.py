@@ -12,7 +12,6 @@ from __future__ import annotations
 import click
 
 from clusterops import schema
-from clusterops.errors import InputError
 from clusterops.exitcodes import Supervise, epilog
 
 EXIT_HELP = epilog(Supervise)
