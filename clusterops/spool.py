@@ -200,26 +200,12 @@ MAX_BAD_FILES = 200                # set-aside files kept for inspection; older 
 
 def _read_spooled(p: Path) -> bytes:
     """A spooled file's bytes: a regular file (no FIFO, device or symlink), bounded."""
-    import stat
+    from clusterops.fsutil import read_regular
 
-    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
-        if st.st_size > MAX_SPOOL_FILE_BYTES:
-            raise ValueError(f"too large ({st.st_size} bytes)")
-        chunks, total = [], 0
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                return b"".join(chunks)
-            total += len(b)
-            if total > MAX_SPOOL_FILE_BYTES:
-                raise ValueError("too large")
-            chunks.append(b)
-    finally:
-        os.close(fd)
+    data, truncated = read_regular(p, MAX_SPOOL_FILE_BYTES, follow_symlinks=False)
+    if truncated:
+        raise ValueError(f"too large (over {MAX_SPOOL_FILE_BYTES} bytes)")
+    return data
 
 
 def spooled_problem(doc: Any) -> Optional[str]:
