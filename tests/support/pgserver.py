@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import pytest
+from clusterops.runner import free_port
 
 PG_USER = "clusterops-pg"   # the OS user the server runs as when the tests run as root
 DB_USER = "clusterops"
@@ -35,19 +36,13 @@ def pg_bindir() -> Optional[Path]:
     return Path(found[-1]).parent if found else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PgServer:
     def __init__(self, bindir: Path, base: Path):
         self.bindir = bindir
         self.base = base
         self.data = base / "data"
         self.log = base / "server.log"
-        self.port = _free_port()
+        self.port = free_port("127.0.0.1")
         self._names = itertools.count(1)
         self.os_user = PG_USER if os.geteuid() == 0 else None
 
