@@ -24,6 +24,7 @@ from typing import List, Optional
 
 import pytest
 from clusterops.runner import free_port
+from support.users import ensure_user
 
 PG_USER = "clusterops-pg"   # the OS user the server runs as when the tests run as root
 DB_USER = "clusterops"
@@ -57,14 +58,7 @@ class PgServer:
 
     def init(self) -> None:
         if self.os_user:
-            try:
-                pwd.getpwnam(self.os_user)
-            except KeyError:
-                # Another test session may create it at the same moment: only its absence
-                # afterwards is an error.
-                subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                                self.os_user], capture_output=True)
-            pw = pwd.getpwnam(self.os_user)
+            pw = ensure_user(self.os_user, system=True)
             os.chown(self.base, pw.pw_uid, pw.pw_gid)
         os.chmod(self.base, 0o700)
         pwfile = self.base / "pwfile"
