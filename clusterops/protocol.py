@@ -24,6 +24,11 @@ variable                       meaning for the training process
                                -- time in ``sdk.compute()`` -- for straggler detection),
                                ``file/TOKEN`` (one file per node in the heartbeat directory), or
                                empty/unset (one file per rank)
+``CLUSTEROPS_RESUME_HINT``     what the supervisor decided for this resume (JSON: ``from_step``,
+                               ``skip_batches``, ``lr_factor``, ``reason``, ``anomaly_step``,
+                               ``rollback``; :class:`clusterops.supervisor.stability.ResumeHint`),
+                               set only when the attempt resumes from a stability rollback's
+                               checkpoint; ``sdk.resume().hint``
 =============================  ===============================================================
 
 All are optional for the training script: without them it trains, saves where told
@@ -71,10 +76,11 @@ ENV_HEARTBEAT_DIR = "CLUSTEROPS_HEARTBEAT_DIR"
 ENV_STOP_FILE = "CLUSTEROPS_STOP_FILE"
 ENV_RESTART_COUNT = "CLUSTEROPS_RESTART_COUNT"
 ENV_HEARTBEAT_ADDR = "CLUSTEROPS_HEARTBEAT_ADDR"
+ENV_RESUME_HINT = "CLUSTEROPS_RESUME_HINT"
 
 #: Every variable of the contract, and nothing else.
 CONTRACT_ENV = (ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_HEARTBEAT_DIR, ENV_STOP_FILE, ENV_RESTART_COUNT,
-                ENV_HEARTBEAT_ADDR)
+                ENV_HEARTBEAT_ADDR, ENV_RESUME_HINT)
 
 #: ENV_HEARTBEAT_ADDR's value that selects the per-node file channel (the forced fallback):
 #: ``file/TOKEN`` (the supervisor's, a fresh token per attempt, so that the node-local
@@ -131,9 +137,10 @@ def heartbeat_path(job_dir: os.PathLike, attempt: int, rank: int) -> Path:
 
 
 def rank_env(*, ckpt_dir: os.PathLike, resume_from: str, attempt: os.PathLike, restart_count: int,
-             heartbeat_addr: str = "") -> Dict[str, str]:
+             heartbeat_addr: str = "", resume_hint: str = "") -> Dict[str, str]:
     """The contract variables for every rank of an attempt (directory ``attempt``)."""
     return {
+        ENV_RESUME_HINT: resume_hint,
         ENV_CKPT_DIR: str(ckpt_dir),
         ENV_RESUME_FROM: resume_from,
         ENV_HEARTBEAT_DIR: str(heartbeat_dir(attempt)),

@@ -22,7 +22,7 @@ def healthy_curve(seed: int, n: int, noise: float, bumps: int, warmup: int, stri
     rng = random.Random(seed)
     tau = rng.uniform(200, 3000)
     floor, top = rng.uniform(0.5, 2.0), rng.uniform(3.0, 11.0)
-    bump_at = sorted(rng.randrange(0, n * stride) for _ in range(bumps))
+    bump_at = [rng.randrange(0, 200) + 600 * k for k in range(bumps)]   # one at a time, apart
     out, step = [], 0
     for _ in range(n):
         step += rng.randint(1, stride)

@@ -9,9 +9,11 @@ records, a kill and a relaunch.
 Detection (:class:`Detector`, one per job, carried across restarts):
 
 - **Non-finite** loss or grad norm on any rank is a finding at once (``nan``).
-- **Spike**: a sample whose value is above the robust band of the last ``window`` in-band
-  samples, ``median + factor * max(1.4826 * MAD, MIN_REL_BAND * |median|)``, for
-  ``patience`` samples in a row (``loss_spike``). Only upward moves count (a falling
+- **Spike**: a sample whose value is above the robust band of the in-band samples,
+  ``centre + factor * max(1.4826 * MAD, MIN_REL_BAND * |centre|)`` -- the centre is the
+  median of the newest ``min_samples`` samples, the MAD that of the consecutive differences
+  over the last ``window`` samples (divided by sqrt 2: the noise of one sample, which a
+  falling trend does not inflate) -- for ``patience`` samples in a row (``loss_spike``). Only upward moves count (a falling
   loss is the point of training); samples out of the band never enter the window, so a
   spike does not widen the band that judges it.
 - **Warm-up**: before ``warmup_steps`` and until ``min_samples`` samples are in the
@@ -42,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from clusterops import schema
+
 #: The band's floor, relative to the median: with a flat, quiet curve (MAD near 0) an
 #: ordinary wiggle must not read as a spike.
 MIN_REL_BAND = 0.02
@@ -70,29 +74,15 @@ class Kind(str, Enum):
         return self.value
 
 
-@dataclass(frozen=True)
+@schema.dataclass_of(schema.STABILITY_FIELDS, frozen=True)
 class StabilityConfig:
-    """``supervise: {stability: {...}}`` (the keys and their docs: ``clusterops.schema``)."""
-
-    on_spike: str = Action.RECORD
-    on_nan: str = Action.ROLLBACK
-    window: int = 128            # OLMo-core's SkipStepOptimizer: a rolling 128-step window
-    factor: float = 6.0          # ... and 6 sigma
-    patience: int = 2
-    min_samples: int = 8
-    warmup_steps: int = 100
-    resume_grace_steps: int = 10
-    watch_grad_norm: bool = True
-    rollback_steps: int = 100    # PaLM: restarted about 100 steps before each spike
-    skip_batches: int = 200      # PaLM: skipped 200-500 batches
-    lr_factor: float = 1.0
-    max_rollbacks: int = 3
-    rollback_window_steps: int = 10000
+    """``supervise: {stability: {...}}``: the fields, defaults and bounds are
+    ``clusterops.schema.STABILITY_FIELDS`` (the docs table is generated from them)."""
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, object]) -> "StabilityConfig":
         """From the validated ``stability`` mapping (unknown keys are the schema's job)."""
-        names = {f for f in cls.__dataclass_fields__}
+        names = {f.name for f in schema.STABILITY_FIELDS}
         return cls(**{k: v for k, v in d.items() if k in names and v is not None})
 
 
@@ -183,10 +173,16 @@ class _Band:
         self.streak = 0
         self.last_in: Optional[int] = None       # step of the last in-band sample
 
-    def limits(self) -> Tuple[float, float]:
+    def limits(self, recent: int) -> Tuple[float, float]:
+        """(centre, scale): the median of the ``recent`` newest samples (a falling curve's
+        median over the whole window lags far above it), and the noise from the whole window
+        as the MAD of consecutive differences / sqrt 2 (a trend does not inflate it), at
+        least MIN_REL_BAND of the centre."""
         vals = [v for _, v in self.values]
-        med = statistics.median(vals)
-        mad = statistics.median(abs(v - med) for v in vals)
+        med = statistics.median(vals[-recent:])
+        diffs = [b - a for a, b in zip(vals, vals[1:])] or [0.0]
+        dmed = statistics.median(diffs)
+        mad = statistics.median(abs(d - dmed) for d in diffs) / math.sqrt(2)
         return med, max(MAD_TO_SIGMA * mad, MIN_REL_BAND * abs(med), 1e-12)
 
     def drop_after(self, step: int) -> None:
@@ -237,7 +233,7 @@ class Detector:
         b, c = self.bands[name], self.cfg
         judged = step >= c.warmup_steps and step > self.grace_until and len(b.values) >= c.min_samples
         if judged:
-            med, scale = b.limits()
+            med, scale = b.limits(c.min_samples)
             limit = med + c.factor * scale
             if value > limit:
                 if b.streak == 0:

@@ -39,6 +39,9 @@ class EventKind(str, Enum):
     CHECKPOINT = "checkpoint"
     HEARTBEAT_LOST = "heartbeat_lost"
     STRAGGLER = "straggler"
+    LOSS_SPIKE = "loss_spike"
+    NAN = "nan"
+    ROLLBACK = "rollback"
     NODE_DOWN = "node_down"
     NODE_BAD = "node_bad"
     STOP_REQUESTED = "stop_requested"
@@ -55,6 +58,7 @@ class EventKind(str, Enum):
     WARNING = "warning"
     # the plumbing's own records (clusterops.supervisor.run)
     CHECKPOINT_BAD = "checkpoint_bad"
+    CHECKPOINT_SET_ASIDE = "checkpoint_set_aside"
     DRAIN = "drain"
     DRAIN_REFUSED = "drain_refused"
     DRAIN_SKIPPED = "drain_skipped"
@@ -79,6 +83,7 @@ class Cause(str, Enum):
     RANK_EXIT = "rank_exit"          # the first failed rank exited with an error
     RANK_FAILED = "rank_failed"      # the first failed rank ended some other way
     STEP_FAILED = "step_failed"      # non-zero exit with no failure srun named
+    ROLLED_BACK = "rolled_back"      # killed by us: the stability guard rolls back (or stops)
 
     def __str__(self) -> str:
         return self.value
