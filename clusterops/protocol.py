@@ -65,6 +65,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -93,6 +94,42 @@ HEARTBEAT_ADDR_FILE = "file"
 def is_file_addr(addr: str) -> bool:
     """Whether a heartbeat address selects the per-node file channel."""
     return addr == HEARTBEAT_ADDR_FILE or addr.startswith(HEARTBEAT_ADDR_FILE + "/")
+
+# ------------------------------------------------------------------------ resume hint
+
+
+@dataclass(frozen=True)
+class ResumeHint:
+    """What the supervisor decided for the script, handed over with the resume (JSON in
+    :data:`ENV_RESUME_HINT`; the stability guard's rollback, clusterops.supervisor.stability): continue from checkpoint step ``from_step``, skip the
+    next ``skip_batches`` batches of the data position saved in it, and multiply the
+    learning rate by ``lr_factor``."""
+
+    from_step: int
+    skip_batches: int
+    lr_factor: float
+    reason: str = "rollback"
+    anomaly_step: Optional[int] = None
+    rollback: int = 1                # the how-many-th rollback of this job
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Optional["ResumeHint"]:
+        """The hint in ``text``; None for an empty or unreadable one (never raises)."""
+        try:
+            d = json.loads(text) if text else None
+            if not isinstance(d, dict):
+                return None
+            return cls(from_step=int(d["from_step"]), skip_batches=max(0, int(d.get("skip_batches", 0))),
+                       lr_factor=float(d.get("lr_factor", 1.0)), reason=str(d.get("reason", "rollback")),
+                       anomaly_step=None if d.get("anomaly_step") is None else int(d["anomaly_step"]),
+                       rollback=int(d.get("rollback", 1)))
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
 
 # ------------------------------------------------------------------------ layout
 

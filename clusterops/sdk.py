@@ -3,12 +3,13 @@
     from clusterops import sdk
     dist = sdk.init_distributed()          # torchrun or srun-native ranks; gloo/nccl
     ckpt = sdk.resume()                    # None, or the state to continue from
+                                           # (ckpt.hint: a stability rollback's skip/LR factor)
     ...
     for step in range(start, steps):
         with sdk.compute():                # optional: this rank's own work, for straggler
             loss = train_one_step()        # detection (leave the collectives outside)
         sync_gradients()
-        sdk.heartbeat(step + 1)            # cheap: at most ~1 write per second
+        sdk.heartbeat(step + 1, loss=loss)  # cheap: at most ~1 write per second
         if (step + 1) % every == 0:
             sdk.save(state, step + 1, async_=True)
         if sdk.should_stop():              # all ranks agree (one small collective)
@@ -92,6 +93,10 @@ class Resumed:
     path: Path
     manifest: dict
     rng_restored: bool
+    #: What the supervisor decided for this resume (a stability rollback: skip
+    #: ``hint.skip_batches`` batches from the restored data position, multiply the learning
+    #: rate by ``hint.lr_factor``); None for an ordinary resume.
+    hint: Optional[protocol.ResumeHint] = None
 
 
 class _Runtime:
@@ -782,6 +787,15 @@ def resume(*, root: Optional[os.PathLike] = None, template: Optional[dict] = Non
             tried.add(path)
 
 
+def resume_hint(step: Optional[int] = None) -> Optional[protocol.ResumeHint]:
+    """The supervisor's decision for this attempt (``protocol.ENV_RESUME_HINT``), None when
+    there is none; with ``step``, only when it was made for the checkpoint of that step."""
+    hint = protocol.ResumeHint.from_json(os.environ.get(protocol.ENV_RESUME_HINT, ""))
+    if hint is None or (step is not None and hint.from_step != step):
+        return None
+    return hint
+
+
 def _load_resumed(path: Path, d, template, restore_rng: bool, weights_only: bool) -> Resumed:
     try:
         manifest = ck.read_manifest(path)
@@ -809,7 +823,7 @@ def _load_resumed(path: Path, d, template, restore_rng: bool, weights_only: bool
         msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise ck.CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {msg})") from None
     return Resumed(step=step, state=state, rank_state=extra.get("rank_state") if extra else None,
-                   path=path, manifest=manifest, rng_restored=rng_restored)
+                   path=path, manifest=manifest, rng_restored=rng_restored, hint=resume_hint(step))
 
 
 def _load_dcp(dcp_path: Path, template: Optional[dict]):

@@ -36,15 +36,15 @@ anomalies began within ``rollback_window_steps`` steps of each other end the job
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from clusterops import schema
+from clusterops.protocol import ResumeHint
 
 #: The band's floor, relative to the median: with a flat, quiet curve (MAD near 0) an
 #: ordinary wiggle must not read as a spike.
@@ -110,38 +110,6 @@ class Finding:
     def record(self) -> dict:
         return {"step": self.step, "began": self.began, "signal": self.signal, "value": _json_num(self.value),
                 "median": _json_num(self.band[0]), "limit": _json_num(self.band[1]), "ranks": list(self.ranks)}
-
-
-@dataclass(frozen=True)
-class ResumeHint:
-    """What the supervisor decided for the script, handed over with the resume (JSON in
-    ``protocol.ENV_RESUME_HINT``): continue from checkpoint step ``from_step``, skip the
-    next ``skip_batches`` batches of the data position saved in it, and multiply the
-    learning rate by ``lr_factor``."""
-
-    from_step: int
-    skip_batches: int
-    lr_factor: float
-    reason: str = "rollback"
-    anomaly_step: Optional[int] = None
-    rollback: int = 1                # the how-many-th rollback of this job
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str) -> Optional["ResumeHint"]:
-        """The hint in ``text``; None for an empty or unreadable one (never raises)."""
-        try:
-            d = json.loads(text) if text else None
-            if not isinstance(d, dict):
-                return None
-            return cls(from_step=int(d["from_step"]), skip_batches=max(0, int(d.get("skip_batches", 0))),
-                       lr_factor=float(d.get("lr_factor", 1.0)), reason=str(d.get("reason", "rollback")),
-                       anomaly_step=None if d.get("anomaly_step") is None else int(d["anomaly_step"]),
-                       rollback=int(d.get("rollback", 1)))
-        except (ValueError, TypeError, KeyError):
-            return None
 
 
 @dataclass(frozen=True)
