@@ -15,6 +15,7 @@ epilog and the table in docs/supervisor.md are generated from it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
@@ -593,6 +594,10 @@ class Supervisor:
                 slowest = self.detector.slowest() if self.detector is not None else None
                 if slowest is not None:
                     rec["slowest"] = [slowest[0], slowest[1]]   # node, its ratio to the others (metrics)
+                if self.stability is not None and ev.signals:    # the loss curve of the timeline chart
+                    s = stb.sample_of(ev.signals)
+                    if s is not None and s.loss is not None:
+                        rec["loss"] = s.loss if math.isfinite(s.loss) else str(s.loss)
                 out.append(Record(E.PROGRESS, rec))
                 self.last_progress_step = low
                 self.last_progress_record = ev.now
