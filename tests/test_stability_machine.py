@@ -53,7 +53,9 @@ def test_a_guard_off_job_ignores_signals():
 def test_record_only_records():
     s, _ = running(on_nan="record")
     healthy(s, range(1, 20))
+    s.handle(CheckpointCommitted(20.0, 20, "/ck/step_20"))
     acts = beat(s, 30.0, 21, math.nan)
+    assert [h.step for h in only(acts, sv.HoldCheckpoint)] == [20]     # the way back stays, for a person
     assert kinds(acts) == ["nan"] and not only(acts, KillStep) and s.state == sv.RUNNING
     rec = [r for r in only(acts, Record) if r.kind == "nan"][0].data
     assert rec["value"] == "nan" and rec["decision"] == "record" and rec["step"] == 21
@@ -68,6 +70,7 @@ def test_nan_rolls_back_past_the_window_and_relaunches_with_the_hint():
     acts = beat(s, 40.0, 27, math.nan)
     assert kinds(acts) == ["nan", "rollback"]
     assert only(acts, KillStep) == [KillStep("rollback")] and s.state == sv.KILLING
+    assert [h.step for h in only(acts, sv.HoldCheckpoint)] == [10]     # retention keeps the way back
     rb = [r for r in only(acts, Record) if r.kind == "rollback"][0].data
     assert (rb["to_step"], rb["anomaly_step"], rb["skip_batches"], rb["lr_factor"]) == (10, 26, 30, 0.5)
     # A checkpoint the dying step still commits is not one a rollback may use, nor progress.

@@ -130,3 +130,24 @@ def test_timeline_tells_the_rollback():
     assert 'data-event="rollback"' in svg and 'data-event="nan"' in svg
     prom = tl.prometheus_text(recs, "j")
     assert 'clusterops_job_rollbacks{job="j"} 1' in prom and 'clusterops_job_anomalies{job="j",kind="nan"} 1' in prom
+
+
+def test_prune_keeps_a_held_checkpoint_and_list_shows_why(tmp_path):
+    from click.testing import CliRunner
+
+    from clusterops import checkpoint as ck
+    from clusterops.cli import cli
+
+    for step in (10, 20, 30, 40):
+        p = ck.PendingCheckpoint(tmp_path, step)
+        (p.path / "w.bin").write_bytes(b"x" * step)
+        p.record_file("w.bin")
+        p.commit(world_size=1)
+    ck.hold(tmp_path, 20, "stability: newest checkpoint before the nan")
+    plan = ck.prune(tmp_path, keep_last=1)
+    assert sorted(p.name for p in plan.keep) == ["step_00000020", "step_00000040"]
+    assert plan.held == {tmp_path / "step_00000020": "stability: newest checkpoint before the nan"}
+    out = CliRunner().invoke(cli, ["ckpt", "list", str(tmp_path)]).output
+    assert "step_00000020  step=20  ok" in out and "held: stability: newest checkpoint before the nan" in out
+    (tmp_path / ck.HOLDS_FILE).write_text("{broken")
+    assert ck.holds(tmp_path) == {}

@@ -63,6 +63,7 @@ __all__ = [
     "Requeue",
     "Exit",
     "SetAside",
+    "HoldCheckpoint",
     "Memory",
     "Supervisor",
     "State",
@@ -292,6 +293,15 @@ class SetAside(Action):
     no later resume may pick them (the stability guard)."""
 
     after_step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class HoldCheckpoint(Action):
+    """Tell retention to keep checkpoint ``step`` (a prune never removes it; ``ckpt list``
+    shows ``reason``): the newest good one before a loss spike or NaN."""
+
+    step: int
     reason: str
 
 
@@ -637,6 +647,9 @@ class Supervisor:
         if d is None:
             return []
         out: List[Action] = [Record(str(d.finding.kind), dict(d.finding.record(), decision=str(d.action), why=d.why))]
+        if d.hold is not None:
+            out.append(HoldCheckpoint(d.hold, f"stability: newest checkpoint before the {d.finding.kind} that began "
+                                              f"after step {d.finding.began - 1} ({d.action})"))
         if d.action == stb.Action.RECORD:
             return out
         self.stability_decision = d

@@ -421,6 +421,7 @@ class SupervisorRun:
             sv.Requeue: self._act_requeue,
             sv.Exit: self._act_exit,
             sv.SetAside: self._act_set_aside,
+            sv.HoldCheckpoint: self._act_hold,
         }
 
     # -- signals ---------------------------------------------------------------------
@@ -668,6 +669,18 @@ class SupervisorRun:
             return [s for s, _ in ck.committed_steps(self.cfg.ckpt_dir)]
         except ClusteropsError:
             return []
+
+    def _act_hold(self, a: sv.HoldCheckpoint) -> None:
+        """Retention's hold on a checkpoint (clusterops.checkpoint.retention.hold); the
+        script's own checkpoints (no SDK) are not clusterops's to prune, so not held."""
+        from clusterops import checkpoint as ck
+
+        if self.cfg.plain.checkpoint_glob:
+            return
+        try:
+            ck.hold(self.cfg.ckpt_dir, a.step, a.reason)
+        except OSError as e:
+            self._record(E.WARNING, {"what": f"hold on checkpoint step {a.step}: {e.strerror or e}"})
 
     def _act_set_aside(self, a: sv.SetAside) -> None:
         """Move the checkpoints after ``a.after_step`` into ``<ckpt_dir>/rolled-back-<N>/``

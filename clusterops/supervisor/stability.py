@@ -118,6 +118,7 @@ class Decision:
     finding: Finding
     hint: Optional[ResumeHint] = None   # rollback: where to and what to skip
     why: str = ""
+    hold: Optional[int] = None          # the checkpoint retention must keep: the newest before the anomaly
 
     GIVE_UP = "give_up"
 
@@ -274,23 +275,25 @@ class Guard:
     def decide(self, f: Finding) -> Decision:
         self.findings += 1
         action = Action(self.cfg.on_nan if f.kind == Kind.NAN else self.cfg.on_spike)
+        keep = rollback_target(self.ckpt_steps, f.began - 1)
         if action != Action.ROLLBACK:
-            return Decision(action, f, why=f"on_{'nan' if f.kind == Kind.NAN else 'spike'}: {action}")
+            return Decision(action, f, why=f"on_{'nan' if f.kind == Kind.NAN else 'spike'}: {action}", hold=keep)
         c = self.cfg
         recent = [a for a in self.rollbacks if abs(f.began - a) <= c.rollback_window_steps]
         if len(recent) >= c.max_rollbacks:
             return Decision(Decision.GIVE_UP, f, why=f"{len(recent)} rollbacks within {c.rollback_window_steps} "
-                                                     f"steps (max_rollbacks {c.max_rollbacks})")
+                                                     f"steps (max_rollbacks {c.max_rollbacks})", hold=keep)
         before = f.began - c.rollback_steps
         target = rollback_target(self.ckpt_steps, before)
         if target is None:
-            return Decision(Decision.GIVE_UP, f, why=f"no checkpoint at or before step {before} to roll back to")
+            return Decision(Decision.GIVE_UP, f, why=f"no checkpoint at or before step {before} to roll back to",
+                            hold=keep)
         self.rollbacks.append(f.began)
         self.hint = ResumeHint(from_step=target, skip_batches=c.skip_batches, lr_factor=c.lr_factor,
                                anomaly_step=f.began, rollback=len(self.rollbacks))
         # The checkpoints after the target belong to the discarded timeline.
         self.ckpt_steps = [s for s in self.ckpt_steps if s <= target]
-        return Decision(Action.ROLLBACK, f, hint=self.hint,
+        return Decision(Action.ROLLBACK, f, hint=self.hint, hold=target,
                         why=f"newest checkpoint at least {c.rollback_steps} steps before step {f.began}")
 
 
