@@ -135,3 +135,34 @@ def test_a_spike_that_keeps_coming_back_gives_up_with_the_last_good_checkpoint_i
     latest = ck.find_latest_good(j.ckpt_dir, deep=True).latest
     assert latest is not None and latest.step < 70, story
     assert fk.damaged_checkpoints(j.ckpt_dir) == []
+
+
+def test_rollback_of_a_script_without_the_sdk_through_resume_args(cluster, slurm, tmp_path):
+    """examples/plain_train.py imports nothing from clusterops: the loss comes from its output
+    (`loss_regex`), the rollback's skip and LR factor through `resume_args`."""
+    plain = fk.REPO / "examples" / "plain_train.py"
+    poison = "45:55"
+    j = fk.TrainJob(root=tmp_path / "plain", name="stab-plain", nodes=2, steps=80, ckpt_every=10, step_sleep=0.25,
+                    script=plain, supervise={
+                        "progress": {"regex": r"step[= ](\d+)", "loss_regex": r"loss=(\S+)"},
+                        "checkpoint_glob": "ckpt_*.pt",
+                        "resume_args": ["--resume", "{ckpt}", "--skip-batches", "{skip_batches}",
+                                        "--lr-factor", "{lr_factor}"],
+                        "stability": dict(GUARD, warmup_steps=10)})
+    j.train_args = ["--ckpt-dir", str(j.ckpt_dir), "--poison-batches", poison]
+    j.submit()
+    info = j.wait_end(slurm)
+    story = tl.format_text(j.timeline())
+    assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state} {info.exit_code}\n{story}"
+    rb = events(j, "rollback")
+    assert events(j, "nan") and len(rb) == 1, story
+    to = rb[0]["to_step"]
+    assert not list(j.ckpt_dir.glob(f"rolled-back-1/ckpt_{to:07d}.pt")), story
+    commands = [p.read_text().splitlines()[0] for p in sorted(j.job_dir.glob("attempt-*/command.txt"))]
+    assert any(f"--skip-batches 30 --lr-factor 0.5" in c and f"ckpt_{to:07d}.pt" in c for c in commands), commands
+    ref = tmp_path / "ref"
+    fk.run_local(2, ["--steps", "80", "--ckpt-every", "10", "--ckpt-dir", str(ref / "ck"), "--out",
+                     str(ref / "final.pt"), "--poison-batches", poison, "--skip-batches-at", f"{to}:30",
+                     "--lr-factor-at", f"{to}:0.5"], workdir=ref, script=plain)
+    assert not nan_weights(ref / "final.pt")
+    assert fk.same_weights(j.out, ref / "final.pt"), f"final weights differ from the run that skips the same batches\n{story}"
