@@ -205,6 +205,32 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
         count("min_ports", "ACTIVE ports needed", 0, hi=1024, nullable=True),
         _f("infiniband_only", "bool", "hold only InfiniBand-link ports to the rules", default=True),
     ),
+    "fabric": (
+        _f("sys_root", "str", "", default="/sys/class/infiniband"),
+        _f("devices", "list", "HCA names to judge (shell patterns, e.g. mlx5_*); empty: all", default=[],
+           item=Field("device", "str"), max_len=256),
+        _f("link_layers", "list", "link layers judged: InfiniBand, Ethernet (RoCE)",
+           default=["InfiniBand", "Ethernet"], item=Field("layer", "enum", choices=("InfiniBand", "Ethernet")),
+           min_len=1, max_len=2),
+        _f("required", "bool", "no port fails (else skips)", default=False),
+        _f("expected_rate_gbps", "number", "slowest port rate allowed", min=0, gt=True, max=1e6, nullable=True),
+        _f("expected_width", "enum", "narrowest link width allowed (null: a port narrower than its "
+           "siblings warns)", choices=("1X", "2X", "4X", "8X", "12X"), nullable=True),
+        count("min_ports", "ACTIVE ports needed", 0, hi=1024, nullable=True),
+        _f("state_file", "str", "default $CLUSTEROPS_STATE_DIR or /var/lib/clusterops/fabric-<node>.json",
+           nullable=True),
+        _f("window_h", "number", "hours over which counter rises and flaps are summed", default=24, min=0,
+           gt=True, max=24 * 365),
+        count("flaps_warn", "link_downed rises in the window that warn", 1, hi=1e6, nullable=True),
+        count("flaps_fail", "link_downed rises in the window that fail", 5, hi=1e6, nullable=True),
+        _f("counters", "map", "error counter -> {warn, fail}: rises in the window", fields=tuple(
+            _f(name, "map", "", fields=(count("warn", "", hi=1e12, nullable=True),
+                                        count("fail", "", hi=1e12, nullable=True)))
+            for name in ("symbol_error", "link_error_recovery", "port_rcv_errors",
+                         "port_rcv_remote_physical_errors", "port_rcv_switch_relay_errors", "port_xmit_discards",
+                         "port_xmit_constraint_errors", "port_rcv_constraint_errors",
+                         "local_link_integrity_errors", "excessive_buffer_overrun_errors", "VL15_dropped"))),
+    ),
     "host.stray_processes": (
         _f("status", "enum", "status when processes of finished jobs are found", default="warn",
            choices=("warn", "fail")),

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from clusterops.health.probes import dcgm, dist, host, matmul, nvml, xid
+from clusterops.health.probes import dcgm, dist, fabric, host, matmul, nvml, xid
 from clusterops.health.probes.base import (ProbeContext, ProbeResult, ProbeSpec, RunOutcome, overall_status,
                                            run_probes)
 from clusterops.health.profiles import Profile
@@ -51,6 +51,7 @@ REGISTRY: Dict[str, ProbeEntry] = {
     "host.cpus": ProbeEntry(host.probe_cpus),
     "host.infiniband": ProbeEntry(host.probe_infiniband),
     "host.stray_processes": ProbeEntry(host.probe_stray_processes),
+    "fabric": ProbeEntry(fabric.probe_fabric),
     "dcgm": ProbeEntry(dcgm.probe_dcgm, exclusive=True),
     "matmul": ProbeEntry(matmul.probe_matmul, exclusive=True),
     "dist": ProbeEntry(dist.probe_dist, exclusive=True),
