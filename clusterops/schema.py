@@ -138,6 +138,11 @@ _SHAPE = Field("shape", "list", item=Field("dim", "int", min=1, max=1 << 17), mi
 PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
     "nvml": (
         _f("required", "bool", "no GPU / no NVML is a failure (default: the profile's `gpus.required`)"),
+        _f("slowdown_fail_fraction", "number", "HW thermal/power-brake slowdown time between two checks, as a "
+           "share of the time between them, above which the GPU fails (any slowdown warns)", default=0.05,
+           min=0, max=1),
+        _f("state_file", "str", "default $CLUSTEROPS_STATE_DIR or /var/lib/clusterops/nvml-<node>.json",
+           nullable=True),
         count("gpu_count", "GPUs expected (default: `gpus.count`, else Slurm's gres for the node)",
               hi=1024, nullable=True),
         _f("temperature_warn_c", "number", "warn at or above", default=85, min=0, max=200),
@@ -295,6 +300,18 @@ GPU_MODEL = Field("gpu_model", "map", fields=(
     _f("matmul_bf16_tflops", "number", "expected best bf16 matmul TFLOPS", min=0, gt=True, max=1e6,
        nullable=True),
     count("nvlink_links", "NVLink links per GPU", hi=64, nullable=True),
+    count("max_sm_clock_mhz", "the model's maximum SM clock; a GPU whose maximum is lower fails", hi=1e5,
+          nullable=True),
+    _f("h2d_gbps", "number", "host-to-device pinned copy floor per GPU (GB/s)", min=0, gt=True, max=1e6,
+       nullable=True),
+    _f("d2h_gbps", "number", "device-to-host pinned copy floor per GPU (GB/s)", min=0, gt=True, max=1e6,
+       nullable=True),
+    _f("p2p_gbps", "number", "peer-to-peer copy floor per GPU pair (GB/s)", min=0, gt=True, max=1e6,
+       nullable=True),
+    _f("hbm_gbps", "number", "device-memory bandwidth, the vendor's peak (GB/s)", min=0, gt=True, max=1e6,
+       nullable=True),
+    _f("allreduce_busbw_gbps", "number", "all-reduce busbw floor over the node's GPUs (GB/s)", min=0, gt=True,
+       max=1e6, nullable=True),
 ))
 DRAIN = Field("drain", "map", "the fleet guard of --drain-on-fail", fields=(
     _f("max_drained_fraction", "number", "share of a partition's nodes that may carry a clusterops drain "
