@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from clusterops.health.probes import dcgm, dist, fabric, host, matmul, nvml, xid
+from clusterops.health.probes import copybw, dcgm, dist, fabric, host, matmul, nvml, xid
 from clusterops.health.probes.base import (ProbeContext, ProbeResult, ProbeSpec, RunOutcome, overall_status,
                                            run_probes)
 from clusterops.health.profiles import Profile
@@ -55,6 +55,7 @@ REGISTRY: Dict[str, ProbeEntry] = {
     "dcgm": ProbeEntry(dcgm.probe_dcgm, exclusive=True),
     "matmul": ProbeEntry(matmul.probe_matmul, exclusive=True),
     "dist": ProbeEntry(dist.probe_dist, exclusive=True),
+    "copybw": ProbeEntry(copybw.probe_copybw, exclusive=True),
 }
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -68,7 +69,7 @@ def probe_specs(profile: Profile) -> List[ProbeSpec]:
             cfg.setdefault("required", profile.gpus_required)
             if profile.gpu_count is not None:
                 cfg.setdefault("gpu_count", profile.gpu_count)
-        if name == "matmul":
+        if name in ("matmul", "copybw"):
             cfg.setdefault("required", profile.gpus_required)
         specs.append(ProbeSpec(name, _named(name, entry.fn), cfg, float(cfg.get("timeout_s", DEFAULT_TIMEOUT_S)),
                                entry.exclusive))
