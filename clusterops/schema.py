@@ -248,6 +248,11 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
         seconds("diag_timeout_s", "deadline of the diag", 900),
         _f("output_file", "str", "read a recorded `dcgmi diag -j` output instead", nullable=True),
         _f("exit_code", "int", "exit code that goes with output_file", default=0, min=0, max=255),
+        seconds("hostengine_timeout_s", "deadline of the nv-hostengine liveness query and of each "
+                "`dcgmi health` call; past it: error, never a drain", 10),
+        _f("health", "bool", "also check DCGM's health watches (`dcgmi health -c`)", default=False),
+        _f("health_group", "int", "the DCGM group whose watches are checked", default=0, min=0, max=1 << 31),
+        _f("health_output_file", "str", "read a recorded `dcgmi health -c -j` output instead", nullable=True),
     ),
     "matmul": (
         _f("required", "bool", "no CUDA device fails (default: `gpus.required`)"),
