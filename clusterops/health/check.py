@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from clusterops.health.probes import copybw, dcgm, dist, fabric, host, matmul, nvml, xid
+from clusterops.health.probes import amd, copybw, dcgm, dist, fabric, host, matmul, nvml, xid
 from clusterops.health.probes.base import (ProbeContext, ProbeResult, ProbeSpec, RunOutcome, overall_status,
                                            run_probes)
 from clusterops.health.profiles import Profile
@@ -45,6 +45,7 @@ class ProbeEntry:
 REGISTRY: Dict[str, ProbeEntry] = {
     "nvml": ProbeEntry(nvml.probe_nvml),
     "xid": ProbeEntry(xid.probe_xid),
+    "amd": ProbeEntry(amd.probe_amd),
     "host.paths": ProbeEntry(host.probe_paths),
     "host.mounts": ProbeEntry(host.probe_mounts),
     "host.memory": ProbeEntry(host.probe_memory),
@@ -69,6 +70,8 @@ def probe_specs(profile: Profile) -> List[ProbeSpec]:
             cfg.setdefault("required", profile.gpus_required)
             if profile.gpu_count is not None:
                 cfg.setdefault("gpu_count", profile.gpu_count)
+        if name == "amd" and profile.gpu_count is not None:
+            cfg.setdefault("gpu_count", profile.gpu_count)
         if name in ("matmul", "copybw"):
             cfg.setdefault("required", profile.gpus_required)
         specs.append(ProbeSpec(name, _named(name, entry.fn), cfg, float(cfg.get("timeout_s", DEFAULT_TIMEOUT_S)),
