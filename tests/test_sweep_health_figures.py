@@ -87,3 +87,22 @@ def test_metrics_export_the_figures_and_the_version_rule():
     assert 'clusterops_sweep_node_version_outlier{node="gpu004"} 1' in text
     assert 'clusterops_sweep_node_version_outlier{node="gpu001"} 0' in text
     assert doc["counts"]["version_outliers"] == 1
+
+
+def test_history_keeps_the_fabric_and_bandwidth_figures_and_the_version_verdict(tmp_path):
+    from clusterops.history import History
+
+    res = fleet(gpu002={"errors": 40, "flaps": 3}, gpu004={"versions": "driver 550.54.15, VBIOS 1"})
+    medians = mark_stragglers(res, 0.1)
+    mark_version_outliers(res, {n: "gpu" for n in res})
+    rep = SweepReport("s1", 1000.0, 1010.0, {"via": "slurm", "profile": "preflight"}, list(res), res, medians,
+                      DrainPlan([], swept=len(res), allowed=1), [])
+    with History.open(tmp_path / "h.db") as h:
+        h.record(rep)
+        rows = {(r.node, r.probe): r for r in h.rows()}
+    assert rows[("gpu002", "fleet:fabric_errors")].value == 40 and rows[("gpu002", "fleet:fabric_errors")].status == "straggler"
+    assert rows[("gpu002", "fabric.flaps")].value == 3 and rows[("gpu002", "fabric.flaps")].unit == "flaps"
+    assert rows[("gpu001", "fleet:h2d_gbps")].value == 50 and rows[("gpu001", "fleet:h2d_gbps")].unit == "gbps"
+    assert rows[("gpu004", "fleet:versions")].status == "outlier"
+    assert "(partition: driver 570.133.20" in rows[("gpu004", "fleet:versions")].detail
+    assert rows[("gpu001", "fleet:versions")].status == "ok"
