@@ -114,3 +114,18 @@ def test_amdsmi_for_real_on_an_amd_gpu(tmp_path):
     res = {r.name: r for r in probe_amd({"required": True}, ProbeContext(gpu_models=load_gpu_models({})))}
     assert res["amd.gpu_count"].value and res["amd.gpu_count"].status == "pass", res
     assert all(r.status in ("pass", "warn", "skip") for r in res.values()), [r.to_dict() for r in res.values()]
+
+
+def test_mi300x_allreduce_floor_reaches_the_dist_probe(tmp_path):
+    # The amd probe records the model and the GPU count; the dist probe then holds an
+    # 8-rank all-reduce to Azure's 314 GB/s for MI300X (the profile's figure wins).
+    from clusterops.health.probes.dist import busbw_floor
+
+    doc = json.loads((FIX / "mi300x_8gpu_healthy.json").read_text())
+    ctx = ProbeContext(amdsmi=StandinAMDSMI(doc), gpu_models=load_gpu_models({}), host_root=str(tmp_path),
+                       slurm_gres=lambda node, t: "gpu:mi300x:8")
+    probe_amd({}, ctx)
+    assert ctx.cache["gpu_count"] == 8 and ctx.cache["gpu_model"] == "MI300X"
+    assert busbw_floor({}, ctx, 8) == 314.0
+    assert busbw_floor({}, ctx, 4) is None
+    assert busbw_floor({"min_busbw_gbps": 300}, ctx, 8) == 300.0

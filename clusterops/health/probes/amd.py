@@ -295,6 +295,8 @@ def probe_amd(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     results: List[ProbeResult] = []
     from clusterops.slurm.gres import gpu_count
 
+    if gpus:   # the local dist test runs one rank per GPU (ROCm torch: the cuda API, RCCL)
+        ctx.cache["gpu_count"] = len(gpus)
     want, source = cfg.get("gpu_count"), "profile"
     if want is None and amd_gres:
         want, source = gpu_count(gres), "Slurm gres"
@@ -308,6 +310,7 @@ def probe_amd(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     if not gpus:
         return results
     models = {g["index"]: match_model(g["name"], ctx.gpu_models) for g in gpus}
+    ctx.cache.setdefault("gpu_model", models[0])
     for name, rule, unit in RULES:
         per = []
         for g in gpus:

@@ -625,6 +625,8 @@ def _probe(nv, cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
                                           ": the GPU fell off the bus; reboot the node, RMA if it recurs"))
     # Per-model expectations (NVLink link count) resolved from the profile's gpu_models.
     models = {g["index"]: match_model(g["name"], ctx.gpu_models) for g in gpus}
+    if gpus:
+        ctx.cache.setdefault("gpu_model", models[gpus[0]["index"]])   # the dist probe's busbw floor
     from clusterops.health.probes.host import job_of_process
 
     proc_root = os.path.join(ctx.host_root, "proc")
