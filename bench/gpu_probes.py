@@ -104,7 +104,7 @@ def main() -> int:
     from clusterops.health.probes.copybw import probe_copybw
 
     t0 = time.perf_counter()
-    cres = probe_copybw({"required": True, "size_bytes": 256 << 20, "warmup": 3, "iters": 20}, ctx)
+    cres = probe_copybw({"required": True, "size_mib": 256, "warmup": 3, "iters": 20}, ctx)
     out["copybw_s"] = time.perf_counter() - t0
     print(f"== copy bandwidths ({out['copybw_s']:.1f} s), GB/s")
     for r in cres:

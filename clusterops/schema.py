@@ -287,7 +287,7 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
         _f("required", "bool", "no CUDA device is an error (default: `gpus.required`)"),
         _f("kinds", "list", "what to measure", default=["h2d", "d2h", "p2p", "hbm"],
            item=Field("kind", "enum", choices=("h2d", "d2h", "p2p", "hbm")), min_len=1, max_len=4),
-        _f("size_bytes", "int", "bytes per copy", default=256 << 20, min=1 << 20, max=1 << 34),
+        _f("size_mib", "int", "MiB per copy", default=256, min=1, max=16384),
         count("warmup", "", 3, hi=1e6),
         _f("iters", "int", "", default=10, min=1, max=1e6),
         _f("min_h2d_gbps", "number", "floor over the model's h2d_gbps", min=0, gt=True, max=1e6, nullable=True),

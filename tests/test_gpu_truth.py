@@ -78,7 +78,7 @@ def test_matmul_tflops_against_the_model_figure(ctx, ngpu):
 def test_copy_bandwidths_against_the_model_floors(ctx, ngpu):
     from clusterops.health.probes.copybw import probe_copybw
 
-    res = {r.name: r for r in probe_copybw({"required": True, "size_bytes": 256 << 20, "warmup": 3,
+    res = {r.name: r for r in probe_copybw({"required": True, "size_mib": 256, "warmup": 3,
                                             "iters": 10}, ctx)}
     assert set(res) == {"copybw.h2d", "copybw.d2h", "copybw.p2p", "copybw.hbm"}, res
     for kind in ("h2d", "d2h", "hbm"):

@@ -88,7 +88,8 @@ def measure(torch, size_bytes: int, warmup: int, iters: int, kinds=KINDS) -> Dic
 def floors(cfg: Mapping[str, Any], spec: Mapping[str, Any]) -> Dict[str, Optional[float]]:
     """The floor of each kind: the profile's ``min_<kind>_gbps``, else the model's figure."""
     frac = float(cfg.get("hbm_min_fraction", 0.7))
-    out = {k: cfg.get(f"min_{k}_gbps") for k in KINDS}
+    out = {"h2d": cfg.get("min_h2d_gbps"), "d2h": cfg.get("min_d2h_gbps"), "p2p": cfg.get("min_p2p_gbps"),
+           "hbm": cfg.get("min_hbm_gbps")}
     for k in ("h2d", "d2h", "p2p"):
         if out[k] is None:
             out[k] = spec.get(f"{k}_gbps")
@@ -142,7 +143,7 @@ def probe_copybw(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
                                                           "check the driver, torch's CUDA build and CUDA_VISIBLE_DEVICES")]
         return [ProbeResult("copybw", "skip", detail="no CUDA device (copy bandwidths are measured on GPUs only)")]
     kinds = tuple(k for k in KINDS if k in (cfg.get("kinds") or KINDS))
-    size = int(cfg.get("size_bytes", 256 << 20))
+    size = int(cfg.get("size_mib", 256)) << 20
     figures = measure(torch, size, int(cfg.get("warmup", 3)), int(cfg.get("iters", 10)), kinds)
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     model = match_model(names[0], ctx.gpu_models) if names else None

@@ -341,14 +341,14 @@ def rule_recovery_action(g, cfg):
 def rule_app_clocks(g, cfg):
     """Application clocks below the GPU's defaults (someone ran ``nvidia-smi -ac`` low), and
     a maximum SM clock below the model's (a power-capped or mis-flashed board)."""
-    c = g.get("clocks_mhz") or {}
-    app, dflt = c.get("app_sm", NOT_SUPPORTED), c.get("default_app_sm", NOT_SUPPORTED)
-    mx, want = c.get("max_sm", NOT_SUPPORTED), cfg.get("_model_max_sm_mhz")
+    clk = g.get("clocks_mhz") or {}
+    app, dflt = clk.get("app_sm", NOT_SUPPORTED), clk.get("default_app_sm", NOT_SUPPORTED)
+    mx, want = clk.get("max_sm", NOT_SUPPORTED), cfg.get("_model_max_sm_mhz")
     if want and mx is not NOT_SUPPORTED and int(mx) < int(want):
         return "fail", f"max SM clock {mx} MHz < the model's {want} MHz: check the VBIOS and power limits", mx
     parts = []
     for kind in ("sm", "mem"):
-        a, d = c.get(f"app_{kind}", NOT_SUPPORTED), c.get(f"default_app_{kind}", NOT_SUPPORTED)
+        a, d = clk.get(f"app_{kind}", NOT_SUPPORTED), clk.get(f"default_app_{kind}", NOT_SUPPORTED)
         if NOT_SUPPORTED not in (a, d) and int(a) < int(d):
             parts.append(f"application {kind.upper()} clock {a} MHz < default {d} MHz")
     if parts:
