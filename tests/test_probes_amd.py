@@ -129,3 +129,12 @@ def test_mi300x_allreduce_floor_reaches_the_dist_probe(tmp_path):
     assert busbw_floor({}, ctx, 8) == 314.0
     assert busbw_floor({}, ctx, 4) is None
     assert busbw_floor({"min_busbw_gbps": 300}, ctx, 8) == 300.0
+
+
+def test_an_nvidia_node_on_a_gpu_partition_does_not_ask_slurm_again(tmp_path):
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidia0").write_text("")
+    asked = []
+    ctx = ProbeContext(env={}, host_root=str(tmp_path), gpus_required=True,
+                       slurm_gres=lambda n, t: asked.append(n) or "gpu:h100:8")
+    assert probe_amd({}, ctx)[0].status == "skip" and not asked

@@ -24,7 +24,7 @@ import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from clusterops.health.probes.base import ProbeContext, ProbeResult, worst
-from clusterops.health.probes.nvml import match_model
+from clusterops.health.probes.nvml import local_gpu_evidence, match_model
 
 NOT_SUPPORTED = object()
 RAS_BLOCKS = ("UMC", "SDMA", "GFX", "MMHUB", "ATHUB", "PCIE_BIF", "HDP", "XGMI_WAFL", "DF", "SMN", "SEM",
@@ -270,7 +270,11 @@ def _fold(name: str, unit: str, per_gpu: List[Tuple[Dict[str, Any], str, str, An
 def probe_amd(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     lib = load_amdsmi(ctx)
     evidence = local_amd_evidence(ctx.host_root)
-    gres = _gres(cfg, ctx) if (evidence or cfg.get("gres_from_slurm", True) and ctx.gpus_required) else ""
+    # Slurm is asked only where it can tell something: a node with AMD signs, or a GPU
+    # partition's node that shows no NVIDIA GPU either (an NVIDIA node never pays the query).
+    ask = evidence or (cfg.get("gres_from_slurm", True) and ctx.gpus_required
+                       and not local_gpu_evidence(ctx.host_root))
+    gres = _gres(cfg, ctx) if ask else ""
     amd_gres = bool(AMD_GRES.search(gres or ""))
     if lib is None:
         if evidence or amd_gres or cfg.get("required"):
