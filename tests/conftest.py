@@ -152,13 +152,15 @@ def pytest_runtest_setup(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The gpu tier is deselected (not skipped: it is not in the CPU suite's count)
-    unless the -m expression names it, e.g. ``-m gpu``."""
-    if "gpu" in (config.option.markexpr or ""):
+    """The device tiers are deselected (not skipped: they are not in the CPU suite's count)
+    unless the -m expression names them: ``-m gpu`` (NVIDIA), ``-m rocm`` (AMD)."""
+    expr = config.option.markexpr or ""
+    tiers = [t for t in ("gpu", "rocm") if t not in expr]
+    if not tiers:
         return
     keep, drop = [], []
     for item in items:
-        (drop if item.get_closest_marker("gpu") else keep).append(item)
+        (drop if any(item.get_closest_marker(t) for t in tiers) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -363,7 +363,7 @@ def test_billion_laughs_in_a_job_spec_is_refused_quickly(tmp_path):
 # -- what the schema accepts, the probes handle: generated settings never crash a probe ----------
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
-_RUNNABLE = ("nvml", "host.memory", "host.cpus", "host.infiniband", "host.mounts", "dcgm", "xid")
+_RUNNABLE = ("nvml", "host.memory", "host.cpus", "host.infiniband", "host.mounts", "dcgm", "xid", "fabric")
 
 
 @st.composite
@@ -391,6 +391,11 @@ def test_valid_settings_never_crash_a_probe(case):
         cfg = dict(cfg, state_file=str(work / "xid.json"))
         if cfg.get("log_file"):
             cfg["log_file"] = str(work / "kern.log")
+    if name == "fabric":  # a recorded tree with counters, twice: the second check judges rises
+        cfg = dict(cfg, state_file=str(work / "fabric.json"),
+                   sys_root=str(Path(__file__).parent / "fixtures" / "fabric" / "counters_rising" / "t0"))
+        REGISTRY[name].fn(dict(cfg), ProbeContext(node="prop1", state_dir=str(work)))
+        cfg["sys_root"] = cfg["sys_root"][:-2] + "t1"
     if name == "host.mounts":  # keep the write tests off real filesystems
         cfg["mounts"] = [m for m in cfg.get("mounts") or [] if (m if isinstance(m, str) else m["path"]) != "/"]
     ctx = ProbeContext(env={"PATH": "/nonexistent"}, node="prop1", state_dir=str(work), host_root=str(work),
