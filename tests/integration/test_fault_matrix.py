@@ -171,6 +171,37 @@ def test_d_lost_node_without_spare_requeues_excluding_it(cluster, slurm, referen
     assert node3.drained and (node3.reason or "").startswith("clusterops:supervisor: ")
 
 
+# ----------------------------------------------------------------------------- (m) batch host lost
+@pytest.mark.timeout(300)
+def test_m_batch_host_lost_ranks_requeue_resumed_bitwise(cluster, slurm, reference, tmp_path):
+    """A power cut of the batch host (slurmd, slurmstepds, supervisor, rank 0 at once):
+    the surviving ranks hear no beacon, one of them requeues the job, and the next
+    incarnation resumes from the latest checkpoint on healthy nodes, bitwise."""
+    job = make_job(tmp_path, "fm-m", nodes=3)
+    job.submit(env={"CLUSTEROPS_SUPERVISOR_LOST_S": "3"})
+    job.wait_step(20)
+    host = slurm.job(job.job_id).batch_host
+    assert host == "node1"
+    t_cut = time.time()
+    victims = cluster.kill_node(host)
+    assert len(victims) >= 3                     # slurmd, the batch step's slurmstepd, the supervisor...
+    info, story = assert_healed(job, slurm, reference, 3)
+    lost, take = events(job, "supervisor_lost"), events(job, "takeover")
+    assert len(lost) == 1 and lost[0]["batch_host"] == host and lost[0]["incarnation"] == 0, story
+    requeued = [r for r in take if r.get("requeued")]
+    assert len(requeued) == 1 and requeued[0]["rank"] == 1, story       # the lowest surviving rank
+    assert info.restart_count == 1, story
+    second = [r for r in events(job, "launch") if r["incarnation"] == 1]
+    assert second and host not in second[0]["nodes"], story
+    ckpts = [r["step"] for r in events(job, "checkpoint") if r["incarnation"] == 0 and r["t"] < t_cut]
+    resumed = [r for r in events(job, "resume") if r["incarnation"] == 1]
+    assert resumed and resumed[0]["step"] == max(ckpts), story
+    first = next(r for r in events(job, "progress") if r["incarnation"] == 1 and r["t"] > t_cut)
+    bound = 2 * cluster.config().slurmd_timeout_s + 30
+    print(f"power cut -> next incarnation's first step: {first['t'] - t_cut:.1f} s (bound {bound} s)")
+    assert first["t"] - t_cut <= bound, story
+
+
 # ----------------------------------------------------------------------------- (e) time limit
 @pytest.mark.timeout(300)
 def test_e_time_limit_stops_saves_requeues_zero_steps_lost(cluster, slurm, reference, tmp_path):
