@@ -185,6 +185,8 @@ def test_m_batch_host_lost_ranks_requeue_resumed_bitwise(cluster, slurm, referen
     t_cut = time.time()
     victims = cluster.kill_node(host)
     assert len(victims) >= 3                     # slurmd, the batch step's slurmstepd, the supervisor...
+    # The latest checkpoint at the cut (the supervisor may not have lived to record it).
+    at_cut = max(int(p.name.split("_")[1]) for p in job.ckpt_dir.glob("step_*") if p.name.split("_")[1].isdigit())
     info, story = assert_healed(job, slurm, reference, 3)
     lost, take = events(job, "supervisor_lost"), events(job, "takeover")
     assert len(lost) == 1 and lost[0]["batch_host"] == host and lost[0]["incarnation"] == 0, story
@@ -193,9 +195,8 @@ def test_m_batch_host_lost_ranks_requeue_resumed_bitwise(cluster, slurm, referen
     assert info.restart_count == 1, story
     second = [r for r in events(job, "launch") if r["incarnation"] == 1]
     assert second and host not in second[0]["nodes"], story
-    ckpts = [r["step"] for r in events(job, "checkpoint") if r["incarnation"] == 0 and r["t"] < t_cut]
     resumed = [r for r in events(job, "resume") if r["incarnation"] == 1]
-    assert resumed and resumed[0]["step"] == max(ckpts), story
+    assert resumed and resumed[0]["step"] == at_cut >= 10, story
     first = next(r for r in events(job, "progress") if r["incarnation"] == 1 and r["t"] > t_cut)
     bound = 2 * cluster.config().slurmd_timeout_s + 30
     print(f"power cut -> next incarnation's first step: {first['t'] - t_cut:.1f} s (bound {bound} s)")
