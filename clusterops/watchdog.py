@@ -306,27 +306,42 @@ class Watchdog:
         from clusterops.supervisor.timeline import EventKind, Timeline
 
         tl = Timeline(job_dir, job_id=self.job_id or None, incarnation=self.incarnation)
+        who = {"rank": self.rank, "node": self.sender.node}
         try:
             slurm = self.slurm_factory()
             job = slurm.job(self.job_id)
             if job.state != "RUNNING" or job.restart_count != self.incarnation:
-                tl.append(EventKind.TAKEOVER, {"rank": self.rank, "node": self.sender.node, "requeued": False,
+                tl.append(EventKind.TAKEOVER, {**who, "asked": False,
                                                "why": f"the job is {job.state}, restart {job.restart_count}"})
                 return False
-            tl.append(EventKind.SUPERVISOR_LOST, {"rank": self.rank, "node": self.sender.node,
-                                                  "silent_s": silent, "why": why,
+            tl.append(EventKind.SUPERVISOR_LOST, {**who, "silent_s": silent, "why": why,
                                                   "batch_host": job.batch_host}, t=heard)
-            slurm.requeue(self.job_id)
+            # Recorded before it is asked: Slurm ends this process (and the scontrol that
+            # asks, often before it exits) as its first answer.
+            tl.append(EventKind.TAKEOVER, {**who, "asked": True, "silent_s": silent})
         except Exception as e:  # noqa: BLE001 - said in the timeline; nothing else can be done
-            tl.append(EventKind.TAKEOVER, {"rank": self.rank, "node": self.sender.node, "requeued": False,
-                                           "why": f"{type(e).__name__}: {e}"})
-            log.warning("supervisor gone; requeueing job %s failed: %s", self.job_id, e)
+            tl.append(EventKind.TAKEOVER, {**who, "asked": False, "why": f"{type(e).__name__}: {e}"})
+            log.warning("supervisor gone; job %s not requeued: %s", self.job_id, e)
             return False
-        tl.append(EventKind.TAKEOVER, {"rank": self.rank, "node": self.sender.node, "requeued": True,
-                                       "silent_s": silent})
+        try:
+            slurm.requeue(self.job_id)
+        except Exception as e:  # noqa: BLE001 - the requeue kills its own asker: look before saying so
+            if not self._requeued(slurm):
+                tl.append(EventKind.TAKEOVER, {**who, "asked": False, "failed": True,
+                                               "why": f"{type(e).__name__}: {e}"})
+                log.warning("supervisor gone; requeueing job %s failed: %s", self.job_id, e)
+                return False
         log.warning("supervisor gone (%s); rank %d requeued job %s", why, self.rank, self.job_id)
         self.took_over = True
         return True
+
+    def _requeued(self, slurm) -> bool:
+        """Whether Slurm has the job requeued (or ending for it) after this incarnation."""
+        try:
+            job = slurm.job(self.job_id)
+        except Exception:  # noqa: BLE001 - cannot say: take the requeue as asked
+            return True
+        return job.restart_count > self.incarnation or job.state != "RUNNING"
 
 
 def _peek(marker: Path) -> str:

@@ -106,6 +106,7 @@ def test_batch_host_lost_one_rank_requeues_once_and_says_so(setup, tmp_path):
     try:
         wait_for(lambda: all(w.heard() is not None for w in ws))
         rx.close()                                    # the batch host is gone
+        time.sleep(0.3)                               # beacons still on their way arrive
         threads = [threading.Thread(target=w.at_exit) for w in ws]   # both ranks die of it
         for t in threads:
             t.start()
@@ -115,7 +116,7 @@ def test_batch_host_lost_one_rank_requeues_once_and_says_so(setup, tmp_path):
         assert [w.took_over for w in ws] == [True, False]                   # the lowest rank
         recs = tl.read(att.parent)
         assert [r["event"] for r in recs] == ["supervisor_lost", "takeover"]
-        assert recs[0]["batch_host"] == "node1" and recs[0]["silent_s"] >= 1.0 and recs[1]["requeued"]
+        assert recs[0]["batch_host"] == "node1" and recs[0]["silent_s"] >= 1.0 and recs[1]["asked"]
         assert (att / wd.TAKEOVER_FILE).exists()
     finally:
         for w in ws:
@@ -129,9 +130,10 @@ def test_a_job_already_requeued_is_not_requeued_again(setup, tmp_path):
     try:
         wait_for(lambda: w.heard() is not None)
         rx.close()
+        time.sleep(0.3)
         w.at_exit()
         assert not [c for c in slurm.calls if c[0] == "requeue"] and w.took_over is False
-        assert tl.read(att.parent)[-1]["requeued"] is False
+        assert tl.read(att.parent)[-1]["asked"] is False
     finally:
         w.close()
 
@@ -222,3 +224,29 @@ def test_lost_setting_is_checked():
     for bad in ("0", "x", "-3", "1e9"):
         with pytest.raises(Exception, match=ch.LOST_ENV):
             ch.lost_from_env({ch.LOST_ENV: bad})
+
+
+def test_a_requeue_that_kills_its_asker_still_counts(setup, tmp_path):
+    """Slurm's first answer to the requeue is SIGTERM to the job's processes, scontrol
+    included: the exit of scontrol by a signal is checked against the job's state."""
+    from clusterops.slurm.api import SlurmError
+
+    rx, addr, att = setup(lost_s=1.0)
+
+    class Killed(FakeSlurm):
+        def requeue(self, job_id, *, hold=False):
+            super().requeue(job_id)
+            self.job_infos = [job(state="REQUEUED", restarts=1)]
+            raise SlurmError("scontrol requeue 77 exited with -15")
+
+    slurm = Killed(nodes=[NodeInfo("node1", "allocated")], jobs=[job()])
+    w, _ = watch(addr, att, tmp_path, 1, "node2", slurm)
+    try:
+        wait_for(lambda: w.heard() is not None)
+        rx.close()
+        time.sleep(0.3)
+        w.at_exit()
+        assert w.took_over is True
+        assert [r.get("asked") for r in tl.read(att.parent) if r["event"] == "takeover"] == [True]
+    finally:
+        w.close()

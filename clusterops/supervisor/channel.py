@@ -203,9 +203,9 @@ class Receiver:
             return False
         if d.kind != hbc.KIND_PING:
             return self.feed(data, self.clock())
+        self.beacons += 1
         try:
             self.sock.sendto(hbc.encode_beacon(self.token, d.seq, self.lost_ms), src)
-            self.beacons += 1
         except OSError:
             pass            # the rank's socket is gone; its next ping asks again
         return True

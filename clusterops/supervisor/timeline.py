@@ -229,8 +229,8 @@ def describe(rec: Mapping) -> str:
         return (f"supervisor lost (batch host {fields.get('batch_host')}): rank {fields.get('rank')} on "
                 f"{fields.get('node')} heard no beacon for {fields.get('silent_s')} s ({fields.get('why')})")
     if e == E.TAKEOVER:
-        if fields.get("requeued"):
-            return f"takeover: rank {fields.get('rank')} on {fields.get('node')} requeued the job"
+        if fields.get("asked"):
+            return f"takeover: rank {fields.get('rank')} on {fields.get('node')} requeues the job"
         return f"takeover by rank {fields.get('rank')} on {fields.get('node')} not done: {fields.get('why')}"
     if e == E.GIVE_UP:
         return f"GIVE UP (exit {fields.get('code')}): {fields.get('reason')}"
