@@ -33,8 +33,9 @@ two-way (:mod:`clusterops.heartbeat`: a ``ping`` per node and interval, answered
    fault costs no time; no answer means the supervisor is gone.
 4. **One requeue.** The ranks that found the supervisor gone elect one: each waits
    ``STAGGER_S`` per rank below it (capped at :data:`MAX_STAGGER`), then creates the
-   attempt's ``takeover`` marker on the shared job directory exclusively; the first
-   (normally the lowest surviving rank) wins. It checks with Slurm that the job still runs
+   attempt's ``takeover`` marker on the shared job directory exclusively; the first wins:
+   normally the lowest surviving rank, but the nodes heard their last beacons up to an
+   interval apart and a loaded node is late, so only "exactly one" is sure. It checks with Slurm that the job still runs
    this incarnation (not already requeued or ended), records ``supervisor_lost`` and
    ``takeover`` in the job's timeline, and requeues the job
    (:meth:`clusterops.slurm.api.SlurmAPI.requeue`). Slurm ends the job's processes,
@@ -68,8 +69,8 @@ TAKEOVER_FILE = "takeover"
 #: How often a rank whose training still progresses asks Slurm about a silent supervisor.
 CONFIRM_EVERY_S = 5.0
 #: The election: a rank waits this long per rank below it before claiming the takeover.
-STAGGER_S = 0.5
-MAX_STAGGER = 8
+STAGGER_S = 1.0
+MAX_STAGGER = 4
 #: Stop reason given to the script when the supervisor is found gone.
 STOP_REASON = "supervisor_lost"
 

@@ -39,7 +39,7 @@ def slurm_with(host_state="allocated", **kw):
 
 @pytest.fixture
 def setup(tmp_path, monkeypatch):
-    monkeypatch.setattr(wd, "STAGGER_S", 0.05)
+    monkeypatch.setattr(wd, "STAGGER_S", 0.3)
     made = []
 
     def make(lost_s=1.5):
