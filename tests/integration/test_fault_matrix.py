@@ -187,7 +187,7 @@ def test_m_batch_host_lost_ranks_requeue_resumed_bitwise(cluster, slurm, referen
 
     stepds = _stepds_with_sockets_under(str(cluster.state / "spool" / host))
     t_cut = time.time()
-    victims = cluster.kill_node(host)
+    victims = cluster.kill_node(host, power_cut=True)
     # slurmd, the node's slurmstepds (batch step and training step), the supervisor, rank 0.
     assert stepds and set(stepds) <= set(victims) and len(victims) >= 4, (stepds, victims)
     wait_for(lambda: not any(pid_alive(p) for p in victims), 5, "the node's processes gone")
