@@ -70,6 +70,10 @@ CATALOGUE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "clusterops_job_mttr_seconds": ("Mean time from a fault to the first step after it (absent before a "
                                     "recovery).", ("job",)),
     "clusterops_job_last_event_timestamp_seconds": ("When the job's timeline last changed.", ("job",)),
+    "clusterops_job_anomalies": ("Loss spikes and non-finite values the stability guard found, by kind "
+                                 "(loss_spike, nan).", ("job", "kind")),
+    "clusterops_job_rollbacks": ("Rollbacks of the stability guard (to an earlier checkpoint, data skipped).",
+                                 ("job",)),
     "clusterops_job_stragglers": ("Stragglers the supervisor found in the job (nodes whose ranks' busy time per "
                                   "step stayed above straggler_ratio x the other nodes' median).", ("job",)),
     "clusterops_job_stragglers_replaced": ("Stragglers replaced by a spare node at a planned checkpoint stop.",

@@ -287,7 +287,8 @@ WEBHOOK = Field("webhook", "map", "a webhook: generic JSON or Slack-compatible (
     _f("url", "url", "http:// or https:// URL", required=True),
     _f("format", "enum", "payload shape", default="json", choices=("json", "slack")),
     _f("events", "list", "events to send (default: all)", item=_f("event", "enum", choices=(
-        "node_drained", "node_resumed", "guard_tripped", "sweep_cannot_run", "job_given_up", "job_requeued"))),
+        "node_drained", "node_resumed", "guard_tripped", "sweep_cannot_run", "job_given_up", "job_requeued",
+        "job_rolled_back", "job_diverged"))),
     _f("timeout_s", "number", "per attempt", default=5.0, min=0.1, max=60),
     _f("retries", "int", "attempts after the first", default=1, min=0, max=10),
 ))
@@ -328,6 +329,36 @@ def _timeout(name: str, doc: str, default: float) -> Field:
 def _budget(name: str, doc: str, default: int, lo: int = 0, **kw) -> Field:
     return _policy(name, "int", doc, default, min=lo, max=MAX_COUNT, **kw)
 
+
+_ACTIONS = ("record", "stop", "rollback")
+
+#: ``supervise: {stability: {...}}``; ``clusterops.supervisor.stability.StabilityConfig`` is made
+#: from these fields (defaults from published practice: docs/supervisor.md).
+STABILITY_FIELDS: Tuple[Field, ...] = (
+    _f("on_spike", "enum", "what a loss spike does", default="record", choices=_ACTIONS),
+    _f("on_nan", "enum", "what a non-finite loss or grad norm does", default="rollback", choices=_ACTIONS),
+    _f("window", "int", "in-band samples (about one a second) the band is the median and MAD of", default=128,
+       min=4, max=100000),
+    _f("factor", "number", "a spike is above median + factor x 1.4826 MAD (about sigmas)", default=6.0,
+       min=1, gt=True),
+    _f("patience", "int", "samples in a row above the band before it is a spike", default=2, min=1, max=1000),
+    _f("min_samples", "int", "samples in the band before spikes are judged", default=8, min=1, max=100000),
+    _f("warmup_steps", "int", "steps from the start in which only non-finite values are findings", default=100,
+       min=0, max=10**9),
+    _f("resume_grace_steps", "int", "steps after each resume in which only non-finite values are findings",
+       default=10, min=0, max=10**9),
+    _f("watch_grad_norm", "bool", "judge the grad norm too, when the script reports it", default=True),
+    _f("rollback_steps", "int", "roll back to the newest checkpoint at least this many steps before the "
+       "anomaly began", default=100, min=0, max=10**9),
+    _f("skip_batches", "int", "batches the script skips after a rollback (from the data position of the "
+       "checkpoint)", default=200, min=0, max=10**9),
+    _f("lr_factor", "number", "learning-rate factor the script is told to apply after a rollback", default=1.0,
+       min=0, gt=True, max=1000),
+    _f("max_rollbacks", "int", "rollbacks within `rollback_window_steps` before giving up (exit 9)", default=3,
+       min=0, max=1000),
+    _f("rollback_window_steps", "int", "steps within which rollbacks count together", default=10000, min=1,
+       max=10**9),
+)
 
 SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-healing); a mapping of the "
                   "keys below, or `true` for the defaults", fields=(
@@ -382,12 +413,18 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
     _f("progress", "map", "no SDK: read progress from the ranks' output instead of heartbeat files; a hang is "
        "no new step for `hang_timeout_s`", default_text="off (SDK heartbeats)", fields=(
         _f("regex", "regex", "searched in every output line; group 1 is the step", required=True),
+        _f("loss_regex", "regex", "for the stability guard: searched in every output line; group 1 is the loss "
+           "(`nan`/`inf` read as such)", default_text="off"),
     )),
     _f("checkpoint_glob", "str", "no SDK: the script's own checkpoints, a glob under `ckpt_dir`; the newest "
        "complete one (highest last number in its name, not a temporary name) is resumed from",
        default_text="off (SDK checkpoints)"),
     Field("resume_args", "list", "no SDK: arguments added to the command on a restart when there is a "
-          "checkpoint; `{ckpt}` is replaced by its path", default_text="none", item=Field("item", "text")),
+          "checkpoint; `{ckpt}` is replaced by its path, `{skip_batches}` and `{lr_factor}` by a stability "
+          "rollback's decision (0 and 1 otherwise)", default_text="none", item=Field("item", "text")),
+    _f("stability", "map", "the stability guard: watch the loss (and grad norm) the ranks report for spikes and "
+       "non-finite values, and record, stop or roll back (docs/supervisor.md, \"Training stability\")",
+       default_text="off", fields=STABILITY_FIELDS),
 ))
 
 # Policy fields that are not `supervise:` keys: a job spec sets them elsewhere (its node
@@ -476,7 +513,7 @@ def job_spec_field(name: str) -> Optional[Field]:
 
 # -- dataclasses from a table (the supervisor's Policy) -------------------------------------
 
-_PY_TYPES = {"int": int, "number": float, "bool": bool, "str": str, "path": str, "profile": str}
+_PY_TYPES = {"int": int, "number": float, "bool": bool, "str": str, "path": str, "profile": str, "enum": str}
 
 
 def dataclass_of(fields: Sequence[Field], **options: Any):
@@ -876,7 +913,8 @@ def supervisor_docs_tables() -> Dict[str, str]:
     for x in SUPERVISE.fields + POLICY_ONLY:
         key = f"`{x.name}`" if x in SUPERVISE.fields else "(not a key)"
         out.append(f"| {key} | {_flag_cell(x)} | {cell(x.type_text())} | {cell(default_doc(x))} | {cell(x.doc)} |")
-    return {"supervise-settings": "\n".join(out)}
+    stab = markdown_table([(f"stability.{x.name}", x.type_text(), default_doc(x), x.doc) for x in STABILITY_FIELDS])
+    return {"supervise-settings": "\n".join(out), "stability": stab}
 
 
 # docs file (relative to the project root) -> its generated tables
