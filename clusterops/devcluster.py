@@ -556,21 +556,33 @@ class DevCluster:
         return pids
 
     # -- fault injection (tests, demos) ----------------------------------------
-    def kill_node(self, name: str) -> List[int]:
-        """Take a node away for real: stop its slurmd and kill its job processes."""
+    def kill_node(self, name: str, *, power_cut: bool = False) -> List[int]:
+        """Take a node away for real: stop its slurmd and kill its job processes
+        (``SLURMD_NODENAME``); the node's slurmstepds live on and report their steps' end.
+
+        ``power_cut=True`` takes it away as a power cut does: its slurmstepds too (found by
+        their sockets under the node's spool directory: slurmd hands them a trimmed
+        environment), all at once: every one is stopped first (SIGSTOP), then killed, so
+        none of them sees another die and reports it (a slurmstepd that outlives its batch
+        script tells slurmctld the script was killed: the job ends FAILED instead of losing
+        a node). Returns the pids."""
         pids = self.daemon_pids()
         key = f"slurmd:{name}"
         if key not in pids:
             raise InputError(f"unknown dev-cluster node {name!r}")
         victims = [pids[key]] if pid_alive(pids[key]) else []
+        if power_cut:
+            victims += [p for p in _stepds_with_sockets_under(str(self.state / "spool" / name)) if p not in victims]
         victims += [p for p in _processes_with_env("SLURMD_NODENAME", name)
-                    if p in _processes_with_env(MARKER_ENV, str(self.state))]
-        victims = [p for p in victims if p not in _ancestors()]
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                    if p in _processes_with_env(MARKER_ENV, str(self.state)) and p not in victims]
+        mine = _ancestors()
+        victims = [p for p in victims if p not in mine]
+        for sig in ((signal.SIGSTOP, signal.SIGKILL) if power_cut else (signal.SIGKILL,)):
+            for pid in victims:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
         return victims
 
     def start_node(self, name: str) -> int:

@@ -51,6 +51,16 @@ The token, given in the address (``HOST:PORT/TOKEN``), ties a datagram to one at
 of one job: the receiver drops any other, before parsing it (:func:`decode` with the
 token: size, token, then nesting, then ``json.loads``; it raises only BadDatagram).
 
+The channel is two-way (still version 1): a datagram with ``"kind":"ping"`` (no rank
+entries; sent once per node and interval by the ranks' supervisor watch,
+:mod:`clusterops.watchdog`) is answered by the receiver, to the address it came from, with a
+beacon ``{"v":1,"tok":"<token>","kind":"beacon","seq":N,"lost_ms":L}`` (:func:`encode_beacon`):
+"I am alive; if you hear nothing from me for L ms, I am gone". A datagram without ``kind``
+is a node's beats, as before; a receiver that predates pings takes a ping as an empty
+report (no beacon comes back, and a rank that never heard a beacon never declares its
+supervisor lost), and a sender that predates beacons never pings. Beacons carry the token
+too: a rank takes none from anyone who does not hold it.
+
 Standard library only: the SDK imports it from ``sdk.heartbeat`` and the supervisor's
 receiver (:mod:`clusterops.supervisor.channel`) decodes with :func:`decode`.
 """
@@ -114,6 +124,19 @@ class Datagram:
     node: str
     seq: int
     ranks: Tuple[RankBeat, ...]
+    kind: str = "beats"   # KIND_BEATS, or KIND_PING (the supervisor watch asking for a beacon)
+
+
+KIND_BEATS, KIND_PING, KIND_BEACON = "beats", "ping", "beacon"
+#: The bytes every ping :func:`encode` makes contains (the receiver's quick test).
+PING_MARK = b'"kind":"ping"'
+
+
+@dataclass(frozen=True)
+class Beacon:
+    """The supervisor's answer to a ping: alive; gone once silent for ``lost_ms``."""
+    seq: int
+    lost_ms: int
 
 
 # ------------------------------------------------------------------------ codec
@@ -122,6 +145,8 @@ class Datagram:
 def encode(d: Datagram) -> bytes:
     body = {"v": VERSION, "tok": d.token, "node": d.node, "seq": int(d.seq),
             "ranks": [[int(b.rank), int(b.step), int(b.age_ms), int(b.step_ms)] for b in d.ranks]}
+    if d.kind != KIND_BEATS:
+        body["kind"] = d.kind
     if any(b.busy_ms >= 0 for b in d.ranks):
         body["busy"] = [int(b.busy_ms) for b in d.ranks]
     if any(b.loss is not None for b in d.ranks):
@@ -230,7 +255,35 @@ def decode(data: bytes, token: Optional[str] = None) -> Datagram:
         if r < 0 or age < 0:
             raise BadDatagram(f"rank entry {item!r}: negative rank or age")
         beats.append(RankBeat(r, step, age, sms, busy[i] if busy is not None else -1, losses[i], gnorms[i]))
-    return Datagram(tok, node, seq, tuple(beats))
+    kind = body.get("kind", KIND_BEATS)
+    if kind not in (KIND_BEATS, KIND_PING):
+        raise BadDatagram(f"kind {str(kind)[:20]!r} is not a rank's datagram")
+    return Datagram(tok, node, seq, tuple(beats), kind)
+
+
+def encode_beacon(token: str, seq: int, lost_ms: int) -> bytes:
+    return json.dumps({"v": VERSION, "tok": token, "kind": KIND_BEACON, "seq": int(seq),
+                       "lost_ms": int(lost_ms)}, separators=(",", ":")).encode()
+
+
+def decode_beacon(data: bytes, token: str) -> Beacon:
+    """The beacon in ``data`` for this attempt's ``token``; BadDatagram otherwise (checked
+    as :func:`decode` checks: size and token before the parser)."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) > 1024:
+        raise BadDatagram("not a beacon: too big")
+    if token_mark(token) not in data or too_deep(data, 1):
+        raise BadDatagram("not this attempt's beacon")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise BadDatagram(f"not JSON: {e}") from None
+    if (not isinstance(body, dict) or body.get("v") != VERSION or body.get("tok") != token
+            or body.get("kind") != KIND_BEACON):
+        raise BadDatagram("not this attempt's beacon")
+    seq, lost = body.get("seq"), body.get("lost_ms")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (seq, lost)) or lost <= 0:
+        raise BadDatagram("beacon seq and lost_ms must be integers, lost_ms > 0")
+    return Beacon(seq, lost)
 
 
 def _num_in(text: str) -> Optional[float]:

@@ -111,6 +111,8 @@ class _Runtime:
         self.stopped_marked = False
         self.hb_at = -1e18
         self.hb_sender = None   # clusterops.heartbeat.NodeSender, made on the first beat
+        self.watchdog = None    # clusterops.watchdog.Watchdog, with the sender
+        self.watchdog_at_exit = False
         self.hb_refused = None  # (addr, dir) whose node channel was refused: per-rank files instead
         self.busy_s = 0.0       # time in compute() blocks since the last beat
         self.busy_known = False # the script uses compute() (else no busy time is reported)
@@ -132,6 +134,8 @@ _rt = _Runtime()
 def _reset() -> None:
     """Forget all SDK state and restore signal handlers (tests, or a second run in-process)."""
     global _rt
+    if _rt.watchdog is not None:
+        _rt.watchdog.close()
     for sig, h in _rt.prev_handlers.items():
         signal.signal(sig, h)
     _rt = _Runtime()
@@ -442,6 +446,7 @@ def heartbeat(step: int, *, loss=None, grad_norm=None, force: bool = False) -> b
             try:
                 if _rt.hb_sender is None or _rt.hb_sender.addr != addr or _rt.hb_sender.hb_dir != d:
                     _rt.hb_sender = NodeSender(addr, d, rank, interval_s=HEARTBEAT_INTERVAL_S)
+                    _watch_supervisor(_rt.hb_sender, rank)
                 sig_loss, sig_gnorm = _pop_signals()
                 _rt.hb_sender.beat(step, busy_s=_rt.busy_s if _rt.busy_known else None, paused=_rt.hb_paused,
                                    loss=sig_loss, grad_norm=sig_gnorm)
@@ -460,6 +465,19 @@ def heartbeat(step: int, *, loss=None, grad_norm=None, force: bool = False) -> b
         log.warning("heartbeat of rank %d in %s failed: %s", rank, d, e)
         return False
     return True
+
+
+def _watch_supervisor(sender, rank: int) -> None:
+    """Watch the supervisor through the two-way channel (clusterops.watchdog): when the
+    batch host is lost, the ranks save if they can and requeue the job."""
+    from clusterops.watchdog import Watchdog
+
+    if _rt.watchdog is not None:
+        _rt.watchdog.close()
+    _rt.watchdog = Watchdog(sender, rank=rank, on_lost=request_stop)
+    if not _rt.watchdog_at_exit:
+        _rt.watchdog_at_exit = True
+        atexit.register(lambda: _rt.watchdog is not None and _rt.watchdog.at_exit())
 
 
 # ----------------------------------------------------------------------------- RNG

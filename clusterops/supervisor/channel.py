@@ -13,6 +13,13 @@ whose datagrams do not arrive, the ``file`` mode) the heartbeat directory is sca
 on the old channel -- and the newer report of each rank wins. So a node cut off from the
 supervisor's port costs one file per interval, and a hung rank is still named by rank.
 
+The channel is two-way: the receiver answers each ping of the ranks' supervisor watch
+(:mod:`clusterops.watchdog`, one per node and interval) with a beacon, from the receiving
+thread itself, so a watch loop held up by a slow controller still answers in milliseconds.
+The beacon says how long a silence means "gone" (``CLUSTEROPS_SUPERVISOR_LOST_S``, default
+:data:`LOST_DEFAULT_S`; keep it well under ``SlurmdTimeout``: the ranks must requeue before
+Slurm ends their step for the lost batch host).
+
 The channel mode is a setting of the supervisor (``CLUSTEROPS_SUPERVISE_HEARTBEAT``):
 ``net`` (default), ``file`` (the per-node files only: the forced fallback), ``rank-files``
 (the old channel: one file per rank, read every poll).
@@ -41,6 +48,23 @@ RCVBUF_BYTES = 8 << 20
 DRAIN_S = 0.02
 
 Beats = Dict[int, Tuple[int, float]]
+
+LOST_ENV = "CLUSTEROPS_SUPERVISOR_LOST_S"
+LOST_DEFAULT_S = 10.0
+
+
+def lost_from_env(environ=os.environ) -> float:
+    """The silence after which the ranks take the supervisor for gone (seconds)."""
+    text = (environ.get(LOST_ENV) or "").strip()
+    if not text:
+        return LOST_DEFAULT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 1.0 <= value <= 86400.0:
+        raise InputError(f"{LOST_ENV}={text!r}: must be a number of seconds from 1 to 86400")
+    return value
 
 
 def mode_from_env(environ=os.environ) -> str:
@@ -77,8 +101,11 @@ class Receiver:
     all the same (a bug, the socket gone), :attr:`alive` says so, :attr:`error` says why,
     and :meth:`restart` starts it again on the same port; the supervisor does both."""
 
-    def __init__(self, token: str, *, bind_host: str = "", port: int = 0, clock: Callable[[], float] = time.time):
+    def __init__(self, token: str, *, bind_host: str = "", port: int = 0, clock: Callable[[], float] = time.time,
+                 lost_after_s: float = LOST_DEFAULT_S):
         self.token = token
+        self.lost_ms = max(1, round(1000 * lost_after_s))
+        self.beacons = 0          # pings answered
         self.clock = clock
         self.bind_host = bind_host
         self.sock = _udp_socket(bind_host, port)
@@ -151,7 +178,7 @@ class Receiver:
             now = self.clock()
             while True:
                 try:
-                    data = self.sock.recv(hbc.MAX_DATAGRAM + 1)
+                    data, src = self.sock.recvfrom(hbc.MAX_DATAGRAM + 1)
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError as e:
@@ -159,18 +186,41 @@ class Receiver:
                         self.error = f"receiving: {e}"
                     return
                 try:
-                    self.feed(data, now)
+                    if hbc.PING_MARK in data:
+                        self.answer(data, src)
+                    else:
+                        self.feed(data, now)
                 except Exception:  # noqa: BLE001 - no datagram may end the receiver
                     self.dropped += 1
             self._stop.wait(DRAIN_S)
 
-    def feed(self, data: bytes, now: float) -> bool:
-        """Take one datagram received at ``now``; False when it is dropped."""
+    def answer(self, data: bytes, src) -> bool:
+        """Answer a ping (the ranks' supervisor watch) with a beacon to ``src``, from this
+        thread; False when ``data`` is not this attempt's ping."""
         try:
             d = hbc.decode(data, self.token)
         except hbc.BadDatagram:
             self.dropped += 1
             return False
+        if d.kind != hbc.KIND_PING:
+            return self.feed(data, self.clock())
+        self.beacons += 1
+        try:
+            self.sock.sendto(hbc.encode_beacon(self.token, d.seq, self.lost_ms), src)
+        except OSError:
+            pass            # the rank's socket is gone; its next ping asks again
+        return True
+
+    def feed(self, data: bytes, now: float) -> bool:
+        """Take one datagram received at ``now``; False when it is dropped (a ping carries
+        no beats: taken, nothing recorded)."""
+        try:
+            d = hbc.decode(data, self.token)
+        except hbc.BadDatagram:
+            self.dropped += 1
+            return False
+        if d.kind == hbc.KIND_PING:
+            return True
         with self.lock:
             self.received += 1
             self.nodes[d.node] = now
@@ -223,7 +273,8 @@ class Channel:
     """One attempt's heartbeat channel, supervisor side."""
 
     def __init__(self, mode: str, hb_dir: os.PathLike, *, advertise_host: str = "127.0.0.1",
-                 fallback_after_s: float = 3.0, clock: Callable[[], float] = time.time):
+                 fallback_after_s: float = 3.0, clock: Callable[[], float] = time.time,
+                 lost_after_s: Optional[float] = None):
         if mode not in MODES:
             raise InputError(f"heartbeat channel {mode!r}: must be one of {', '.join(MODES)}")
         self.mode = mode
@@ -235,6 +286,7 @@ class Channel:
         #: Why the receiver listens on every interface rather than on ``advertise_host``
         #: alone ("": it does not); for the timeline.
         self.bind_fallback = ""
+        lost = lost_from_env() if lost_after_s is None else lost_after_s
         if mode == "net":
             token = secrets.token_hex(16)
             # Listen where the ranks send (the batch host's address), not on every interface;
@@ -243,11 +295,12 @@ class Channel:
             receiver = None
             if bind:
                 try:
-                    receiver = Receiver(token, bind_host=bind, clock=clock)
+                    receiver = Receiver(token, bind_host=bind, clock=clock, lost_after_s=lost)
                 except (OSError, OverflowError) as e:
                     self.bind_fallback = f"cannot bind {bind}: {getattr(e, 'strerror', None) or e}"
             if receiver is None:
-                receiver = Receiver(token, bind_host="::" if ":" in advertise_host else "", clock=clock)
+                receiver = Receiver(token, bind_host="::" if ":" in advertise_host else "", clock=clock,
+                                    lost_after_s=lost)
             self.receiver = receiver.start()
             host = f"[{advertise_host}]" if ":" in advertise_host else advertise_host
             self.addr = f"{host}:{self.receiver.port}/{token}"

@@ -228,6 +228,7 @@ class RunConfig:
     # rewritten at each state change and at exit; None: <job_dir>/clusterops_job.prom.
     metrics_file: Optional[Path] = None
     heartbeat: str = field(default_factory=hbchannel.mode_from_env)   # channel mode, see channel.py
+    supervisor_lost_s: float = field(default_factory=hbchannel.lost_from_env)  # beacons' silence: gone
     stability: Optional[StabilityConfig] = None   # supervise: stability: (None: no guard)
     job_dir_mode: int = 0o700               # mode of a job directory the supervisor creates
 
@@ -741,7 +742,8 @@ class SupervisorRun:
         if self.channel is not None:
             self.channel.close()
         self.channel = hbchannel.Channel(cfg.heartbeat, protocol.heartbeat_dir(d), clock=self.clock,
-                                         advertise_host=self.slurm.node_address(cfg.nodes[0]))
+                                         advertise_host=self.slurm.node_address(cfg.nodes[0]),
+                                         lost_after_s=cfg.supervisor_lost_s)
         if self.channel.bind_fallback:
             self._record(E.HEARTBEAT_BIND, {"listening": "every interface", "why": self.channel.bind_fallback})
         # Resume from a checkpoint verified now (hashes too): a newest checkpoint that was

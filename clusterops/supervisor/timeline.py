@@ -68,6 +68,9 @@ class EventKind(str, Enum):
     STACKS = "stacks"
     STATE_INVALID = "state_invalid"
     SUPERVISOR_ERROR = "supervisor_error"
+    # the ranks' own records (clusterops.watchdog): the batch host lost, the job requeued
+    SUPERVISOR_LOST = "supervisor_lost"
+    TAKEOVER = "takeover"
 
     def __str__(self) -> str:
         return self.value
@@ -92,9 +95,10 @@ class Cause(str, Enum):
 
 E = EventKind
 # Event kinds drawn as markers on the chart, and how.
-FAULT_KINDS = {E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.STEP_EXIT, E.STOP_TIMEOUT, E.KILL_ESCALATED,
-               E.ROLLBACK}
-DECISION_KINDS = {E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED, E.DONE}
+FAULT_KINDS = {E.SUPERVISOR_LOST, E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.STEP_EXIT, E.STOP_TIMEOUT,
+               E.KILL_ESCALATED, E.ROLLBACK}
+DECISION_KINDS = {E.TAKEOVER, E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED,
+                  E.DONE}
 # Findings that are neither a fault nor a decision: a slow node (drawn in orange).
 FINDING_KINDS = {E.STRAGGLER, E.LOSS_SPIKE, E.NAN}
 
@@ -234,6 +238,13 @@ def describe(rec: Mapping) -> str:
         if fields.get("action") == "replace":
             return s + f"; replacing it with {fields.get('spare')} at a checkpoint"
         return s + f"; recorded only ({fields.get('why', 'no replacement')})"
+    if e == E.SUPERVISOR_LOST:
+        return (f"supervisor lost (batch host {fields.get('batch_host')}): rank {fields.get('rank')} on "
+                f"{fields.get('node')} heard no beacon for {fields.get('silent_s')} s ({fields.get('why')})")
+    if e == E.TAKEOVER:
+        if fields.get("asked"):
+            return f"takeover: rank {fields.get('rank')} on {fields.get('node')} requeues the job"
+        return f"takeover by rank {fields.get('rank')} on {fields.get('node')} not done: {fields.get('why')}"
     if e in (E.LOSS_SPIKE, E.NAN):
         what = "loss spike" if e == E.LOSS_SPIKE else "non-finite"
         band = f" (band: median {fields.get('median')}, limit {fields.get('limit')})" if e == E.LOSS_SPIKE else ""

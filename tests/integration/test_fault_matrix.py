@@ -171,6 +171,50 @@ def test_d_lost_node_without_spare_requeues_excluding_it(cluster, slurm, referen
     assert node3.drained and (node3.reason or "").startswith("clusterops:supervisor: ")
 
 
+# ----------------------------------------------------------------------------- (m) batch host lost
+@pytest.mark.timeout(300)
+def test_m_batch_host_lost_ranks_requeue_resumed_bitwise(cluster, slurm, reference, tmp_path):
+    """A power cut of the batch host (slurmd, slurmstepds, supervisor, rank 0 at once):
+    the surviving ranks hear no beacon, one of them requeues the job, and the next
+    incarnation resumes from the latest checkpoint on healthy nodes, bitwise."""
+    job = make_job(tmp_path, "fm-m", nodes=3)
+    job.submit(env={"CLUSTEROPS_SUPERVISOR_LOST_S": "3"})
+    job.wait_step(20)
+    host = slurm.job(job.job_id).batch_host
+    assert host == "node1"
+    from clusterops.devcluster import _stepds_with_sockets_under
+    from clusterops.runner import pid_alive
+
+    stepds = _stepds_with_sockets_under(str(cluster.state / "spool" / host))
+    t_cut = time.time()
+    victims = cluster.kill_node(host, power_cut=True)
+    # slurmd, the node's slurmstepds (batch step and training step), the supervisor, rank 0.
+    assert stepds and set(stepds) <= set(victims) and len(victims) >= 4, (stepds, victims)
+    wait_for(lambda: not any(pid_alive(p) for p in victims), 5, "the node's processes gone")
+    # The latest checkpoint at the cut (the supervisor may not have lived to record it).
+    at_cut = max(int(p.name.split("_")[1]) for p in job.ckpt_dir.glob("step_*") if p.name.split("_")[1].isdigit())
+    info, story = assert_healed(job, slurm, reference, 3)
+    lost, take = events(job, "supervisor_lost"), events(job, "takeover")
+    assert len(lost) == 1 and lost[0]["batch_host"] == host and lost[0]["incarnation"] == 0, story
+    asked = [r for r in take if r.get("asked")]
+    # Asked once, by a surviving rank (normally the lowest: see clusterops.watchdog).
+    assert len(asked) == 1 and asked[0]["rank"] in (1, 2) and not [r for r in take if r.get("failed")], story
+    assert info.restart_count == 1, story
+    second = [r for r in events(job, "launch") if r["incarnation"] == 1]
+    assert second and host not in second[0]["nodes"], story
+    resumed = [r for r in events(job, "resume") if r["incarnation"] == 1]
+    assert resumed and resumed[0]["step"] == at_cut >= 10, story
+    # Within 2 x SlurmdTimeout + 30 s the next incarnation runs and resumes from the latest
+    # checkpoint (its supervisor's launch, resuming from it); its first step is reported.
+    start = next(r for r in events(job, "start") if r["incarnation"] == 1)
+    first = next(r for r in events(job, "progress") if r["incarnation"] == 1 and r["t"] > t_cut)
+    bound = 2 * cluster.config().slurmd_timeout_s + 30
+    print(f"power cut -> requeue asked {asked[0]['t'] - t_cut:.1f} s, next incarnation started "
+          f"{start['t'] - t_cut:.1f} s, resumed (launch) {resumed[0]['t'] - t_cut:.1f} s, "
+          f"first step {first['t'] - t_cut:.1f} s (bound {bound} s)")
+    assert resumed[0]["t"] - t_cut <= bound, story
+
+
 # ----------------------------------------------------------------------------- (e) time limit
 @pytest.mark.timeout(300)
 def test_e_time_limit_stops_saves_requeues_zero_steps_lost(cluster, slurm, reference, tmp_path):
