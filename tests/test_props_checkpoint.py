@@ -215,7 +215,8 @@ def apply(root: Path, good: Path, target: Path, mutation) -> None:
                 os.symlink(dest, p)
         elif op == "dir":
             _replace(p)
-            p.mkdir()
+            if p.parent.is_dir():   # an earlier mutation may have replaced the directory above
+                p.mkdir()
         elif op == "file":
             _write(p, data)
         elif op == "truncate":
@@ -257,7 +258,8 @@ def apply(root: Path, good: Path, target: Path, mutation) -> None:
             _replace(mpath)
         elif op == "manifest_is_dir":
             _replace(mpath)
-            mpath.mkdir()
+            if target.is_dir() and not target.is_symlink():
+                mpath.mkdir()
         elif op == "manifest_fifo":
             _replace(mpath)
             os.mkfifo(mpath)
