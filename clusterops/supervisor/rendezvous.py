@@ -24,6 +24,7 @@ import logging
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 from clusterops import protocol
@@ -32,6 +33,15 @@ from clusterops.supervisor.membership import Fallback, KillProcess, Membership, 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.01
+
+
+@dataclass(frozen=True)
+class InprocessSettings:
+    """``supervise: inprocess:`` (the fields and defaults are clusterops.schema's)."""
+
+    standbys_per_node: int = 1
+    timeout_s: float = 30.0
+    unresponsive_s: float = 10.0
 
 
 class RendezvousHost:
@@ -48,6 +58,7 @@ class RendezvousHost:
         self.store = None          # the TCPStore server (and a client of it: this thread's)
         self.port = 0
         self.fallback: Optional[str] = None
+        self.fallback_acted = False      # the supervisor killed the step for it
         self._notes: List[Note] = []
         self._hung: List[Sequence[int]] = []
         self._lock = threading.Lock()
@@ -55,6 +66,14 @@ class RendezvousHost:
         self._thread: Optional[threading.Thread] = None
         self._next = 1
         self.error: Optional[str] = None
+
+    @classmethod
+    def for_attempt(cls, settings: InprocessSettings, nodes: Sequence[str], ranks_per_node: int,
+                    advertise_host: str, *, clock: Callable[[], float] = time.time) -> "RendezvousHost":
+        """A started host for one training step on ``nodes``."""
+        m = Membership(nodes, ranks_per_node, settings.standbys_per_node, timeout_s=settings.timeout_s,
+                       unresponsive_s=settings.unresponsive_s)
+        return cls(m, advertise_host=advertise_host, clock=clock).start()
 
     @property
     def addr(self) -> str:

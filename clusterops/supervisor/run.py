@@ -48,6 +48,7 @@ from clusterops.slurm.api import Backoff, SlurmAPI
 from clusterops.slurm.parse import parse_srun_failures
 from clusterops.slurm.steps import srun_argv
 from clusterops.supervisor import channel as hbchannel
+from clusterops.supervisor.rendezvous import InprocessSettings, RendezvousHost
 from clusterops.supervisor.timeline import EventKind as E, Timeline
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,7 @@ class RunConfig:
     metrics_file: Optional[Path] = None
     heartbeat: str = field(default_factory=hbchannel.mode_from_env)   # channel mode, see channel.py
     job_dir_mode: int = 0o700               # mode of a job directory the supervisor creates
+    inprocess: Optional[InprocessSettings] = None   # supervise: inprocess: (rendezvous.py); None: off
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -378,6 +380,7 @@ class SupervisorRun:
         self.n_checks = 0
         self.notifier = None   # webhooks from the site config's notify: (made when first needed)
         self.progress_reader: Optional[ProgressReader] = None
+        self.rdzv: Optional[RendezvousHost] = None   # this attempt's in-process rendezvous
         # One handler per action class, spelled out so that grep finds them.
         self._handlers: Dict[type, Callable[[sv.Action], None]] = {
             sv.Record: self._act_record,
@@ -436,6 +439,7 @@ class SupervisorRun:
         finally:
             if self.channel is not None:
                 self.channel.close()
+            self._close_rdzv()
         return self.exit_code
 
     def _wait(self, seconds: float) -> None:
@@ -454,6 +458,8 @@ class SupervisorRun:
             ev = self._poll_preflight(now)
             if ev:
                 events.append(ev)
+        if self.rdzv is not None:
+            self._poll_rdzv()
         if self.train is not None:
             step = self._latest_ckpt(deep=False)
             if step is not None and (self.seen_ckpt is None or step > self.seen_ckpt):
@@ -676,17 +682,24 @@ class SupervisorRun:
         })
         for var in TORCHRUN_VARS:   # not from the job's env: either, see TORCHRUN_VARS
             env.pop(var, None)
+        self._close_rdzv()
+        if cfg.inprocess is not None and cfg.launcher != "torchrun":
+            self.rdzv = RendezvousHost.for_attempt(cfg.inprocess, nodes, ppn, self.slurm.node_address(nodes[0]),
+                                                   clock=self.clock)
+            env[protocol.ENV_RDZV_ADDR] = self.rdzv.addr
         self.step_name = f"clusterops-train-{a.attempt}"
         self.step_id = None
         command = list(cfg.command) + cfg.plain.resume_argv(resume)
         tasks_per_node = ppn
         if cfg.launcher == "torchrun":
             command, tasks_per_node = torchrun_command(command, cfg.python, len(nodes), ppn), 1
-        else:   # one task per rank: each task sets its own RANK... (see rank_env_command)
+        elif self.rdzv is None:   # one task per rank: each task sets its own RANK... (see rank_env_command)
             command = rank_env_command(command, len(nodes) * ppn, ppn)
+        else:   # ranks and standbys; the rendezvous gives the ranks; the step outlives a lost task
+            tasks_per_node += cfg.inprocess.standbys_per_node
         argv = srun_argv(command, job_name=self.step_name, nodes=nodes, ntasks_per_node=tasks_per_node,
-                         cpus_per_task=cfg.cpus_per_task, kill_on_bad_exit=True, wait_s=cfg.step_wait_s,
-                         label=True, extra=cfg.srun_args)
+                         cpus_per_task=cfg.cpus_per_task, kill_on_bad_exit=self.rdzv is None,
+                         wait_s=cfg.step_wait_s if self.rdzv is None else None, label=True, extra=cfg.srun_args)
         self.train_log = d / "step.log"
         self.progress_reader = (ProgressReader(cfg.plain.progress_regex, self.train_log, d / "heartbeat",
                                                len(nodes) * ppn) if cfg.plain.progress_regex else None)
@@ -707,6 +720,12 @@ class SupervisorRun:
             pass
         tasks, lost = parse_srun_failures(text)
         failures = [sv.RankFailure(node=t.node, rank=t.rank, reason=t.reason) for t in tasks]
+        if self.rdzv is not None:
+            self._poll_rdzv()
+            if self.rdzv.finished and not lost:
+                # Every rank finished in-process; the tasks lost on the way were healed.
+                rc, failures = 0, []
+            self._close_rdzv()
         self.train = None
         self.step_id = None
         ckpt = self._latest_ckpt(deep=False)
@@ -716,6 +735,20 @@ class SupervisorRun:
             stopped_by = self._external_stop(text)
         return sv.StepExited(now, returncode=rc, failures=tuple(failures), ckpt_step=ckpt,
                              node_failure=tuple(lost), stopped_by=stopped_by)
+
+    def _poll_rdzv(self) -> None:
+        """The in-process rendezvous's records into the timeline; its fallback kills the step
+        (the state machine then relaunches it as after any failure)."""
+        for note in self.rdzv.drain_notes():
+            self._record(E(note.kind) if note.kind in E._value2member_map_ else E.WARNING, note.data)
+        if self.rdzv.fallback and not self.rdzv.fallback_acted and self.train is not None:
+            self.rdzv.fallback_acted = True
+            self._act_kill_step(sv.KillStep(f"in-process recovery fell back: {self.rdzv.fallback}"))
+
+    def _close_rdzv(self) -> None:
+        if self.rdzv is not None:
+            self.rdzv.close()
+            self.rdzv = None
 
     def _external_stop(self, step_log: str) -> Optional[str]:
         """Did the ranks stop on a request that did not come through us?

@@ -63,6 +63,12 @@ class EventKind(str, Enum):
     STACKS = "stacks"
     STATE_INVALID = "state_invalid"
     SUPERVISOR_ERROR = "supervisor_error"
+    # in-process recovery (clusterops.supervisor.membership decides, rendezvous.py hosts)
+    INPROC_FAULT = "inproc_fault"              # a rank lost: a new generation is being formed
+    INPROC_RENDEZVOUS = "inproc_rendezvous"    # the new generation's plan (who replaces whom, the state's source)
+    INPROC_STATE = "inproc_state"              # the state broadcast from a survivor, received
+    INPROC_FIRST_STEP = "inproc_first_step"    # the new generation's first step: healed in-process
+    INPROC_FALLBACK = "inproc_fallback"        # in-process gave up: the step is relaunched
 
     def __str__(self) -> str:
         return self.value
@@ -86,8 +92,10 @@ class Cause(str, Enum):
 
 E = EventKind
 # Event kinds drawn as markers on the chart, and how.
-FAULT_KINDS = {E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.STEP_EXIT, E.STOP_TIMEOUT, E.KILL_ESCALATED}
-DECISION_KINDS = {E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED, E.DONE}
+FAULT_KINDS = {E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.STEP_EXIT, E.STOP_TIMEOUT, E.KILL_ESCALATED,
+               E.INPROC_FAULT}
+DECISION_KINDS = {E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED, E.DONE,
+                  E.INPROC_FIRST_STEP, E.INPROC_FALLBACK}
 # Findings that are neither a fault nor a decision: a slow node (drawn in orange).
 FINDING_KINDS = {E.STRAGGLER}
 
