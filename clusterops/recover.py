@@ -123,18 +123,22 @@ class _Client:
         return json.loads(self.store.get(key))
 
 
-def _pid_gone(pid: int) -> bool:
+STOPPED_S = 1.0
+
+
+def _pid_state(pid: int) -> str:
+    """The process's state letter (``/proc/<pid>/stat``); "X" when it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return True
+        return "X"
 
 
 def _standby(client: _Client, plan: dict) -> Optional[dict]:
     """Wait as a warm standby: watch this node's ranks (report a death, carry out a kill)
     until a plan gives this process a rank, or the training ends (None)."""
-    reported, killed = set(), set()
+    reported, killed, stop_said, stopped_since = set(), set(), set(), {}
     while True:
         nxt = client.plan(plan["gen"] + 1, wait=False)
         if nxt is not None:
@@ -153,9 +157,19 @@ def _standby(client: _Client, plan: dict) -> Optional[dict]:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-            if uid not in reported and _pid_gone(pid):
+            if uid in reported:
+                continue
+            st = _pid_state(pid)
+            if st in ("Z", "X"):
                 reported.add(uid)
                 client.report("dead", dead=uid)
+            elif st in ("T", "t"):      # stopped (SIGSTOP, a debugger): a hang seen from the node
+                since = stopped_since.setdefault(uid, time.monotonic())
+                if time.monotonic() - since >= STOPPED_S and uid not in stop_said:
+                    stop_said.add(uid)  # said once; the supervisor's kill order comes back here
+                    client.report("stopped", dead=uid, seconds=round(time.monotonic() - since, 2))
+            else:
+                stopped_since.pop(uid, None)
         time.sleep(STANDBY_POLL_S)
 
 

@@ -13,7 +13,7 @@ Output lines (rank 0): ``resume step=N path=P``, ``ckpt step=N path=P``, ``gener
 rank=R step=N restored=1`` (each process, when it starts a generation), ``done step=N
 out=F sha256=H``. Fault flags: --crash-at-step N --crash-rank R (SIGKILL itself once: only
 while --crash-marker FILE does not exist), --hang-at-step N (SIGSTOP itself once, with the
-same marker).
+same marker), --second-crash-at-step N (SIGKILL again, marker --second-crash-marker).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--hang-at-step", type=int, default=None)
     p.add_argument("--crash-rank", type=int, default=0)
     p.add_argument("--crash-marker", type=Path, default=None)
+    p.add_argument("--second-crash-at-step", type=int, default=None,
+                   help="the same rank SIGKILLs itself again here (once: --second-crash-marker)")
+    p.add_argument("--second-crash-marker", type=Path, default=None)
     return p.parse_args(argv)
 
 
@@ -106,15 +109,18 @@ def params_sha256(model: nn.Module) -> str:
 
 
 def fault_once(args, step: int, rank: int) -> None:
-    """--crash-at-step / --hang-at-step: once per run (the marker file says it happened)."""
-    if rank != args.crash_rank or args.crash_marker is None or args.crash_marker.exists():
+    """--crash-at-step / --hang-at-step / --second-crash-at-step: each once per run (its marker
+    file says it happened)."""
+    if rank != args.crash_rank:
         return
-    sig = (signal.SIGKILL if step == args.crash_at_step else signal.SIGSTOP if step == args.hang_at_step else None)
-    if sig is None:
-        return
-    args.crash_marker.write_text(f"{sig.name} at step {step}\n")
-    print(f"fault step={step} rank={rank} signal={sig.name}", flush=True)
-    os.kill(os.getpid(), sig)
+    for at, sig, marker in ((args.crash_at_step, signal.SIGKILL, args.crash_marker),
+                            (args.hang_at_step, signal.SIGSTOP, args.crash_marker),
+                            (args.second_crash_at_step, signal.SIGKILL, args.second_crash_marker)):
+        if at is None or step != at or marker is None or marker.exists():
+            continue
+        marker.write_text(f"{sig.name} at step {step}\n")
+        print(f"fault step={step} rank={rank} signal={sig.name}", flush=True)
+        os.kill(os.getpid(), sig)
 
 
 def main(argv=None) -> int:

@@ -14,15 +14,16 @@ nothing here touches a process or a socket.
 
 Reports (``Report.kind``):
 
-=========  ====================================================================
-``hello``  a process of the step started: ``uid``, ``node``, ``local`` (SLURM_LOCALID)
-``fail``   a rank's collective failed in generation ``gen`` (``rank``, ``step``)
-``join``   a survivor waits for generation ``gen`` (``rank``, ``step`` it holds)
-``dead``   a standby saw a process of its node vanish (``dead``: its uid)
-``state``  rank 0 of ``gen`` received the state (``seconds``, ``src``)
-``step``   rank 0 of ``gen`` finished its first training step there (``step``)
-``done``   a rank finished the training (``rank``, ``step``)
-=========  ====================================================================
+===========  ====================================================================
+``hello``    a process of the step started: ``uid``, ``node``, ``local`` (SLURM_LOCALID)
+``fail``     a rank's collective failed in generation ``gen`` (``rank``, ``step``)
+``join``     a survivor waits for generation ``gen`` (``rank``, ``step`` it holds)
+``dead``     a standby saw a process of its node vanish (``dead``: its uid)
+``stopped``  a standby saw a rank of its node stopped (``dead``: its uid; SIGSTOP)
+``state``    rank 0 of ``gen`` received the state (``seconds``, ``src``)
+``step``     rank 0 of ``gen`` finished its first training step there (``step``)
+``done``     a rank finished the training (``rank``, ``step``)
+===========  ====================================================================
 """
 
 from __future__ import annotations
@@ -240,6 +241,12 @@ class Membership:
         if not self._lost(rank, now, out):
             return out
         return out + self._try_publish(now)
+
+    def _on_stopped(self, rep: Report, now: float) -> List[object]:
+        rank = self.plan.ranks.get(str(rep.data.get("dead"))) if self.plan is not None else None
+        if rank is None:
+            return []
+        return self.hung([rank], now)
 
     def _on_state(self, rep: Report, now: float) -> List[object]:
         return [Note("inproc_state", dict(rep.data))]
