@@ -228,7 +228,8 @@ def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo"
         return train(Generation(0, d.rank, d.world_size, restored=False, step=None))
     sdk.install_stop_handlers()
     client = _Client(addr, timeout_s)
-    client.report("hello", node=client.node, local=int(os.environ.get("SLURM_LOCALID") or 0))
+    client.report("hello", node=client.node, local=int(os.environ.get("SLURM_LOCALID") or 0),
+                  task=int(os.environ.get("SLURM_PROCID") or -1))
     plan = client.plan(0, wait=True)
     while True:
         if client.uid not in plan["ranks"]:

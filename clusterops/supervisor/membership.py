@@ -15,10 +15,12 @@ nothing here touches a process or a socket.
 Reports (``Report.kind``):
 
 ===========  ====================================================================
-``hello``    a process of the step started: ``uid``, ``node``, ``local`` (SLURM_LOCALID)
+``hello``    a process of the step started: ``uid``, ``node``, ``local`` (SLURM_LOCALID),
+             ``task`` (SLURM_PROCID)
 ``fail``     a rank's collective failed in generation ``gen`` (``rank``, ``step``)
 ``join``     a survivor waits for generation ``gen`` (``rank``, ``step`` it holds)
-``dead``     a standby saw a process of its node vanish (``dead``: its uid)
+``dead``     a standby saw a process of its node vanish (``dead``: its uid), or srun said a
+             task ended (uid ``srun``, ``task``: its SLURM_PROCID)
 ``stopped``  a standby saw a rank of its node stopped (``dead``: its uid; SIGSTOP)
 ``state``    rank 0 of ``gen`` received the state (``seconds``, ``src``)
 ``step``     rank 0 of ``gen`` finished its first training step there (``step``)
@@ -91,6 +93,7 @@ class _Proc:
     node: str
     local: int
     alive: bool = True
+    task: int = -1
 
 
 @dataclass
@@ -155,7 +158,7 @@ class Membership:
 
     def _on_hello(self, rep: Report, now: float) -> List[object]:
         d = rep.data
-        self.procs[rep.uid] = _Proc(rep.uid, str(d.get("node", "")), int(d.get("local", 0)))
+        self.procs[rep.uid] = _Proc(rep.uid, str(d.get("node", "")), int(d.get("local", 0)), task=int(d.get("task", -1)))
         if self.plan is None and len(self.procs) >= self.expected_procs:
             return [Publish(self._first_plan())]
         return []
@@ -223,6 +226,8 @@ class Membership:
     def _on_dead(self, rep: Report, now: float) -> List[object]:
         out: List[object] = []
         uid = str(rep.data.get("dead"))
+        if "task" in rep.data:     # srun's word: find the process by its task number
+            uid = next((u for u, p in self.procs.items() if p.task == int(rep.data["task"])), "")
         p = self.procs.get(uid)
         if p is None or not p.alive:
             return out
@@ -258,7 +263,7 @@ class Membership:
         self.recovery = None
         self.recoveries += 1
         return [Note("inproc_first_step", {"gen": rec.gen, "step": rep.data.get("step"),
-                                           "fault_to_step_s": round(now - rec.since, 3),
+                                           "fault_to_step_s": round(now - rec.since, 3), "at": round(now, 3),
                                            "lost": sorted(rec.dead), "first": rec.first})]
 
     def _on_done(self, rep: Report, now: float) -> List[object]:
@@ -311,8 +316,16 @@ class Membership:
                 if rank in rec.joined or rank in rec.dead or uid in rec.kill_sent:
                     continue
                 rec.kill_sent.add(uid)
-                out.append(KillProcess(self.procs[uid].node if uid in self.procs else self.rank_node(rank), uid))
-        return out
+                node = self.procs[uid].node if uid in self.procs else self.rank_node(rank)
+                if any(p.alive and p.node == node and u in self.plan.standby for u, p in self.procs.items()):
+                    out.append(KillProcess(node, uid))
+                else:   # no standby of its node to kill or watch it: it is lost to this generation
+                    out.append(Note("warning", {"what": f"rank {rank} ({uid}) neither rejoined nor died within "
+                                                        f"{self.unresponsive_s:g} s; no standby on {node}: "
+                                                        "counted lost"}))
+                    if not self._lost(rank, now, out):
+                        return out
+        return out + self._try_publish(now)
 
     def hung(self, ranks: Sequence[int], now: float) -> List[object]:
         """The supervisor's heartbeats say these ranks stopped progressing: kill them, so that

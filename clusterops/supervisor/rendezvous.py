@@ -61,6 +61,7 @@ class RendezvousHost:
         self.fallback_acted = False      # the supervisor killed the step for it
         self._notes: List[Note] = []
         self._hung: List[Sequence[int]] = []
+        self._ended: List[Report] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -110,6 +111,11 @@ class RendezvousHost:
         with self._lock:
             self._hung.append(tuple(ranks))
 
+    def task_ended(self, task: int, node: str, reason: str) -> None:
+        """srun said task ``task`` (SLURM_PROCID) of the step ended (thread-safe)."""
+        with self._lock:
+            self._ended.append(Report("dead", "srun", {"task": int(task), "node": node, "reason": reason}))
+
     def drain_notes(self) -> List[Note]:
         with self._lock:
             out, self._notes = self._notes, []
@@ -143,6 +149,9 @@ class RendezvousHost:
             actions += m.handle(rep, self.clock())
         with self._lock:
             hung, self._hung = self._hung, []
+            ended, self._ended = self._ended, []
+        for rep in ended:
+            actions += m.handle(rep, self.clock())
         for ranks in hung:
             actions += m.hung(ranks, self.clock())
         actions += m.tick(self.clock())

@@ -381,6 +381,7 @@ class SupervisorRun:
         self.notifier = None   # webhooks from the site config's notify: (made when first needed)
         self.progress_reader: Optional[ProgressReader] = None
         self.rdzv: Optional[RendezvousHost] = None   # this attempt's in-process rendezvous
+        self.rdzv_log_at = 0     # how far the step log was read for srun's task failures
         # One handler per action class, spelled out so that grep finds them.
         self._handlers: Dict[type, Callable[[sv.Action], None]] = {
             sv.Record: self._act_record,
@@ -687,6 +688,7 @@ class SupervisorRun:
             self.rdzv = RendezvousHost.for_attempt(cfg.inprocess, nodes, ppn, self.slurm.node_address(nodes[0]),
                                                    clock=self.clock)
             env[protocol.ENV_RDZV_ADDR] = self.rdzv.addr
+            self.rdzv_log_at = 0
         self.step_name = f"clusterops-train-{a.attempt}"
         self.step_id = None
         command = list(cfg.command) + cfg.plain.resume_argv(resume)
@@ -739,6 +741,18 @@ class SupervisorRun:
     def _poll_rdzv(self) -> None:
         """The in-process rendezvous's records into the timeline; its fallback kills the step
         (the state machine then relaunches it as after any failure)."""
+        try:   # srun names a task that ended as soon as it ends: the death of a rank, for every node
+            with open(self.train_log, "rb") as f:
+                f.seek(self.rdzv_log_at)
+                chunk = f.read()
+        except OSError:
+            chunk = b""
+        if b"\n" in chunk:
+            chunk = chunk[:chunk.rindex(b"\n") + 1]
+            self.rdzv_log_at += len(chunk)
+            tasks, _ = parse_srun_failures(chunk.decode(errors="replace"))
+            for t in tasks:
+                self.rdzv.task_ended(t.rank, t.node, t.reason)
         for note in self.rdzv.drain_notes():
             self._record(E(note.kind) if note.kind in E._value2member_map_ else E.WARNING, note.data)
         if self.rdzv.fallback and not self.rdzv.fallback_acted and self.train is not None:
