@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from clusterops import protocol, recover, sdk
 from clusterops.checkpoint import CheckpointError
@@ -78,12 +79,13 @@ class State:
         self.step, self.epoch, self.batch = 0, 0, 0
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "sched": self.sched.state_dict(),
+        # FQN-keyed model/optimizer state: the form torch.distributed.checkpoint round-trips.
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        return {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict(),
                 "data": {"step": self.step, "epoch": self.epoch, "batch": self.batch}}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.model.load_state_dict(sd["model"])
-        self.opt.load_state_dict(sd["optim"])
+        set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         self.sched.load_state_dict(sd["sched"])
         self.step, self.epoch, self.batch = (int(sd["data"][k]) for k in ("step", "epoch", "batch"))
 

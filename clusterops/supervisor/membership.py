@@ -127,6 +127,11 @@ class Membership:
         self.done_ranks: Set[int] = set()
         self.recoveries = 0
 
+    def lost_tasks(self) -> Set[int]:
+        """srun task numbers of the processes that died while the step went on (healed, or
+        standbys): their failures in the step's output are not the step's."""
+        return {p.task for p in self.procs.values() if not p.alive}
+
     @property
     def expected_procs(self) -> int:
         return len(self.nodes) * (self.ppn + self.spn)

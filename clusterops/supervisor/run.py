@@ -724,8 +724,9 @@ class SupervisorRun:
         failures = [sv.RankFailure(node=t.node, rank=t.rank, reason=t.reason) for t in tasks]
         if self.rdzv is not None:
             self._poll_rdzv()
-            if self.rdzv.finished and not lost:
-                # Every rank finished in-process; the tasks lost on the way were healed.
+            healed = self.rdzv.membership.lost_tasks()
+            if self.rdzv.finished and not lost and all(f.rank in healed for f in failures):
+                # Every rank finished; the only tasks that failed were lost on the way and healed.
                 rc, failures = 0, []
             self._close_rdzv()
         self.train = None
