@@ -33,6 +33,7 @@ from clusterops.supervisor.membership import Fallback, KillProcess, Membership, 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.01
+REPORT_BATCH = 1024
 
 
 @dataclass(frozen=True)
@@ -137,9 +138,12 @@ class RendezvousHost:
         store, m = self.store, self.membership
         n = store.add(protocol.RDZV_REPORTS, 0)
         actions: List[object] = []
-        while self._next <= n:
-            raw = store.get(protocol.rdzv_key("rep", self._next))
-            self._next += 1
+        raws: List[bytes] = []
+        while self._next <= n:   # in batches: one round trip for many reports (16k ranks rejoin at once)
+            upto = min(n, self._next + REPORT_BATCH - 1)
+            raws += store.multi_get([protocol.rdzv_key("rep", i) for i in range(self._next, upto + 1)])
+            self._next = upto + 1
+        for raw in raws:
             try:
                 body = json.loads(raw)
                 rep = Report(str(body.pop("kind")), str(body.pop("uid")), body)
