@@ -127,3 +127,17 @@ def test_no_standby_left_falls_back_and_done_finishes():
     for i, node in enumerate(NODES):
         m2.handle(Report("done", f"{node}:100", {"rank": i, "step": 60}), 9.0)
     assert m2.finished
+
+
+def test_job_metrics_count_inprocess_recoveries_and_fallbacks():
+    from clusterops.supervisor import timeline as tl
+
+    recs = [{"t": 1.0, "event": "launch", "attempt": 0, "nodes": ["node1"]},
+            {"t": 5.0, "event": "inproc_fault", "gen": 0, "first": "rank 2 lost"},
+            {"t": 6.0, "event": "inproc_first_step", "gen": 1, "step": 24, "fault_to_step_s": 0.7},
+            {"t": 9.0, "event": "inproc_fault", "gen": 1, "first": "rank 2 lost"},
+            {"t": 9.5, "event": "inproc_fallback", "reason": "rank 2 failed a second time"}]
+    out = tl.job_metrics(recs, "j").text()
+    assert 'clusterops_job_inprocess_recoveries{job="j"} 1.0' in out
+    assert 'clusterops_job_inprocess_fallbacks{job="j"} 1.0' in out
+    assert 'clusterops_job_inprocess_recovery_seconds{job="j"} 0.7' in out

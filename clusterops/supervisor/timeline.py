@@ -482,6 +482,11 @@ def job_metrics(records: Iterable[Mapping], job: str):
             prom.set("clusterops_job_mttr_seconds", lab, rep["mttr_s"])
     prom.set("clusterops_job_stragglers", lab, len(s["stragglers"]))
     prom.set("clusterops_job_stragglers_replaced", lab, sum(1 for x in s["stragglers"] if x["action"] == "replace"))
+    healed = [r for r in recs if r.get("event") == E.INPROC_FIRST_STEP]
+    prom.set("clusterops_job_inprocess_recoveries", lab, len(healed))
+    prom.set("clusterops_job_inprocess_fallbacks", lab, sum(1 for r in recs if r.get("event") == E.INPROC_FALLBACK))
+    if healed and _finite(healed[-1].get("fault_to_step_s")) is not None:
+        prom.set("clusterops_job_inprocess_recovery_seconds", lab, _finite(healed[-1]["fault_to_step_s"]))
     ratios = {}
     for r in recs:
         if r.get("event") == E.STRAGGLER and isinstance(r.get("node"), str) and _finite(r.get("ratio")) is not None:
