@@ -9,6 +9,8 @@ per node, real faults (a rank SIGKILLs or SIGSTOPs itself mid-run).
   same in-process path heals it.
 - the same rank lost a second time: the rendezvous falls back, the supervisor relaunches the
   step (resume from the last checkpoint) and the run still ends bitwise equal.
+- a node lost (slurmd and its processes killed) with a spare: not healed in-process yet; the
+  relaunch on the spare heals it, bitwise.
 """
 
 from __future__ import annotations
@@ -96,3 +98,30 @@ def test_same_rank_lost_twice_falls_back_to_relaunch_bitwise(cluster, tmp_path, 
     resumes = events(job, "resume")
     assert resumes and resumes[-1]["step"] == 20, story               # the relaunch resumed from disk
     assert fk.same_weights(job.out, reference), f"final weights differ from an uninterrupted run\n{story}"
+
+
+@pytest.mark.timeout(600)
+def test_node_lost_falls_back_to_relaunch_on_the_spare_bitwise(cluster, tmp_path):
+    """A node's slurmd and every process of it killed (the dev cluster's node kill) with a spare
+    present: not healed in-process yet (its own standby died with it and cannot report; Slurm
+    marks the node down and the state machine ends the step), so the step is relaunched on the
+    spare from the last checkpoint, and still ends bitwise equal."""
+    from clusterops.slurm.factory import connect
+
+    ref = tmp_path / "ref3"
+    out_ref = ref / "final.pt"
+    fk.run_local(3, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--out", str(out_ref)], workdir=ref,
+                 script=SCRIPT)
+    job = fk.TrainJob(root=tmp_path / "ipn", name="ipn", nodes=3, steps=STEPS, ckpt_every=CKPT_EVERY,
+                      step_sleep=0.2, script=SCRIPT, supervise={"inprocess": {"standbys_per_node": 1},
+                                                                "spare_nodes": 1})
+    job.submit()
+    job.wait_step(20, timeout_s=300)
+    cluster.kill_node("node3")
+    info = job.wait_end(connect(), timeout_s=400)
+    story = tl.format_text(job.timeline())
+    assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state}\n{story}\n{job.batch_log()[-3000:]}"
+    assert events(job, "inproc_fault") and not events(job, "inproc_first_step"), story
+    assert events(job, "spare_used")[0]["nodes"] == ["node4"], story
+    assert events(job, "launch")[-1]["nodes"] == ["node1", "node2", "node4"], story
+    assert fk.same_weights(job.out, out_ref), f"final weights differ from an uninterrupted run\n{story}"
