@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Device check for a GPU machine: the real NVML probe, the torch-distributed test and
-all-reduce bandwidth over the local GPUs (NCCL), and matmul per GPU (bf16), with figures
-printed next to the ml-engineering book's (max achievable bf16 matmul: 794 TFLOPS on
-H100 SXM / H200, 271 on A100 SXM; target: within 10%).
+"""Device check for a GPU machine: the real NVML probe (with the driver-570 fields: recovery
+action, clocks, slowdown counters, VBIOS), the torch-distributed test and all-reduce
+bandwidth over the local GPUs (NCCL), matmul per GPU (bf16), and the copy bandwidths
+(pinned H2D/D2H, P2P per pair, device memory), with figures printed next to the published
+ones (max achievable bf16 matmul: 794 TFLOPS on H100 SXM / H200, 271 on A100 SXM, target
+within 10%; Azure's H100 floors 48 GB/s H2D/D2H and 335 GB/s P2P).
 
 Needs: torch with CUDA, nvidia-ml-py. Short by design (about a minute on an 8-GPU node):
     python bench/gpu_probes.py [--json OUT.json] [--sizes 64M,256M,1G] [--deep]
@@ -98,6 +100,19 @@ def main() -> int:
         print(f"  {dev}: best {d['best']:7.1f}  median {d['median']:7.1f} TFLOPS  ({d['best_shape']}, "
               f"{d['name']}){cmp}")
     out["matmul"] = mres.to_dict()
+
+    from clusterops.health.probes.copybw import probe_copybw
+
+    t0 = time.perf_counter()
+    cres = probe_copybw({"required": True, "size_mib": 256, "warmup": 3, "iters": 20}, ctx)
+    out["copybw_s"] = time.perf_counter() - t0
+    print(f"== copy bandwidths ({out['copybw_s']:.1f} s), GB/s")
+    for r in cres:
+        figs = (r.data or {}).get("gbps", {})
+        print(f"  {r.status.upper():5} {r.name:12} slowest {r.value!s:>8} floor {r.threshold!s:>8}  {r.detail}")
+        for k, v in sorted(figs.items()):
+            print(f"      {k:18} {v:9.1f}")
+    out["copybw"] = [r.to_dict() for r in cres]
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2, default=str))
     return 0

@@ -56,6 +56,23 @@ MARKER_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
 SCRATCH_ENV = "CLUSTEROPS_NODE_SCRATCH"
 DEFAULT_STATE_DIR = DEFAULT_DEVCLUSTER_DIR
 DEFAULT_PORT_BASE = 17000
+# Where free_port_base looks: below the rendezvous ports runner.free_port hands out
+# (10000+) and far below the kernel's ephemeral range (32768+).
+PORT_BASE_WINDOW = (3000, 9900)
+
+
+def free_port_base(nodes: int, window: tuple = PORT_BASE_WINDOW, tries: int = 50) -> int:
+    """A port base whose nodes + 1 ports (slurmctld, one per slurmd) are free on 127.0.0.1
+    now, picked at random in ``window`` (a multiple of 100)."""
+    import random
+
+    lo, hi = window
+    rng = random.Random()
+    for _ in range(tries):
+        base = rng.randrange(lo, max(lo + 1, hi - nodes - 1), 100)
+        if all(DevCluster._port_free(p) for p in range(base, base + nodes + 1)):
+            return base
+    raise DevClusterError(f"no {nodes + 1} free ports in a row on 127.0.0.1 in {lo}-{hi}: pass --port-base")
 # munged always comes from the system (PATH); the Slurm programs from PATH or the prefix.
 REQUIRED_BINARIES = {
     "munged": "munge",

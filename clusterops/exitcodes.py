@@ -54,6 +54,12 @@ class Supervise(_Codes):
     TOO_FEW_NODES = 6, "too few healthy nodes and requeueing not allowed"
     STOPPED_NO_REQUEUE = 7, "stopped (time limit / preemption) with checkpoint saved, requeue not allowed", \
         "stopped (time limit / preemption) with the checkpoint saved, but requeueing not allowed"
+    DIVERGED = 8, "training diverged: the stability guard stopped it (on_spike/on_nan: stop)", \
+        "training diverged: a loss spike or a non-finite value with `on_spike`/`on_nan: stop`; the bad state "\
+        "was not saved"
+    ROLLBACK_BUDGET = 9, "training diverged again and again: max_rollbacks spent", \
+        "the stability guard gave up: `max_rollbacks` rollbacks within `rollback_window_steps`, or no "\
+        "checkpoint early enough to roll back to; the last good checkpoint is kept"
 
 
 class HealthCheck(_Codes):

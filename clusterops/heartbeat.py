@@ -32,7 +32,7 @@ ends (a rank killed with kill -9 cannot clean up): each new sender removes this 
 The datagram (version 1) is compact JSON, about 200 bytes for 8 ranks::
 
     {"v":1,"tok":"<token>","node":"n17","seq":42,"ranks":[[R,step,age_ms,step_ms],...],
-     "busy":[busy_ms,...]}
+     "busy":[busy_ms,...],"loss":[loss,...],"gnorm":[grad_norm,...]}
 
 ``age_ms`` is how long before the send the rank last made progress (so the receiver
 needs no clock agreement: progress time = receive time - age), ``step_ms`` the rank's
@@ -43,7 +43,10 @@ spent in ``sdk.compute()`` blocks, i.e. not waiting in a collective (-1: not kno
 synchronous job every rank's step takes as long as the slowest rank's, so only busy
 time tells the slow rank apart (clusterops.supervisor.stragglers). A sender without
 busy times leaves the key out; a receiver that does not know the key ignores it, so old
-senders and old receivers keep working.
+senders and old receivers keep working. ``loss`` and ``gnorm`` (optional the same way, for
+the stability guard, clusterops.supervisor.stability) are each rank's mean loss and largest
+grad norm over the interval, ``null`` when the rank does not report it, and the strings
+``"nan"``, ``"inf"``, ``"-inf"`` for a value that is not finite (JSON has no NaN).
 The token, given in the address (``HOST:PORT/TOKEN``), ties a datagram to one attempt
 of one job: the receiver drops any other, before parsing it (:func:`decode` with the
 token: size, token, then nesting, then ``json.loads``; it raises only BadDatagram).
@@ -57,6 +60,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -100,6 +104,8 @@ class RankBeat:
     age_ms: int           # progress this long before the send
     step_ms: int          # mean step time over the last beat interval; -1: not known
     busy_ms: int = -1     # mean busy (not waiting) time per step over that interval; -1: not known
+    loss: Optional[float] = None       # mean loss over that interval (NaN/inf: one was not finite)
+    grad_norm: Optional[float] = None  # largest grad norm over that interval
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,42 @@ def encode(d: Datagram) -> bytes:
             "ranks": [[int(b.rank), int(b.step), int(b.age_ms), int(b.step_ms)] for b in d.ranks]}
     if any(b.busy_ms >= 0 for b in d.ranks):
         body["busy"] = [int(b.busy_ms) for b in d.ranks]
+    if any(b.loss is not None for b in d.ranks):
+        body["loss"] = [_num_out(b.loss) for b in d.ranks]
+    if any(b.grad_norm is not None for b in d.ranks):
+        body["gnorm"] = [_num_out(b.grad_norm) for b in d.ranks]
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+#: How a value that is not finite travels (JSON has no NaN): as one of these strings.
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _num_out(x: Optional[float]):
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else ("nan" if x != x else ("inf" if x > 0 else "-inf"))
+
+
+def _num_list(body: dict, key: str, n: int) -> List[Optional[float]]:
+    """The optional per-rank list ``key`` (numbers, null, or "nan"/"inf"/"-inf"); BadDatagram."""
+    vals = body.get(key)
+    if vals is None:
+        return [None] * n
+    if not isinstance(vals, list) or len(vals) != n:
+        raise BadDatagram(f"{key} must be a list, one entry per rank entry")
+    out: List[Optional[float]] = []
+    for x in vals:
+        if x is None:
+            out.append(None)
+        elif isinstance(x, str) and x in _NON_FINITE:
+            out.append(_NON_FINITE[x])
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            out.append(float(x))
+        else:
+            raise BadDatagram(f"{key} entry {x!r} is not a number, null or nan/inf/-inf")
+    return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -179,6 +220,7 @@ def decode(data: bytes, token: Optional[str] = None) -> Datagram:
     if busy is not None and (not isinstance(busy, list) or len(busy) != len(ranks) or not all(
             isinstance(x, int) and not isinstance(x, bool) for x in busy)):
         raise BadDatagram("busy must be a list of integers, one per rank entry")
+    losses, gnorms = _num_list(body, "loss", len(ranks)), _num_list(body, "gnorm", len(ranks))
     beats = []
     for i, item in enumerate(ranks):
         if (not isinstance(item, list) or len(item) != 4
@@ -187,8 +229,13 @@ def decode(data: bytes, token: Optional[str] = None) -> Datagram:
         r, step, age, sms = item
         if r < 0 or age < 0:
             raise BadDatagram(f"rank entry {item!r}: negative rank or age")
-        beats.append(RankBeat(r, step, age, sms, busy[i] if busy is not None else -1))
+        beats.append(RankBeat(r, step, age, sms, busy[i] if busy is not None else -1, losses[i], gnorms[i]))
     return Datagram(tok, node, seq, tuple(beats))
+
+
+def _num_in(text: str) -> Optional[float]:
+    """A field of a node-local rank file written by :meth:`NodeSender.beat`: "None" or a float."""
+    return None if text == "None" else float(text)
 
 
 def parse_addr(addr: str) -> Tuple[str, int, str]:
@@ -363,13 +410,15 @@ class NodeSender:
         self.file_writes = 0            # node files written on the shared filesystem
 
     # -- the rank's beat -------------------------------------------------------------
-    def beat(self, step: int, *, busy_s: Optional[float] = None, paused: bool = False) -> bool:
+    def beat(self, step: int, *, busy_s: Optional[float] = None, paused: bool = False,
+             loss: Optional[float] = None, grad_norm: Optional[float] = None) -> bool:
         """Record this rank's progress; send the node's datagram when this rank wins the
         interval. Returns True when this rank sent (or wrote the node file).
 
         ``busy_s``: seconds this rank was busy (not waiting) since its previous beat, None
         when the script does not say; ``paused``: a checkpoint save fell in that time, so
-        neither figure is a step time (both go out as -1)."""
+        neither figure is a step time (both go out as -1); ``loss``/``grad_norm``: the
+        training signals of the interval (the stability guard), None when not reported."""
         now = self.clock()
         step_ms = busy_ms = -1
         if self.last is not None and step > self.last[0] and not paused:
@@ -378,7 +427,10 @@ class NodeSender:
                 busy_ms = max(0, round(1000 * busy_s / (step - self.last[0])))
         self.last = (step, now)
         final = os.path.join(self.local, f"rank{self.rank}")
-        line = f"{int(step)} {now!r} {step_ms} {busy_ms}\n".encode()
+        line = f"{int(step)} {now!r} {step_ms} {busy_ms}".encode()
+        if loss is not None or grad_norm is not None:   # fields 5 and 6 (the stability guard)
+            line += f" {_num_out(loss)} {_num_out(grad_norm)}".encode()
+        line += b"\n"
         try:
             protocol.write_private(final, line)
         except FileNotFoundError:       # removed while the job was suspended for hours
@@ -409,8 +461,9 @@ class NodeSender:
                 fields = _read_small(os.path.join(self.local, name)).split()
                 step, t, sms = fields[:3]            # a fourth field (busy) since busy times
                 busy = int(fields[3]) if len(fields) > 3 else -1
+                loss, gnorm = (_num_in(fields[4]), _num_in(fields[5])) if len(fields) > 5 else (None, None)
                 beats.append(RankBeat(int(name[4:]), int(step), max(0, round(1000 * (now - float(t)))), int(sms),
-                                      busy))
+                                      busy, loss, gnorm))
             except (OSError, ValueError):
                 continue            # torn or foreign: the next interval reads it
         beats.sort(key=lambda b: b.rank)

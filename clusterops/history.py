@@ -607,6 +607,10 @@ class History:
             for k, v in r.metrics.items():
                 status = "straggler" if k in r.stragglers else "ok"
                 rows.append((t, report.sweep_id, name, f"fleet:{k}", status, v, k.rsplit("_", 1)[-1], ""))
+            if getattr(r, "versions", ""):   # driver/VBIOS, and whether they are the partition's
+                rows.append((t, report.sweep_id, name, "fleet:versions", "outlier" if r.version_outlier else "ok",
+                             None, "", _clean(r.versions + (f" (partition: {r.version_outlier})"
+                                                            if r.version_outlier else ""))))
             for p in r.probes:
                 val = p.get("value")
                 if isinstance(val, bool) or not isinstance(val, (int, float)):

@@ -34,10 +34,19 @@ CATALOGUE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "clusterops_sweep_node_status": ("The node's status in the last sweep (one series per status, value 1 for the "
                                      "current one).", ("node", "status")),
     "clusterops_sweep_node_straggler": ("1 when a fleet figure of the node is below (1 - tolerance) x the sweep "
-                                        "median.", ("node",)),
+                                        "median (above (1 + tolerance) x for fabric error and flap counts).",
+                                        ("node",)),
     "clusterops_sweep_node_check_duration_seconds": ("Wall time of the node's health check.", ("node",)),
     "clusterops_sweep_node_matmul_tflops": ("Matmul throughput measured on the node (TFLOPS).", ("node",)),
     "clusterops_sweep_node_busbw_gbps": ("All-reduce bus bandwidth measured on the node (GB/s).", ("node",)),
+    "clusterops_sweep_node_copy_bandwidth_gbps": ("Copy bandwidth measured on the node, slowest GPU or pair "
+                                                  "(GB/s; kind h2d, d2h, p2p, hbm).", ("node", "kind")),
+    "clusterops_sweep_node_fabric_errors": ("InfiniBand/RoCE error counter rises on the node in the fabric "
+                                            "probe's window.", ("node",)),
+    "clusterops_sweep_node_fabric_flaps": ("Link flaps (link_downed rises) on the node in the fabric probe's "
+                                           "window.", ("node",)),
+    "clusterops_sweep_node_version_outlier": ("1 when the node's driver/VBIOS versions differ from most of its "
+                                              "partition's.", ("node",)),
     "clusterops_sweep_node_action": ("What the sweep did to the node (drain, resume, keep).", ("node", "action")),
     "clusterops_sweep_node_drained": ("1 for a node that carries a drain after the sweep, labelled with who "
                                       "drained it (origin from the clusterops:<origin>: reason; other: not "
@@ -70,6 +79,10 @@ CATALOGUE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "clusterops_job_mttr_seconds": ("Mean time from a fault to the first step after it (absent before a "
                                     "recovery).", ("job",)),
     "clusterops_job_last_event_timestamp_seconds": ("When the job's timeline last changed.", ("job",)),
+    "clusterops_job_anomalies": ("Loss spikes and non-finite values the stability guard found, by kind "
+                                 "(loss_spike, nan).", ("job", "kind")),
+    "clusterops_job_rollbacks": ("Rollbacks of the stability guard (to an earlier checkpoint, data skipped).",
+                                 ("job",)),
     "clusterops_job_stragglers": ("Stragglers the supervisor found in the job (nodes whose ranks' busy time per "
                                   "step stayed above straggler_ratio x the other nodes' median).", ("job",)),
     "clusterops_job_stragglers_replaced": ("Stragglers replaced by a spare node at a planned checkpoint stop.",

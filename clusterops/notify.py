@@ -15,7 +15,9 @@ too). Configured as ``notify:`` in the health site config or a file given to the
 Who sends what: the sweep ``node_drained``, ``node_resumed``, ``guard_tripped`` and
 ``sweep_cannot_run``; ``health check --drain-on-fail`` (the site config's ``notify:``)
 ``node_drained``, ``node_resumed`` and ``guard_tripped`` for its own node; the supervisor
-``job_requeued`` and ``job_given_up`` (with the exit code and the timeline's summary) to the
+``job_requeued``, ``job_given_up`` (with the exit code and the timeline's summary),
+``job_rolled_back`` (a stability rollback: to which step, what is skipped) and ``job_diverged``
+(the stability guard stopped the job or gave up; instead of ``job_given_up``) to the
 site config's webhooks and to the job spec's ``notify:`` URLs (generic JSON). Every send runs on its own daemon thread: :meth:`Notifier.send`
 returns at once, :meth:`Notifier.close` waits for the deliveries at most ``max_wait_s`` in
 all, and a webhook that is down, slow or refusing only yields a one-line ``error`` in
@@ -48,7 +50,7 @@ from urllib.parse import urlsplit
 from clusterops.errors import InputError
 
 FORMATS = ("json", "slack")
-EVENTS = ("node_drained", "node_resumed", "guard_tripped", "sweep_cannot_run", "job_given_up", "job_requeued")
+EVENTS = ("node_drained", "node_resumed", "guard_tripped", "sweep_cannot_run", "job_given_up", "job_requeued", "job_rolled_back", "job_diverged")
 TARGET_KEYS = {"url", "format", "events", "timeout_s", "retries"}
 MAX_RETRIES = 10
 DEFAULT_RETRIES = 1

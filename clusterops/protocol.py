@@ -24,6 +24,11 @@ variable                       meaning for the training process
                                -- time in ``sdk.compute()`` -- for straggler detection),
                                ``file/TOKEN`` (one file per node in the heartbeat directory), or
                                empty/unset (one file per rank)
+``CLUSTEROPS_RESUME_HINT``     what the supervisor decided for this resume (JSON: ``from_step``,
+                               ``skip_batches``, ``lr_factor``, ``reason``, ``anomaly_step``,
+                               ``rollback``; :class:`clusterops.supervisor.stability.ResumeHint`),
+                               set only when the attempt resumes from a stability rollback's
+                               checkpoint; ``sdk.resume().hint``
 ``CLUSTEROPS_RDZV_ADDR``       in-process recovery (``supervise: inprocess:``): the rendezvous
                                store the supervisor hosts, ``HOST:PORT/TOKEN`` (a
                                ``torch.distributed.TCPStore``; every key under the prefix
@@ -65,6 +70,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -76,11 +82,12 @@ ENV_HEARTBEAT_DIR = "CLUSTEROPS_HEARTBEAT_DIR"
 ENV_STOP_FILE = "CLUSTEROPS_STOP_FILE"
 ENV_RESTART_COUNT = "CLUSTEROPS_RESTART_COUNT"
 ENV_HEARTBEAT_ADDR = "CLUSTEROPS_HEARTBEAT_ADDR"
+ENV_RESUME_HINT = "CLUSTEROPS_RESUME_HINT"
 ENV_RDZV_ADDR = "CLUSTEROPS_RDZV_ADDR"
 
 #: Every variable of the contract, and nothing else.
 CONTRACT_ENV = (ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_HEARTBEAT_DIR, ENV_STOP_FILE, ENV_RESTART_COUNT,
-                ENV_HEARTBEAT_ADDR, ENV_RDZV_ADDR)
+                ENV_HEARTBEAT_ADDR, ENV_RESUME_HINT, ENV_RDZV_ADDR)
 
 #: ENV_HEARTBEAT_ADDR's value that selects the per-node file channel (the forced fallback):
 #: ``file/TOKEN`` (the supervisor's, a fresh token per attempt, so that the node-local
@@ -93,6 +100,41 @@ HEARTBEAT_ADDR_FILE = "file"
 def is_file_addr(addr: str) -> bool:
     """Whether a heartbeat address selects the per-node file channel."""
     return addr == HEARTBEAT_ADDR_FILE or addr.startswith(HEARTBEAT_ADDR_FILE + "/")
+
+# ------------------------------------------------------------------------ resume hint
+
+
+@dataclass(frozen=True)
+class ResumeHint:
+    """What the supervisor decided for the script, handed over with the resume (JSON in
+    :data:`ENV_RESUME_HINT`; the stability guard's rollback, clusterops.supervisor.stability): continue from checkpoint step ``from_step``, skip the
+    next ``skip_batches`` batches of the data position saved in it, and multiply the
+    learning rate by ``lr_factor``."""
+
+    from_step: int
+    skip_batches: int
+    lr_factor: float
+    reason: str = "rollback"
+    anomaly_step: Optional[int] = None
+    rollback: int = 1                # the how-many-th rollback of this job
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Optional["ResumeHint"]:
+        """The hint in ``text``; None for an empty or unreadable one (never raises)."""
+        try:
+            d = json.loads(text) if text else None
+            if not isinstance(d, dict):
+                return None
+            return cls(from_step=int(d["from_step"]), skip_batches=max(0, int(d.get("skip_batches", 0))),
+                       lr_factor=float(d.get("lr_factor", 1.0)), reason=str(d.get("reason", "rollback")),
+                       anomaly_step=None if d.get("anomaly_step") is None else int(d["anomaly_step"]),
+                       rollback=int(d.get("rollback", 1)))
+        except (ValueError, TypeError, KeyError):
+            return None
+
 
 # ------------------------------------------------------------------------ rendezvous
 # The keys of the in-process rendezvous (clusterops.supervisor.rendezvous hosts the store,
@@ -119,6 +161,8 @@ def parse_rdzv_addr(value: str) -> Tuple[str, int, str]:
     if not sep or not token or not host or not port.isdigit():
         raise ValueError(f"{ENV_RDZV_ADDR}={value!r}: not HOST:PORT/TOKEN")
     return host, int(port), token
+
+
 
 # ------------------------------------------------------------------------ layout
 
@@ -163,9 +207,10 @@ def heartbeat_path(job_dir: os.PathLike, attempt: int, rank: int) -> Path:
 
 
 def rank_env(*, ckpt_dir: os.PathLike, resume_from: str, attempt: os.PathLike, restart_count: int,
-             heartbeat_addr: str = "", rdzv_addr: str = "") -> Dict[str, str]:
+             heartbeat_addr: str = "", resume_hint: str = "", rdzv_addr: str = "") -> Dict[str, str]:
     """The contract variables for every rank of an attempt (directory ``attempt``)."""
     return {
+        ENV_RESUME_HINT: resume_hint,
         ENV_CKPT_DIR: str(ckpt_dir),
         ENV_RESUME_FROM: resume_from,
         ENV_HEARTBEAT_DIR: str(heartbeat_dir(attempt)),

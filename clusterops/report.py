@@ -78,6 +78,15 @@ def sweep_metrics(doc: Mapping):
             add("clusterops_sweep_node_matmul_tflops", {"node": node}, m["matmul_tflops"])
         if "busbw_gbps" in m:
             add("clusterops_sweep_node_busbw_gbps", {"node": node}, m["busbw_gbps"])
+        for key, kind in COPY_KINDS.items():
+            if key in m:
+                add("clusterops_sweep_node_copy_bandwidth_gbps", {"node": node, "kind": kind}, m[key])
+        if "fabric_errors" in m:
+            add("clusterops_sweep_node_fabric_errors", {"node": node}, m["fabric_errors"])
+        if "fabric_flaps" in m:
+            add("clusterops_sweep_node_fabric_flaps", {"node": node}, m["fabric_flaps"])
+        if n.get("versions"):
+            add("clusterops_sweep_node_version_outlier", {"node": node}, 1 if n.get("version_outlier") else 0)
     for a in doc.get("applied", []):
         add("clusterops_sweep_node_action", {"node": a["node"], "action": a["action"]}, 1)
     by_origin: Dict[str, int] = {o: 0 for o in DRAIN_ORIGINS}
@@ -103,6 +112,14 @@ def sweep_metrics(doc: Mapping):
     add("clusterops_sweep_exit_code", {}, doc.get("exit_code", 0))
     return prom
 
+
+# The copy-bandwidth figures of a node (sweep metric key -> the `kind` label).
+COPY_KINDS = {"h2d_gbps": "h2d", "d2h_gbps": "d2h", "p2p_gbps": "p2p", "hbm_gbps": "hbm"}
+# The figure columns of the HTML report: metric key -> header. A cell of a figure the
+# node is an outlier in (against the fleet median) is marked.
+FIGURE_COLUMNS = {"matmul_tflops": "TFLOPS", "busbw_gbps": "busbw GB/s", "h2d_gbps": "H2D GB/s",
+                  "d2h_gbps": "D2H GB/s", "p2p_gbps": "P2P GB/s", "hbm_gbps": "HBM GB/s",
+                  "fabric_errors": "fabric errors", "fabric_flaps": "link flaps"}
 
 # Always exported (0 when none), so a dashboard's stack and an alert's absence test work.
 DRAIN_ORIGINS = ("health", "sweep", "supervisor", "straggler", "flapping", "legacy", "other")
@@ -254,7 +271,8 @@ body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:left}
 th{background:#f0f0f0}.s-pass{color:#2e7d32}.s-warn{color:#b28704}.s-fail,.s-unreachable{color:#c62828;font-weight:bold}
 .s-error{color:#6a1b9a;font-weight:bold}.s-skipped{color:#777}.guard{background:#ffebee;border:2px solid #c62828;padding:8px}
-.summary span{margin-right:1.2em}tr.straggler td{background:#fff3e0}
+.summary span{margin-right:1.2em}tr.straggler td{background:#fff3e0}td.outlier{font-weight:bold;color:#e65100}
+td.version-outlier{color:#c62828}
 """
 
 
@@ -271,6 +289,10 @@ def html_report(doc: Mapping) -> str:
         nodes.sort(key=_severity)
     rows = []
     healthy_rows = []
+    # matmul and busbw always (the first release's columns); the others when a node has them.
+    columns = [k for k in FIGURE_COLUMNS if k in ("matmul_tflops", "busbw_gbps")
+               or any(k in (n.get("metrics") or {}) for n in nodes)]
+    with_versions = any(n.get("versions") for n in nodes)
     for n in nodes:
         m = n.get("metrics") or {}
         act = applied.get(n["node"]) or {}
@@ -279,15 +301,18 @@ def html_report(doc: Mapping) -> str:
                                             (None, "untouched") else "")
         cls = "straggler" if n.get("stragglers") else ""
         dur = "" if n.get("duration_s") is None else f"{n['duration_s']:.2f}"
-        tfl = "" if "matmul_tflops" not in m else f"{m['matmul_tflops']:.4g}"
-        bw = "" if "busbw_gbps" not in m else f"{m['busbw_gbps']:.4g}"
+        cells = "".join(_figure_cell(key, m, n.get("stragglers") or []) for key in columns)
+        vcls = ' class="version-outlier"' if n.get("version_outlier") else ""
+        vtext = esc(n.get("versions") or "") + (f" (partition: {esc(n['version_outlier'])})"
+                                                 if n.get("version_outlier") else "")
         (healthy_rows if large and n["status"] in ("pass", "warn", "skipped") and not n.get("stragglers")
-         else rows).append(
+         and not n.get("version_outlier") else rows).append(
             f'<tr class="{cls}" data-node="{esc(n["node"])}" data-status="{esc(n["status"])}">'
             f'<td>{esc(n["node"])}</td><td class="s-{esc(n["status"])}">{esc(n["status"])}</td>'
             f'<td>{esc(n.get("detail") or "")}</td>'
-            f'<td>{dur}</td><td>{tfl}</td><td>{bw}</td>'
+            f'<td>{dur}</td>{cells}'
             f'<td>{esc(", ".join(n.get("stragglers") or []))}</td>'
+            + (f'<td{vcls}>{vtext}</td>' if with_versions else "") +
             f'<td>{esc(action_text)}</td></tr>')
     guard = ""
     if plan.get("guard_tripped"):
@@ -302,8 +327,9 @@ def html_report(doc: Mapping) -> str:
                        f"<td>{esc(p.get('detail') or '')}</td></tr>" for p in doc["pairs"])
         pairs = ("<h2>Node pairs (2-node all-reduce)</h2><table><tr><th>nodes</th><th>status</th>"
                  f"<th>busbw GB/s</th><th>detail</th></tr>{prow}</table>")
-    header = ("<tr><th>node</th><th>status</th><th>detail</th><th>check s</th><th>TFLOPS</th>"
-              "<th>busbw GB/s</th><th>straggler</th><th>action</th></tr>")
+    header = ("<tr><th>node</th><th>status</th><th>detail</th><th>check s</th>"
+              + "".join(f"<th>{esc(FIGURE_COLUMNS[k])}</th>" for k in columns)
+              + "<th>straggler</th>" + ("<th>versions</th>" if with_versions else "") + "<th>action</th></tr>")
     folded = ""
     if large:
         folded = (f'<details id="healthy"><summary>{len(healthy_rows)} healthy or skipped nodes (show)</summary>'
@@ -330,6 +356,13 @@ profile <code>{esc(str(opts.get("profile", "")))}</code> via {esc(str(opts.get("
 {"<h2>Errors</h2><ul>" + errors + "</ul>" if errors else ""}
 </body></html>
 """
+
+
+def _figure_cell(key: str, m: Mapping, outliers: List[str]) -> str:
+    if key not in m:
+        return "<td></td>"
+    mark = ' class="outlier" title="outlier against the fleet median"' if key in outliers else ""
+    return f"<td{mark}>{m[key]:.4g}</td>"
 
 
 def write_html(path: os.PathLike | str, doc: Mapping) -> None:

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence, Tuple
 
 from clusterops.errors import ClusteropsError
 
@@ -111,10 +111,46 @@ def wait_exit(proc, timeout_s: Optional[float]) -> Optional[int]:
         return None
 
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_range() -> Tuple[int, int]:
+    """The kernel's ephemeral port range (Linux's default when it cannot be read)."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            lo, hi = (int(x) for x in f.read().split()[:2])
+        if 1024 <= lo <= hi <= 65535:
+            return lo, hi
+    except (OSError, ValueError):
+        pass
+    return 32768, 60999
+
+
 def free_port(host: str = "") -> int:
-    """A TCP port free on this machine now (the kernel's pick), e.g. for a rendezvous."""
+    """A TCP port free on this machine now, for a listener that starts later (a rendezvous).
+
+    Picked outside the kernel's ephemeral range: a port the kernel chose for a bind to port 0
+    is handed out again to the next connect() or bind(0) on the machine (srun's own listeners,
+    Slurm RPCs, other users' clients) in the seconds before the rendezvous binds it, and a
+    client connecting to it from that port connects to itself. Outside the range only an
+    explicit bind can take it. A candidate counts as free when it binds without
+    SO_REUSEADDR (so a port in TIME_WAIT from an earlier attempt is passed over too); after
+    64 busy candidates the kernel's own pick is the fallback."""
+    import random
     import socket
 
+    lo, hi = ephemeral_range()
+    windows = [(w0, w1) for w0, w1 in ((10000, lo - 1), (hi + 1, 65535)) if w1 - w0 >= 1000]
+    rng = random.SystemRandom()
+    for _ in range(64 if windows else 0):
+        w0, w1 = rng.choice(windows)
+        port = rng.randint(w0, w1)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -138,6 +138,11 @@ _SHAPE = Field("shape", "list", item=Field("dim", "int", min=1, max=1 << 17), mi
 PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
     "nvml": (
         _f("required", "bool", "no GPU / no NVML is a failure (default: the profile's `gpus.required`)"),
+        _f("slowdown_fail_fraction", "number", "HW thermal/power-brake slowdown time between two checks, as a "
+           "share of the time between them, above which the GPU fails (any slowdown warns)", default=0.05,
+           min=0, max=1),
+        _f("state_file", "str", "default $CLUSTEROPS_STATE_DIR or /var/lib/clusterops/nvml-<node>.json",
+           nullable=True),
         count("gpu_count", "GPUs expected (default: `gpus.count`, else Slurm's gres for the node)",
               hi=1024, nullable=True),
         _f("temperature_warn_c", "number", "warn at or above", default=85, min=0, max=200),
@@ -160,6 +165,23 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
             _f("min", "version", "oldest driver allowed, e.g. \"535.104\"", nullable=True),
             _f("exact", "version", "the fleet's one driver, e.g. \"550.54.15\"", nullable=True),
         )),
+    ),
+    "amd": (
+        _f("required", "bool", "no AMD GPU / no amdsmi is a failure (default: `gpus.required`)"),
+        count("gpu_count", "AMD GPUs expected (default: `gpus.count`, else an AMD-typed Slurm gres)", hi=1024,
+              nullable=True),
+        count("ecc_uncorrectable_max", "uncorrectable ECC errors; fail above", 0),
+        count("ecc_deferred_max", "deferred ECC errors; fail above", 0),
+        count("ecc_correctable_max", "correctable ECC errors; warn above", 1000),
+        count("bad_pages_max", "retired (reserved) pages; warn above", 64, hi=1e6),
+        count("xgmi_links", "XGMI links that must be up per GPU (7 in an 8-GPU MI300X hive)", hi=64,
+              nullable=True),
+        _f("pcie_busy_pct", "number", "judge the PCIe speed only at this activity", default=50, min=0, max=100),
+        _f("temperature_warn_c", "number", "hotspot or HBM temperature that warns", default=95, min=0, max=200),
+        _f("temperature_fail_c", "number", "hotspot or HBM temperature that fails", default=105, min=0, max=200),
+        _f("gres_from_slurm", "bool", "on a GPU partition, ask Slurm's gres whether the node has AMD GPUs",
+           default=True),
+        seconds("slurm_timeout_s", "deadline of that one Slurm query", 2),
     ),
     "xid": (
         _f("source", "enum", "where the kernel log comes from", default="auto",
@@ -205,6 +227,32 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
         count("min_ports", "ACTIVE ports needed", 0, hi=1024, nullable=True),
         _f("infiniband_only", "bool", "hold only InfiniBand-link ports to the rules", default=True),
     ),
+    "fabric": (
+        _f("sys_root", "str", "", default="/sys/class/infiniband"),
+        _f("devices", "list", "HCA names to judge (shell patterns, e.g. mlx5_*); empty: all", default=[],
+           item=Field("device", "str"), max_len=256),
+        _f("link_layers", "list", "link layers judged: InfiniBand, Ethernet (RoCE)",
+           default=["InfiniBand", "Ethernet"], item=Field("layer", "enum", choices=("InfiniBand", "Ethernet")),
+           min_len=1, max_len=2),
+        _f("required", "bool", "no port fails (else skips)", default=False),
+        _f("expected_rate_gbps", "number", "slowest port rate allowed", min=0, gt=True, max=1e6, nullable=True),
+        _f("expected_width", "enum", "narrowest link width allowed (null: a port narrower than its "
+           "siblings warns)", choices=("1X", "2X", "4X", "8X", "12X"), nullable=True),
+        count("min_ports", "ACTIVE ports needed", 0, hi=1024, nullable=True),
+        _f("state_file", "str", "default $CLUSTEROPS_STATE_DIR or /var/lib/clusterops/fabric-<node>.json",
+           nullable=True),
+        _f("window_h", "number", "hours over which counter rises and flaps are summed", default=24, min=0,
+           gt=True, max=24 * 365),
+        count("flaps_warn", "link_downed rises in the window that warn", 1, hi=1e6, nullable=True),
+        count("flaps_fail", "link_downed rises in the window that fail", 5, hi=1e6, nullable=True),
+        _f("counters", "map", "error counter -> {warn, fail}: rises in the window", fields=tuple(
+            _f(name, "map", "", fields=(count("warn", "", hi=1e12, nullable=True),
+                                        count("fail", "", hi=1e12, nullable=True)))
+            for name in ("symbol_error", "link_error_recovery", "port_rcv_errors",
+                         "port_rcv_remote_physical_errors", "port_rcv_switch_relay_errors", "port_xmit_discards",
+                         "port_xmit_constraint_errors", "port_rcv_constraint_errors",
+                         "local_link_integrity_errors", "excessive_buffer_overrun_errors", "VL15_dropped"))),
+    ),
     "host.stray_processes": (
         _f("status", "enum", "status when processes of finished jobs are found", default="warn",
            choices=("warn", "fail")),
@@ -217,6 +265,11 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
         seconds("diag_timeout_s", "deadline of the diag", 900),
         _f("output_file", "str", "read a recorded `dcgmi diag -j` output instead", nullable=True),
         _f("exit_code", "int", "exit code that goes with output_file", default=0, min=0, max=255),
+        seconds("hostengine_timeout_s", "deadline of the nv-hostengine liveness query and of each "
+                "`dcgmi health` call; past it: error, never a drain", 10),
+        _f("health", "bool", "also check DCGM's health watches (`dcgmi health -c`)", default=False),
+        _f("health_group", "int", "the DCGM group whose watches are checked", default=0, min=0, max=1 << 31),
+        _f("health_output_file", "str", "read a recorded `dcgmi health -c -j` output instead", nullable=True),
     ),
     "matmul": (
         _f("required", "bool", "no CUDA device fails (default: `gpus.required`)"),
@@ -229,6 +282,23 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
         _f("cpu_expected_tflops", "number", "expected fp32 TFLOPS on a CPU node", min=0, gt=True, max=1e6,
            nullable=True),
         _f("flush_l2", "bool", "flush L2 between iterations", default=True),
+    ),
+    "copybw": (
+        _f("required", "bool", "no CUDA device is an error (default: `gpus.required`)"),
+        _f("kinds", "list", "what to measure", default=["h2d", "d2h", "p2p", "hbm"],
+           item=Field("kind", "enum", choices=("h2d", "d2h", "p2p", "hbm")), min_len=1, max_len=4),
+        _f("size_mib", "int", "MiB per copy", default=256, min=1, max=16384),
+        count("warmup", "", 3, hi=1e6),
+        _f("iters", "int", "", default=10, min=1, max=1e6),
+        _f("min_h2d_gbps", "number", "floor over the model's h2d_gbps", min=0, gt=True, max=1e6, nullable=True),
+        _f("min_d2h_gbps", "number", "floor over the model's d2h_gbps", min=0, gt=True, max=1e6, nullable=True),
+        _f("min_p2p_gbps", "number", "floor over the model's p2p_gbps", min=0, gt=True, max=1e6, nullable=True),
+        _f("min_hbm_gbps", "number", "floor over hbm_min_fraction x the model's hbm_gbps", min=0, gt=True,
+           max=1e6, nullable=True),
+        _f("hbm_min_fraction", "number", "share of the model's peak memory bandwidth a GPU must reach",
+           default=0.7, min=0, max=1),
+        _f("straggler_pct", "number", "slower than the node's best GPU (pair) by more fails", default=15,
+           min=0, max=100),
     ),
     "dist": (
         seconds("test_timeout_s", "each rank's deadline (default 0.7 x timeout_s)"),
@@ -269,6 +339,18 @@ GPU_MODEL = Field("gpu_model", "map", fields=(
     _f("matmul_bf16_tflops", "number", "expected best bf16 matmul TFLOPS", min=0, gt=True, max=1e6,
        nullable=True),
     count("nvlink_links", "NVLink links per GPU", hi=64, nullable=True),
+    count("max_sm_clock_mhz", "the model's maximum SM clock; a GPU whose maximum is lower fails", hi=1e5,
+          nullable=True),
+    _f("h2d_gbps", "number", "host-to-device pinned copy floor per GPU (GB/s)", min=0, gt=True, max=1e6,
+       nullable=True),
+    _f("d2h_gbps", "number", "device-to-host pinned copy floor per GPU (GB/s)", min=0, gt=True, max=1e6,
+       nullable=True),
+    _f("p2p_gbps", "number", "peer-to-peer copy floor per GPU pair (GB/s)", min=0, gt=True, max=1e6,
+       nullable=True),
+    _f("hbm_gbps", "number", "device-memory bandwidth, the vendor's peak (GB/s)", min=0, gt=True, max=1e6,
+       nullable=True),
+    _f("allreduce_busbw_gbps", "number", "all-reduce busbw floor over the node's GPUs (GB/s)", min=0, gt=True,
+       max=1e6, nullable=True),
 ))
 DRAIN = Field("drain", "map", "the fleet guard of --drain-on-fail", fields=(
     _f("max_drained_fraction", "number", "share of a partition's nodes that may carry a clusterops drain "
@@ -287,7 +369,8 @@ WEBHOOK = Field("webhook", "map", "a webhook: generic JSON or Slack-compatible (
     _f("url", "url", "http:// or https:// URL", required=True),
     _f("format", "enum", "payload shape", default="json", choices=("json", "slack")),
     _f("events", "list", "events to send (default: all)", item=_f("event", "enum", choices=(
-        "node_drained", "node_resumed", "guard_tripped", "sweep_cannot_run", "job_given_up", "job_requeued"))),
+        "node_drained", "node_resumed", "guard_tripped", "sweep_cannot_run", "job_given_up", "job_requeued",
+        "job_rolled_back", "job_diverged"))),
     _f("timeout_s", "number", "per attempt", default=5.0, min=0.1, max=60),
     _f("retries", "int", "attempts after the first", default=1, min=0, max=10),
 ))
@@ -328,6 +411,36 @@ def _timeout(name: str, doc: str, default: float) -> Field:
 def _budget(name: str, doc: str, default: int, lo: int = 0, **kw) -> Field:
     return _policy(name, "int", doc, default, min=lo, max=MAX_COUNT, **kw)
 
+
+_ACTIONS = ("record", "stop", "rollback")
+
+#: ``supervise: {stability: {...}}``; ``clusterops.supervisor.stability.StabilityConfig`` is made
+#: from these fields (defaults from published practice: docs/supervisor.md).
+STABILITY_FIELDS: Tuple[Field, ...] = (
+    _f("on_spike", "enum", "what a loss spike does", default="record", choices=_ACTIONS),
+    _f("on_nan", "enum", "what a non-finite loss or grad norm does", default="rollback", choices=_ACTIONS),
+    _f("window", "int", "in-band samples (about one a second) the band is the median and MAD of", default=128,
+       min=4, max=100000),
+    _f("factor", "number", "a spike is above median + factor x 1.4826 MAD (about sigmas)", default=6.0,
+       min=1, gt=True),
+    _f("patience", "int", "samples in a row above the band before it is a spike", default=2, min=1, max=1000),
+    _f("min_samples", "int", "samples in the band before spikes are judged", default=8, min=1, max=100000),
+    _f("warmup_steps", "int", "steps from the start in which only non-finite values are findings", default=100,
+       min=0, max=10**9),
+    _f("resume_grace_steps", "int", "steps after each resume in which only non-finite values are findings",
+       default=10, min=0, max=10**9),
+    _f("watch_grad_norm", "bool", "judge the grad norm too, when the script reports it", default=True),
+    _f("rollback_steps", "int", "roll back to the newest checkpoint at least this many steps before the "
+       "anomaly began", default=100, min=0, max=10**9),
+    _f("skip_batches", "int", "batches the script skips after a rollback (from the data position of the "
+       "checkpoint)", default=200, min=0, max=10**9),
+    _f("lr_factor", "number", "learning-rate factor the script is told to apply after a rollback", default=1.0,
+       min=0, gt=True, max=1000),
+    _f("max_rollbacks", "int", "rollbacks within `rollback_window_steps` before giving up (exit 9)", default=3,
+       min=0, max=1000),
+    _f("rollback_window_steps", "int", "steps within which rollbacks count together", default=10000, min=1,
+       max=10**9),
+)
 
 SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-healing); a mapping of the "
                   "keys below, or `true` for the defaults", fields=(
@@ -393,12 +506,18 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
     _f("progress", "map", "no SDK: read progress from the ranks' output instead of heartbeat files; a hang is "
        "no new step for `hang_timeout_s`", default_text="off (SDK heartbeats)", fields=(
         _f("regex", "regex", "searched in every output line; group 1 is the step", required=True),
+        _f("loss_regex", "regex", "for the stability guard: searched in every output line; group 1 is the loss "
+           "(`nan`/`inf` read as such)", default_text="off"),
     )),
     _f("checkpoint_glob", "str", "no SDK: the script's own checkpoints, a glob under `ckpt_dir`; the newest "
        "complete one (highest last number in its name, not a temporary name) is resumed from",
        default_text="off (SDK checkpoints)"),
     Field("resume_args", "list", "no SDK: arguments added to the command on a restart when there is a "
-          "checkpoint; `{ckpt}` is replaced by its path", default_text="none", item=Field("item", "text")),
+          "checkpoint; `{ckpt}` is replaced by its path, `{skip_batches}` and `{lr_factor}` by a stability "
+          "rollback's decision (0 and 1 otherwise)", default_text="none", item=Field("item", "text")),
+    _f("stability", "map", "the stability guard: watch the loss (and grad norm) the ranks report for spikes and "
+       "non-finite values, and record, stop or roll back (docs/supervisor.md, \"Training stability\")",
+       default_text="off", fields=STABILITY_FIELDS),
 ))
 
 # Policy fields that are not `supervise:` keys: a job spec sets them elsewhere (its node
@@ -487,7 +606,7 @@ def job_spec_field(name: str) -> Optional[Field]:
 
 # -- dataclasses from a table (the supervisor's Policy) -------------------------------------
 
-_PY_TYPES = {"int": int, "number": float, "bool": bool, "str": str, "path": str, "profile": str}
+_PY_TYPES = {"int": int, "number": float, "bool": bool, "str": str, "path": str, "profile": str, "enum": str}
 
 
 def dataclass_of(fields: Sequence[Field], **options: Any):
@@ -887,7 +1006,8 @@ def supervisor_docs_tables() -> Dict[str, str]:
     for x in SUPERVISE.fields + POLICY_ONLY:
         key = f"`{x.name}`" if x in SUPERVISE.fields else "(not a key)"
         out.append(f"| {key} | {_flag_cell(x)} | {cell(x.type_text())} | {cell(default_doc(x))} | {cell(x.doc)} |")
-    return {"supervise-settings": "\n".join(out)}
+    stab = markdown_table([(f"stability.{x.name}", x.type_text(), default_doc(x), x.doc) for x in STABILITY_FIELDS])
+    return {"supervise-settings": "\n".join(out), "stability": stab}
 
 
 # docs file (relative to the project root) -> its generated tables

@@ -3,12 +3,13 @@
     from clusterops import sdk
     dist = sdk.init_distributed()          # torchrun or srun-native ranks; gloo/nccl
     ckpt = sdk.resume()                    # None, or the state to continue from
+                                           # (ckpt.hint: a stability rollback's skip/LR factor)
     ...
     for step in range(start, steps):
         with sdk.compute():                # optional: this rank's own work, for straggler
             loss = train_one_step()        # detection (leave the collectives outside)
         sync_gradients()
-        sdk.heartbeat(step + 1)            # cheap: at most ~1 write per second
+        sdk.heartbeat(step + 1, loss=loss)  # cheap: at most ~1 write per second
         if (step + 1) % every == 0:
             sdk.save(state, step + 1, async_=True)
         if sdk.should_stop():              # all ranks agree (one small collective)
@@ -92,6 +93,10 @@ class Resumed:
     path: Path
     manifest: dict
     rng_restored: bool
+    #: What the supervisor decided for this resume (a stability rollback: skip
+    #: ``hint.skip_batches`` batches from the restored data position, multiply the learning
+    #: rate by ``hint.lr_factor``); None for an ordinary resume.
+    hint: Optional[protocol.ResumeHint] = None
 
 
 class _Runtime:
@@ -110,6 +115,9 @@ class _Runtime:
         self.busy_s = 0.0       # time in compute() blocks since the last beat
         self.busy_known = False # the script uses compute() (else no busy time is reported)
         self.hb_paused = False  # a checkpoint save fell in the time since the last beat
+        self.loss_sum, self.loss_n = 0.0, 0   # losses reported since the last beat (stability guard)
+        self.loss_bad: Optional[float] = None # a non-finite one among them (it wins)
+        self.gnorm_max: Optional[float] = None
         self.inflight: Optional[_AsyncSave] = None
         self.last_async_step: Optional[int] = None
         self.atexit_registered = False
@@ -402,8 +410,38 @@ def add_busy(seconds: float) -> None:
     _rt.busy_s += max(0.0, float(seconds))
 
 
-def heartbeat(step: int, *, force: bool = False) -> bool:
+def _take_signals(loss, grad_norm) -> None:
+    """Add one step's loss and grad norm to the interval's figures (mean loss, largest grad
+    norm; a value that is not finite wins, and stays until the beat that carries it)."""
+    if loss is not None:
+        v = float(loss)
+        if v != v or v in (float("inf"), float("-inf")):
+            _rt.loss_bad = v
+        else:
+            _rt.loss_sum += v
+            _rt.loss_n += 1
+    if grad_norm is not None:
+        g, m = float(grad_norm), _rt.gnorm_max
+        if m is None or (m == m and (g != g or g > m)):     # a NaN, once there, stays
+            _rt.gnorm_max = g
+
+
+def _pop_signals():
+    """(loss, grad norm) of the interval for the beat, and start a new interval."""
+    loss = _rt.loss_bad if _rt.loss_bad is not None else (_rt.loss_sum / _rt.loss_n if _rt.loss_n else None)
+    g = _rt.gnorm_max
+    _rt.loss_sum, _rt.loss_n, _rt.loss_bad, _rt.gnorm_max = 0.0, 0, None, None
+    return loss, g
+
+
+def heartbeat(step: int, *, loss=None, grad_norm=None, force: bool = False) -> bool:
     """Record progress for the supervisor's hang detection.
+
+    ``loss``, ``grad_norm``: this step's training signals for the supervisor's stability
+    guard (``supervise: {stability: ...}``); a float (``loss.item()``, which the script
+    usually has for logging anyway) or anything ``float()`` takes (a GPU tensor: that is a
+    device sync). Every call adds to the interval's figures -- the mean loss and the largest
+    grad norm; one that is not finite wins -- and the beat carries them: no I/O of its own.
 
     Reports the step through the supervisor's heartbeat channel (clusterops.heartbeat:
     node-local, one datagram per node; without an address, this rank's heartbeat file) at
@@ -415,6 +453,8 @@ def heartbeat(step: int, *, force: bool = False) -> bool:
     d = os.environ.get(protocol.ENV_HEARTBEAT_DIR)
     if not d:
         return False
+    if loss is not None or grad_norm is not None:
+        _take_signals(loss, grad_norm)
     now = time.monotonic()
     if not force and now - _rt.hb_at < HEARTBEAT_INTERVAL_S:
         return False
@@ -429,7 +469,9 @@ def heartbeat(step: int, *, force: bool = False) -> bool:
             try:
                 if _rt.hb_sender is None or _rt.hb_sender.addr != addr or _rt.hb_sender.hb_dir != d:
                     _rt.hb_sender = NodeSender(addr, d, rank, interval_s=HEARTBEAT_INTERVAL_S)
-                _rt.hb_sender.beat(step, busy_s=_rt.busy_s if _rt.busy_known else None, paused=_rt.hb_paused)
+                sig_loss, sig_gnorm = _pop_signals()
+                _rt.hb_sender.beat(step, busy_s=_rt.busy_s if _rt.busy_known else None, paused=_rt.hb_paused,
+                                   loss=sig_loss, grad_norm=sig_gnorm)
                 _rt.busy_s, _rt.hb_paused = 0.0, False
             except ChannelRefused as e:
                 # No token, or a node-local directory that is not ours alone (planted by
@@ -772,6 +814,15 @@ def resume(*, root: Optional[os.PathLike] = None, template: Optional[dict] = Non
             tried.add(path)
 
 
+def resume_hint(step: Optional[int] = None) -> Optional[protocol.ResumeHint]:
+    """The supervisor's decision for this attempt (``protocol.ENV_RESUME_HINT``), None when
+    there is none; with ``step``, only when it was made for the checkpoint of that step."""
+    hint = protocol.ResumeHint.from_json(os.environ.get(protocol.ENV_RESUME_HINT, ""))
+    if hint is None or (step is not None and hint.from_step != step):
+        return None
+    return hint
+
+
 def _load_resumed(path: Path, d, template, restore_rng: bool, weights_only: bool) -> Resumed:
     try:
         manifest = ck.read_manifest(path)
@@ -799,7 +850,7 @@ def _load_resumed(path: Path, d, template, restore_rng: bool, weights_only: bool
         msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise ck.CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {msg})") from None
     return Resumed(step=step, state=state, rank_state=extra.get("rank_state") if extra else None,
-                   path=path, manifest=manifest, rng_restored=rng_restored)
+                   path=path, manifest=manifest, rng_restored=rng_restored, hint=resume_hint(step))
 
 
 def _load_dcp(dcp_path: Path, template: Optional[dict]):

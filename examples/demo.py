@@ -63,14 +63,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args(argv)
 
-    from clusterops.devcluster import DevCluster, DevClusterConfig
+    from clusterops.devcluster import DevCluster, DevClusterConfig, free_port_base
     from clusterops.slurm import Slurm
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="clusterops-demo-"))
     state = Path(args.state_dir or tempfile.mkdtemp(prefix="clusterops-demo-dc-"))
     dc = DevCluster(state)
     started = not dc.running()
-    port_base = args.port_base or (_free_port_base() if started else None)
+    port_base = args.port_base or (free_port_base(4) if started else None)
     t0 = time.monotonic()
     if started:
         say(f"bringing up a 4-node Slurm dev cluster in {state}")
@@ -151,26 +151,6 @@ def main(argv=None) -> int:
         print(f"  [{'PASS' if passed else 'FAIL'}] {name}")
     print("DEMO PASSED" if ok else "DEMO FAILED")
     return 0 if ok else 1
-
-
-def _free_port_base() -> int:
-    import random
-    import socket
-
-    rng = random.Random()
-    for _ in range(50):
-        base = rng.randrange(20000, 60000, 100)
-        ok = True
-        for port in range(base, base + 6):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise SystemExit("no free port range for the dev cluster")
 
 
 if __name__ == "__main__":

@@ -46,10 +46,10 @@ def env_int(*names, default):
     return default
 
 
-def save(model, opt, step, ckpt_dir: Path) -> Path:
+def save(model, opt, step, ckpt_dir: Path, skipped: int = 0) -> Path:
     path = ckpt_dir / f"ckpt_{step:07d}.pt"
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "skipped": skipped}, tmp)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -65,6 +65,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1234)
+    # The stability guard's flags (tests): a data window whose targets are NaN, and what a
+    # rollback's resume_args ({skip_batches}, {lr_factor}) or its reference run pass.
+    p.add_argument("--poison-batches", default=None, metavar="A:B", help="data batches A..B-1 have NaN targets")
+    p.add_argument("--skip-batches", type=int, default=0, help="on --resume: skip this many batches")
+    p.add_argument("--lr-factor", type=float, default=1.0, help="on --resume: multiply the learning rate")
+    p.add_argument("--skip-batches-at", default=None, metavar="STEP:K", help="at STEP skip K batches")
+    p.add_argument("--lr-factor-at", default=None, metavar="STEP:F", help="at STEP multiply the LR by F")
     args = p.parse_args(argv)
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, on_signal)
@@ -80,18 +87,35 @@ def main(argv=None) -> int:
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     step = 0
+    skipped = 0      # batches skipped so far: the data position is step + skipped
     if args.resume is not None:
         state = torch.load(args.resume, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step = int(state["step"])
+        skipped = int(state.get("skipped", 0)) + args.skip_batches
+        for group in opt.param_groups:
+            group["lr"] *= args.lr_factor
         if rank == 0:
-            print(f"resumed from {args.resume} at step {step}", flush=True)
+            print(f"resumed from {args.resume} at step {step} skip={args.skip_batches} lr_factor={args.lr_factor}",
+                  flush=True)
+    poison = tuple(int(v) for v in args.poison_batches.split(":")) if args.poison_batches else None
+    skip_at = tuple(int(v) for v in args.skip_batches_at.split(":")) if args.skip_batches_at else None
+    lr_at = args.lr_factor_at.split(":") if args.lr_factor_at else None
     target = torch.linspace(-1, 1, 16)
     while step < args.steps:
-        g = torch.Generator().manual_seed(args.seed * 1000003 + step * 131 + rank)
+        if skip_at is not None and step == skip_at[0]:
+            skipped += skip_at[1]
+        if lr_at is not None and step == int(lr_at[0]):
+            for group in opt.param_groups:
+                group["lr"] *= float(lr_at[1])
+        data = step + skipped
+        g = torch.Generator().manual_seed(args.seed * 1000003 + data * 131 + rank)
         x = torch.randn(8, 16, generator=g)
-        loss = ((model(x).squeeze(1) - x @ target) ** 2).mean()
+        y = x @ target
+        if poison is not None and poison[0] <= data < poison[1]:
+            y = y * float("nan")
+        loss = ((model(x).squeeze(1) - y) ** 2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if world > 1:
@@ -110,7 +134,7 @@ def main(argv=None) -> int:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stopping = bool(flag.item()) and step < args.steps
         if rank == 0 and (stopping or (args.ckpt_every and step % args.ckpt_every == 0 and step < args.steps)):
-            path = save(model, opt, step, args.ckpt_dir)
+            path = save(model, opt, step, args.ckpt_dir, skipped)
             print(f"saved {path}", flush=True)
         if stopping:
             if world > 1:

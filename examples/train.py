@@ -25,6 +25,12 @@ Output lines (rank 0, stdout, flushed):
   done step=<N> out=<file> sha256=<hex>    finished; sha256 over the final parameters
 Exit codes: 0 finished or stopped cleanly; 1 error.
 
+Stability flags for tests: --poison-batches A:B (a data window that makes the loss spike,
+then NaN), --skip-batches-at / --lr-factor-at (the reference run of a rollback). A resume
+whose ``sdk.resume().hint`` comes from a stability rollback skips ``hint.skip_batches``
+batches and multiplies the learning rate by ``hint.lr_factor`` (printed as
+``rollback-hint step=<N> skip=<K> lr_factor=<F>``). The loss goes with the heartbeat.
+
 Fault flags for tests: --crash-at-step N (rank --crash-rank SIGKILLs itself at step N
 while CLUSTEROPS_RESTART_COUNT < --crash-times, or once if --crash-marker FILE is
 given and FILE does not exist yet), --hang-at-step N (stops making progress).
@@ -52,6 +58,15 @@ from clusterops.checkpoint import CheckpointError
 IN_FEATURES = 32
 
 
+def _pair(kind):
+    def parse(text: str):
+        a, sep, b = text.partition(":")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{text!r}: want A:B")
+        return int(a), kind(b)
+    return parse
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200, help="total optimizer steps")
@@ -73,6 +88,13 @@ def parse_args(argv=None):
                    help="crash once: only if this file does not exist yet (then create it)")
     p.add_argument("--hang-at-step", type=int, default=None,
                    help="stop making progress (and heartbeats) at this step, forever")
+    p.add_argument("--poison-batches", type=_pair(int), default=None, metavar="A:B",
+                   help="poison the data batches A..B-1 (global batch index, epochs counted): the first half "
+                        "with targets x100 (a loss spike), the rest NaN (divergence)")
+    p.add_argument("--skip-batches-at", type=_pair(int), default=None, metavar="STEP:K",
+                   help="at step STEP skip the next K batches (what a stability rollback's hint does)")
+    p.add_argument("--lr-factor-at", type=_pair(float), default=None, metavar="STEP:F",
+                   help="at step STEP multiply the learning rate by F (a rollback's LR factor)")
     # Negative controls for the tests (each one breaks exact resume on purpose).
     p.add_argument("--unsafe-no-rng-restore", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--unsafe-restart-epoch", action="store_true", help=argparse.SUPPRESS)
@@ -176,6 +198,14 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
 
+    def skip(epoch: int, batch: int, k: int):
+        g = epoch * batches_per_epoch + batch + k
+        return g // batches_per_epoch, g % batches_per_epoch
+
+    def scale_lr(f: float) -> None:
+        for group in opt.param_groups:
+            group["lr"] *= f
+
     step, epoch, batch = 0, 0, 0
     if have_ckpt:
         r = sdk.resume(restore_rng=not args.unsafe_no_rng_restore)
@@ -191,6 +221,11 @@ def main(argv=None) -> int:
                 # size. Start the next epoch rather than index past this rank's shard.
                 epoch, batch = epoch + 1, 0
             say(rank, f"resume step={step} path={r.path}")
+            if r.hint is not None:
+                # The supervisor rolled back past a loss spike: skip the data that preceded it.
+                epoch, batch = skip(epoch, batch, r.hint.skip_batches)
+                scale_lr(r.hint.lr_factor)
+                say(rank, f"rollback-hint step={step} skip={r.hint.skip_batches} lr_factor={r.hint.lr_factor}")
 
     start_step = step
     sdk.heartbeat(step, force=True)  # alive (and where we start) before the first step
@@ -228,11 +263,21 @@ def main(argv=None) -> int:
         if args.hang_at_step is not None and step == args.hang_at_step:
             while True:
                 time.sleep(1)
+        if args.skip_batches_at is not None and step == args.skip_batches_at[0]:
+            epoch, batch = skip(epoch, batch, args.skip_batches_at[1])
+            order = epoch_indices(args.seed, epoch, args.samples, rank, world)
+        if args.lr_factor_at is not None and step == args.lr_factor_at[0]:
+            scale_lr(args.lr_factor_at[1])
         # This rank's own work goes in sdk.compute() blocks, the gradient all-reduce (where a
         # fast rank waits for a slow one) outside: the supervisor tells a straggler by it.
         with sdk.compute():
             idx = order[batch * args.batch_size:(batch + 1) * args.batch_size]
             x, y = x_all[idx], y_all[idx]
+            if args.poison_batches is not None:
+                a, b = args.poison_batches
+                g = epoch * batches_per_epoch + batch
+                if a <= g < b:
+                    y = y * 100.0 if g < (a + b) // 2 else torch.full_like(y, float("nan"))
             x = x + torch.from_numpy(np.random.normal(0.0, 0.01, size=tuple(x.shape)).astype(np.float32))
             if random.random() < 0.25:
                 x = x.flip(0).flip(0) * 1.0001
@@ -251,7 +296,7 @@ def main(argv=None) -> int:
                 order = epoch_indices(args.seed, epoch, args.samples, rank, world)
             if args.step_sleep:
                 time.sleep(args.step_sleep)   # stands for more compute
-        sdk.heartbeat(step)
+        sdk.heartbeat(step, loss=loss.item())
         if sdk.async_done():
             drain_async()
         stop = sdk.should_stop()

@@ -5,4 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=600 "$@"
+# Tests run in CLUSTEROPS_TEST_WORKERS processes at once (pytest-xdist; 3 by default, 0
+# for one process), each with its own dev cluster and PostgreSQL server: most dev-cluster
+# tests wait on Slurm, not on the CPU. Arguments after the defaults win (e.g. -n 0).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=600 \
+    -n "${CLUSTEROPS_TEST_WORKERS:-3}" --dist loadgroup "$@"

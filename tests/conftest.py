@@ -10,9 +10,7 @@ leak state into each other.
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -25,28 +23,45 @@ sys.path.insert(0, str(REPO / "tests"))
 DEV_NODES = 4
 DEV_GPUS = 4
 
-
-def _ports_free(base: int, count: int) -> bool:
-    for port in range(base, base + count + 1):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
+# The host's own clusterops state stays out of the suite, and each test process (the
+# pytest-xdist workers run at once, each with its own dev cluster whose nodes have the same
+# names) has its own: per-node probe state ($CLUSTEROPS_STATE_DIR, e.g. xid-node1.json) and
+# the sweep's database and lock ($CLUSTEROPS_SWEEP_DB). Sticky and world-writable, like
+# /tmp, for the tests that run as another user. A test that sets them keeps its own.
+_HOST_STATE = Path(tempfile.mkdtemp(prefix="clusterops-test-state-"))
+_HOST_STATE.chmod(0o1777)
+os.environ.setdefault("CLUSTEROPS_STATE_DIR", str(_HOST_STATE / "state"))
+os.environ.setdefault("CLUSTEROPS_SWEEP_DB", str(_HOST_STATE / "sweep.db"))
 
 
 def pick_port_base(count: int) -> int:
     env = os.environ.get("CLUSTEROPS_TEST_PORT_BASE")
     if env:
         return int(env)
-    rng = random.Random()
-    for _ in range(50):
-        # Below the kernel's ephemeral range (32768+), where client sockets come and go.
-        base = rng.randrange(20000, 32000, 100)
-        if _ports_free(base, count):
-            return base
-    raise RuntimeError("no free port range for the dev cluster")
+    from clusterops.devcluster import free_port_base
+
+    return free_port_base(count, worker_port_window())
+
+
+def worker_port_window() -> tuple:
+    """This test process's share of devcluster.PORT_BASE_WINDOW for dev-cluster daemons.
+
+    Below 10000: out of the kernel's ephemeral range (32768+), where client sockets come and
+    go, and out of the window runner.free_port picks rendezvous ports from (10000+), so a
+    training step never takes the port of a slurmd that a test stopped and restarts. The
+    pytest-xdist workers (PYTEST_XDIST_WORKER=gwN of PYTEST_XDIST_WORKER_COUNT) each get a
+    disjoint slice, so two workers starting their clusters at the same second never pick
+    the same ports."""
+    from clusterops.devcluster import PORT_BASE_WINDOW
+
+    lo, hi = PORT_BASE_WINDOW
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
+        span = (hi - lo) // count
+        lo = lo + int(worker[2:]) % count * span
+        hi = lo + span
+    return lo, hi
 
 
 @pytest.fixture(scope="session")
@@ -117,14 +132,39 @@ def cluster(devcluster):
 from support.pgserver import history_target, postgres_server  # noqa: E402,F401
 
 
+_modules_at_freeze = [0]
+
+
+def pytest_runtest_setup(item):
+    """Keep the cyclic garbage collector off the heavy imports' objects.
+
+    torch, numpy, hypothesis and the rest leave millions of long-lived objects; every full
+    collection walks them all, and a test that makes much garbage (hypothesis) ran 5x
+    slower after torch was imported than before. When a batch of modules has been imported
+    since the last time, collect once and move what survives to the permanent generation
+    (gc.freeze): later garbage is still collected as usual."""
+    import gc
+
+    if len(sys.modules) - _modules_at_freeze[0] > 100:
+        gc.collect()
+        gc.freeze()
+        _modules_at_freeze[0] = len(sys.modules)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The gpu tier is deselected (not skipped: it is not in the CPU suite's count)
-    unless the -m expression names it, e.g. ``-m gpu``."""
-    if "gpu" in (config.option.markexpr or ""):
+    """The device tiers are deselected (not skipped: they are not in the CPU suite's count)
+    unless the -m expression names them: ``-m gpu`` (NVIDIA), ``-m rocm`` (AMD)."""
+    expr = config.option.markexpr or ""
+    tiers = [t for t in ("gpu", "rocm") if t not in expr]
+    if not tiers:
         return
     keep, drop = [], []
     for item in items:
-        (drop if item.get_closest_marker("gpu") else keep).append(item)
+        (drop if any(item.get_closest_marker(t) for t in tiers) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_HOST_STATE, ignore_errors=True)

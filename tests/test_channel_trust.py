@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import test_supervisor_run_fast as fast
-from test_heartbeat_channel import ChannelStep, Clock, wait_for
+from test_heartbeat_channel import Clock, channel_world, wait_for
 from test_supervisor_run_fast import world  # noqa: F401 (the fixture)
 from clusterops import heartbeat as hbc
 from clusterops import protocol
@@ -160,22 +160,8 @@ def test_a_receiver_that_ended_is_restarted_on_its_port_and_keeps_its_beats():
         r.close()
 
 
-def _channel_world(world, tmp_path, monkeypatch, mode="net"):
-    monkeypatch.setenv(ch.MODE_ENV, mode)
-    world.shm = tmp_path / "shm"
-    world.slurm.node_address = lambda name: "127.0.0.1"
-    spawn = world.runner.spawn
-
-    def spawn_channel_step(argv, *, log_path, env=None, cwd=None, unset=()):
-        proc = spawn(argv, log_path=log_path, env=env, cwd=cwd, unset=unset)
-        if isinstance(proc, fast.FakeStep):
-            proc = world.step = ChannelStep(world, argv, log_path, env)
-        return proc
-    world.runner.spawn = spawn_channel_step
-
-
 def test_the_supervisor_restarts_a_receiver_that_ended_and_the_job_is_not_hung(world, tmp_path, monkeypatch):
-    _channel_world(world, tmp_path, monkeypatch)
+    channel_world(world, tmp_path, monkeypatch)
     crashed = {}
 
     def crash_once(proc, now, step):
@@ -204,7 +190,7 @@ def test_the_supervisor_restarts_a_receiver_that_ended_and_the_job_is_not_hung(w
 
 # ------------------------------------------------------------------------------ file modes
 def test_the_token_is_only_in_files_of_the_user_alone(world, tmp_path, monkeypatch):
-    _channel_world(world, tmp_path, monkeypatch, mode="file")
+    channel_world(world, tmp_path, monkeypatch, mode="file")
     world.fault = lambda proc, now, step: proc._exit(0, "0: done step=12\n") if step >= 12 else None
     run = fast.make_run(world, tmp_path, preflight=None, ranks_per_node=2)
     world.run = run

@@ -107,7 +107,9 @@ def _exported_families():
     sdoc = {"sweep_id": "s", "started": 0.0, "finished": 1.0, "duration_s": 1.0, "exit_code": 3,
             "counts": {"pass": 1, "fail": 1, "stragglers": 1}, "medians": {"matmul_tflops": 9.0},
             "nodes": [{"node": "n1", "status": "pass", "healthy": True, "duration_s": 1.0,
-                       "metrics": {"matmul_tflops": 9.0, "busbw_gbps": 3.0}, "stragglers": ["matmul_tflops"]}],
+                       "metrics": {"matmul_tflops": 9.0, "busbw_gbps": 3.0, "h2d_gbps": 50.0,
+                                   "fabric_errors": 2.0, "fabric_flaps": 1.0}, "stragglers": ["matmul_tflops"],
+                       "versions": "driver 570.133.20, VBIOS 96.00.99.00.01", "version_outlier": ""}],
             "plan": {"guard_tripped": True, "actions": [{"node": "n2", "action": "keep", "why": "still failing",
                                                          "reason": "clusterops:health:fast: x: y"}]},
             "applied": [{"node": "n2", "action": "keep", "reason": "clusterops:health:fast: x: y"}]}

@@ -75,6 +75,31 @@ def test_matmul_tflops_against_the_model_figure(ctx, ngpu):
     assert res.status == "pass", res.to_dict()
 
 
+def test_copy_bandwidths_against_the_model_floors(ctx, ngpu):
+    from clusterops.health.probes.copybw import probe_copybw
+
+    res = {r.name: r for r in probe_copybw({"required": True, "size_mib": 256, "warmup": 3,
+                                            "iters": 10}, ctx)}
+    assert set(res) == {"copybw.h2d", "copybw.d2h", "copybw.p2p", "copybw.hbm"}, res
+    for kind in ("h2d", "d2h", "hbm"):
+        r = res[f"copybw.{kind}"]
+        assert len(r.data["gbps"]) == ngpu and all(v > 0 for v in r.data["gbps"].values()), r.to_dict()
+    # A healthy node meets its model's floors (H100/H200: 48 GB/s H2D/D2H, 335 GB/s P2P).
+    assert all(r.status in ("pass", "skip") for r in res.values()), [r.to_dict() for r in res.values()]
+
+
+def test_nvml_driver_570_fields_read_for_real(ctx, ngpu):
+    # Recovery action, VBIOS, clocks: each either a reading or, on an older driver, a skip;
+    # never a crash or an error (the field call's per-value return codes are honoured).
+    from clusterops.health.probes.nvml import probe_nvml
+
+    res = {r.name: r for r in probe_nvml({"required": True}, ctx)}
+    assert res["nvml.recovery_action"].status in ("pass", "skip"), res["nvml.recovery_action"].to_dict()
+    assert res["nvml.versions"].value.startswith("driver ") and "VBIOS" in res["nvml.versions"].value
+    assert res["nvml.app_clocks"].status in ("pass", "warn", "skip")
+    assert res["nvml.slowdown"].status in ("pass", "warn", "skip")
+
+
 SDK_NCCL = r"""
 import sys, torch
 from clusterops import sdk

@@ -214,8 +214,9 @@ class ChannelStep(fast.FakeStep):
         w.fault(self, now, step)
 
 
-@pytest.mark.parametrize("mode", ["net", "file"])
-def test_supervisor_names_the_silent_rank_and_its_node(world, tmp_path, monkeypatch, mode):
+def channel_world(world, tmp_path, monkeypatch, mode="net"):
+    """The fast tests' world with its training steps replaced by ChannelSteps (ranks beating
+    through the node channel in ``mode``) and the batch host on 127.0.0.1."""
     monkeypatch.setenv(ch.MODE_ENV, mode)
     world.shm = tmp_path / "shm"
     world.slurm.node_address = lambda name: "127.0.0.1"   # the batch host: the receiver is here
@@ -227,6 +228,11 @@ def test_supervisor_names_the_silent_rank_and_its_node(world, tmp_path, monkeypa
             proc = world.step = ChannelStep(world, argv, log_path, env)
         return proc
     world.runner.spawn = spawn_channel_step
+
+
+@pytest.mark.parametrize("mode", ["net", "file"])
+def test_supervisor_names_the_silent_rank_and_its_node(world, tmp_path, monkeypatch, mode):
+    channel_world(world, tmp_path, monkeypatch, mode)
     seen = {}
 
     def hang(proc, now, step):

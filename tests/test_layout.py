@@ -358,3 +358,30 @@ def test_no_import_cycles_counting_function_level_and_type_checking_imports():
 def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# -- one naming scheme for property tests ------------------------------------------------
+def _property_test_files():
+    """Test files whose every test is a hypothesis property test (a @given on each)."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        tests = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+        given = [n for n in tests if any("given" in ast.unparse(d) for d in n.decorator_list)]
+        if tests and given and len(given) * 2 > len(tests):
+            found.append(path.name)
+    return found
+
+
+def test_property_test_files_are_named_test_props_area():
+    """A file of (mostly) property tests is tests/test_props_<area>.py, and a file so named
+    holds property tests: a newcomer finds the generated-input tests of an area by name."""
+    mostly = set(_property_test_files())
+    named = {p.name for p in (REPO / "tests").glob("test_props_*.py")}
+    assert mostly <= named, f"property-test files not named test_props_<area>.py: {sorted(mostly - named)}"
+    stray = sorted(p.name for p in (REPO / "tests").glob("test_*prop*.py") if p.name not in named)
+    assert not stray, f"use the test_props_<area>.py scheme: {stray}"
+    for name in named:
+        assert "@given" in (REPO / "tests" / name).read_text(), f"{name} has no property test"

@@ -191,3 +191,76 @@ def test_hung_nvml_call_becomes_error_within_its_timeout():
     assert time.monotonic() - t0 < 3
     assert [r.status for r in out.results] == ["error"]
     assert out.abandoned == ["nvml"] and "did not finish within 1s" in out.results[0].detail
+
+
+# -- driver 570+: NVML's recovery action, clocks, slowdown counters, versions ----------------
+
+R570 = "h100_sxm_8gpu_driver570.json"
+
+
+def run_state(d: dict, tmp_path, **cfg) -> dict:
+    cfg.setdefault("state_file", str(tmp_path / "nvml-state.json"))
+    return run(d, **cfg)
+
+
+def test_driver_570_node_passes_the_new_rules(tmp_path):
+    res = run_state(doc(R570), tmp_path, gpu_count=8)
+    assert res["nvml.recovery_action"].status == "pass" and res["nvml.recovery_action"].value == "NONE"
+    assert res["nvml.app_clocks"].status == "pass" and res["nvml.app_clocks"].value == 1980
+    assert res["nvml.slowdown"].status == "skip"      # the first check only records the counters
+    assert res["nvml.versions"].status == "pass"
+    assert res["nvml.versions"].value == "driver 570.133.20, VBIOS 96.00.99.00.01"
+    assert res["nvml.versions"].data["vbios"]["gpu7"] == "96.00.99.00.01"
+
+
+@pytest.mark.parametrize("action,name,todo", [
+    (1, "GPU_RESET", "reset the GPU"),
+    (2, "NODE_REBOOT", "reboot the node"),
+    (3, "DRAIN_P2P", "stop peer-to-peer traffic"),
+    (4, "DRAIN_AND_RESET", "drain the node's jobs, then reset the GPU"),
+])
+def test_each_recovery_action_fails_with_the_action_in_the_detail(tmp_path, action, name, todo):
+    d = doc(R570, g5={"fields": {"230": action, "270": 0, "271": 0}})
+    r = run_state(d, tmp_path)["nvml.recovery_action"]
+    assert r.status == "fail" and r.value == name
+    assert f"GPU5 (00000000:AB:00.0): NVML recovery action {name}: {todo}" in r.detail
+
+
+def test_recovery_action_unknown_to_the_driver_skips(tmp_path):
+    # Before driver 570 the field's own nvmlReturn is NOT_SUPPORTED.
+    r = run_state(doc("h100_sxm_8gpu_idle.json"), tmp_path)["nvml.recovery_action"]
+    assert r.status == "skip"
+
+
+def test_application_clocks_set_low_warn_and_a_low_max_clock_fails(tmp_path):
+    d = doc(R570, g2={"clocks_mhz": {"app_sm": 1410, "app_mem": 2619, "default_app_sm": 1980,
+                                     "default_app_mem": 2619, "max_sm": 1980}})
+    r = run_state(d, tmp_path)["nvml.app_clocks"]
+    assert r.status == "warn" and "application SM clock 1410 MHz < default 1980 MHz" in r.detail
+    assert "nvidia-smi -rac" in r.detail
+    d = doc(R570, g4={"clocks_mhz": {"app_sm": 1755, "default_app_sm": 1755, "max_sm": 1755}})
+    r = run_state(d, tmp_path)["nvml.app_clocks"]
+    assert r.status == "fail" and "max SM clock 1755 MHz < the model's 1980 MHz" in r.detail
+
+
+def test_slowdown_counters_are_judged_over_the_time_between_checks(tmp_path):
+    state = tmp_path / "nvml-state.json"
+    run_state(doc(R570), tmp_path)
+    saved = json.loads(state.read_text())
+    # The previous check was 600 s ago; since then GPU1 spent 3 s in HW power brake (warn),
+    # GPU6 60 s in HW thermal slowdown (10% of the time > 5%: fail).
+    saved["time"] -= 600
+    state.write_text(json.dumps(saved))
+    d = doc(R570, g1={"fields": {"230": 0, "270": 1200000000, "271": 3000000000}},
+            g6={"fields": {"230": 0, "270": 61200000000, "271": 0}})
+    r = run_state(d, tmp_path)["nvml.slowdown"]
+    assert r.status == "fail" and r.value == 60.0
+    assert "GPU6 (00000000:BA:00.0): clocks held down 60 s of the last 600 s (hw thermal 60 s)" in r.detail
+    assert r.data["gpu1"]["status"] == "warn" and r.data["gpu0"]["status"] == "pass"
+    # Nothing new since: pass.
+    assert run_state(d, tmp_path)["nvml.slowdown"].status == "pass"
+
+
+def test_gpus_of_one_node_on_different_vbios_warn(tmp_path):
+    r = run_state(doc(R570, g3={"vbios": "96.00.74.00.0B"}), tmp_path)["nvml.versions"]
+    assert r.status == "warn" and "96.00.74.00.0B, 96.00.99.00.01" in r.detail

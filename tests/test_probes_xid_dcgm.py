@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -118,7 +119,7 @@ def test_dcgm4_shape_parses():
     assert _dcgm("r3_dcgm4_pass.json").status == "pass"
 
 
-@pytest.mark.parametrize("name", ["runtime_error.json", "aborted.txt", "all_skipped.json"])
+@pytest.mark.parametrize("name", ["runtime_error.json", "all_skipped.json"])
 def test_dcgm_aborted_or_empty_is_fail_never_pass(name):
     r = _dcgm(name, exit_code=255)
     assert r.status == "fail"
@@ -154,9 +155,21 @@ def test_dcgm_runs_dcgmi_and_parses(tmp_path, monkeypatch):
 
 
 def test_dcgm_hung_diag_is_fail(tmp_path):
-    ctx = _fake_dcgmi(tmp_path, "sleep 30\n")
+    # The engine answers, the diag hangs and the engine still answers after it: the GPU.
+    ctx = _fake_dcgmi(tmp_path, '[ "$1" = diag ] && sleep 30\nexit 0\n')
     r = probe_dcgm({"level": 3, "dcgmi": str(tmp_path / "dcgmi"), "diag_timeout_s": 1}, ctx)[0]
     assert r.status == "fail" and "aborted" in r.detail
+
+
+def test_diag_that_hangs_with_the_engine_is_an_error(tmp_path):
+    # The first liveness query answers; then the engine wedges during the diag.
+    flag = tmp_path / "asked"
+    ctx = _fake_dcgmi(tmp_path, f'if [ "$1" = discovery ] && [ ! -e {flag} ]; then touch {flag}; exit 0; fi\n'
+                                'sleep 30\n')
+    res = probe_dcgm({"level": 3, "dcgmi": str(tmp_path / "dcgmi"), "diag_timeout_s": 1,
+                      "hostengine_timeout_s": 1}, ctx)
+    assert [(r.name, r.status) for r in res] == [("dcgm.hostengine", "error")]
+    assert "dcgmi diag timed out and nv-hostengine did not answer" in res[0].detail
 
 
 # -- files named in profiles: regular files only, read with a size bound (issue 18) ---------
@@ -262,3 +275,64 @@ def test_read_regular_bounds_and_kinds(tmp_path, fifo):
         with pytest.raises(NotRegularFile) as e:
             read_regular(bad, 100)
         assert "not a regular file" in e.value.strerror
+
+
+# -- DCGM health watches and the host engine's liveness (issue 22) ----------------------------
+
+def _health(name, **cfg):
+    return probe_dcgm(dict(output_file=str(FIX / "dcgm" / "r2_pass_8gpu.json"),
+                           health_output_file=str(FIX / "dcgm" / name), **cfg), ProbeContext())
+
+
+def test_dcgm_health_healthy_passes_beside_the_diag():
+    res = _health("health_healthy.json")
+    assert [(r.name, r.status) for r in res] == [("dcgm.health", "pass"), ("dcgm.diag", "pass")]
+
+
+def test_dcgm_health_failure_names_gpu_and_system():
+    r = _health("health_memory_failure.json")[0]
+    assert r.status == "fail" and r.value == 1
+    assert r.detail.startswith("GPU/3 Memory system: Volatile double-bit ECC error on GPU 3 (DBE count 2).")
+
+
+def test_dcgm_health_warning_warns():
+    r = _health("health_pcie_warning.json")[0]
+    assert r.status == "warn" and "GPU/5 PCIe system: Detected more than 8 PCIe replays" in r.detail
+
+
+def test_dcgm_health_without_a_report_is_an_error_never_a_pass():
+    r = _health("health_watches_off.txt")[0]
+    assert r.status == "error" and "Health watches not enabled" in r.detail
+
+
+def test_recorded_diag_that_only_says_the_engine_is_unreachable_is_an_error():
+    r = _dcgm("aborted.txt", exit_code=255)
+    assert r.name == "dcgm.hostengine" and r.status == "error" and "restart the host engine" in r.detail
+
+
+def test_hung_host_engine_is_an_error_and_no_diag_runs(tmp_path):
+    # Every dcgmi call hangs (nv-hostengine wedged): the liveness query times out first.
+    marker = tmp_path / "diag-ran"
+    ctx = _fake_dcgmi(tmp_path, f'[ "$1" = diag ] && touch {marker}\nsleep 30\n')
+    t0 = time.monotonic()
+    res = probe_dcgm({"level": 3, "dcgmi": str(tmp_path / "dcgmi"), "hostengine_timeout_s": 1}, ctx)
+    assert time.monotonic() - t0 < 10
+    assert [(r.name, r.status) for r in res] == [("dcgm.hostengine", "error")]
+    assert "did not answer `dcgmi discovery -l` within 1s" in res[0].detail and not marker.exists()
+
+
+def test_engine_that_cannot_be_reached_is_an_error(tmp_path):
+    ctx = _fake_dcgmi(tmp_path, f"cat {FIX / 'dcgm' / 'aborted.txt'} >&2\nexit 255\n")
+    res = probe_dcgm({"level": 1, "dcgmi": str(tmp_path / "dcgmi")}, ctx)
+    assert [(r.name, r.status) for r in res] == [("dcgm.hostengine", "error")]
+
+
+def test_live_engine_runs_health_then_diag(tmp_path):
+    log = tmp_path / "calls"
+    body = (f'echo "$*" >> {log}\n'
+            f'case "$1 $5" in "health -j") cat {FIX / "dcgm" / "health_pcie_warning.json"};;\n'
+            f'  "diag "*) cat {FIX / "dcgm" / "r2_pass_8gpu.json"};; esac\n')
+    ctx = _fake_dcgmi(tmp_path, body)
+    res = probe_dcgm({"level": 2, "dcgmi": str(tmp_path / "dcgmi"), "health": True, "health_group": 2}, ctx)
+    assert [(r.name, r.status) for r in res] == [("dcgm.health", "warn"), ("dcgm.diag", "pass")]
+    assert log.read_text().splitlines() == ["discovery -l", "health -g 2 -s a", "health -g 2 -c -j", "diag -r 2 -j"]

@@ -97,14 +97,46 @@ def test_spawn_unset_and_group_kill_and_wait_exit(tmp_path, monkeypatch):
     kill_group(p)                                      # gone already: no error
 
 
-def test_free_port_is_bindable():
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
     import socket
 
-    from clusterops.runner import free_port
+    from clusterops.runner import ephemeral_range, free_port
 
-    port = free_port("127.0.0.1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+    lo, hi = ephemeral_range()
+    for _ in range(20):
+        port = free_port("127.0.0.1")
+        assert not lo <= port <= hi, (port, lo, hi)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_free_port_passes_over_a_port_in_use(monkeypatch):
+    """With the candidate window shrunk to one busy port, the kernel's pick is the answer."""
+    import random
+    import socket
+
+    from clusterops import runner
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        monkeypatch.setattr(random.SystemRandom, "randint", lambda self, a, b: taken)
+        port = runner.free_port("127.0.0.1")
+        assert port != taken
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_ephemeral_range_falls_back_when_unreadable(monkeypatch, tmp_path):
+    from clusterops import runner
+
+    monkeypatch.setattr(runner, "EPHEMERAL_RANGE_FILE", str(tmp_path / "absent"))
+    assert runner.ephemeral_range() == (32768, 60999)
+    bad = tmp_path / "bad"
+    bad.write_text("70000 80000\n")
+    monkeypatch.setattr(runner, "EPHEMERAL_RANGE_FILE", str(bad))
+    assert runner.ephemeral_range() == (32768, 60999)
 
 
 # -- as_user: real runuser, real other user (nobody exists on every Debian) -------------

@@ -23,12 +23,12 @@ import posixpath
 import re
 import secrets
 import socket
-import stat
 import time
 import zlib
 from typing import Any, Dict, Optional
 
 from clusterops.errors import ClusteropsError, InputError
+from clusterops.fsutil import NotRegularFile, read_regular
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "clusterops-checkpoint"
@@ -219,33 +219,19 @@ def _relname_problem(name: str) -> Optional[str]:
 
 
 def _read_regular(path: str, limit: int) -> bytes:
-    """Read a regular file without following a symlink or blocking on a FIFO."""
+    """A regular file of at most ``limit`` bytes, through :func:`fsutil.read_regular` (no
+    symlink followed, no FIFO blocked on); CheckpointError says what is wrong."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise
+        data, truncated = read_regular(path, limit, follow_symlinks=False)
+    except NotRegularFile:
+        raise CheckpointError("not a regular file") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise CheckpointError("is a symlink") from None
         raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError("not a regular file")
-        if st.st_size > limit:
-            raise CheckpointError(f"too large ({st.st_size} bytes > {limit})")
-        chunks, total = [], 0
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                break
-            total += len(b)
-            if total > limit:
-                raise CheckpointError(f"too large (> {limit} bytes)")
-            chunks.append(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    if truncated:
+        raise CheckpointError(f"too large (> {limit} bytes)")
+    return data
 
 
 def build_manifest(step: int, files: Dict[str, Dict[str, Any]], *, algo: str, world_size: int = 1,

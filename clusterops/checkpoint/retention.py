@@ -11,6 +11,12 @@ directory prune judged (same device, inode and mtime as when it listed the root)
 re-saved by rename-exchange during the deep hash is kept. Where flock is node-local
 (:func:`clusterops.checkpoint.locks.node_local_flock`) another host's free lock proves
 nothing, and its entries are judged by age.
+
+Holds: ``<root>/.clusterops-holds.json`` maps a checkpoint's directory name to why it must
+stay (:func:`hold`: the stability guard holds the newest good checkpoint before a loss
+spike or NaN, the one a rollback goes, or a person would go, back to). A prune keeps every
+held checkpoint, and ``ckpt list`` shows the reason. The file is rewritten atomically;
+one that cannot be read holds nothing and is said in the log.
 """
 
 from __future__ import annotations
@@ -53,6 +59,40 @@ def identity(path: os.PathLike) -> Optional[Identity]:
     return (st.st_dev, st.st_ino, st.st_mtime_ns)
 
 
+HOLDS_FILE = ".clusterops-holds.json"
+
+
+def holds(root: os.PathLike) -> Dict[str, str]:
+    """Directory name -> why it is held, of the checkpoints held under ``root``."""
+    import json
+
+    try:
+        with open(os.path.join(root, HOLDS_FILE)) as f:
+            body = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("%s: unreadable (%s); no checkpoint held", os.path.join(root, HOLDS_FILE), e)
+        return {}
+    if not isinstance(body, dict):
+        return {}
+    return {str(k): str(v) for k, v in body.items() if isinstance(k, str) and parse_step(k) is not None}
+
+
+def hold(root: os.PathLike, step: int, reason: str) -> Path:
+    """Hold checkpoint ``step`` under ``root`` (prune keeps it) with ``reason``; OSError when the
+    holds file cannot be written."""
+    import json
+
+    current = holds(root)
+    current[step_dir_name(step)] = str(reason)
+    final = Path(root) / HOLDS_FILE
+    tmp = final.with_name(f"{HOLDS_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(current, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, final)
+    return final
+
+
 @dataclass
 class PrunePlan:
     keep: List[Path]
@@ -65,6 +105,7 @@ class PrunePlan:
     judged: Dict[Path, Optional[Identity]] = field(default_factory=dict)
     # Victims left in place because they changed since they were judged (re-saved meanwhile).
     changed: List[Path] = field(default_factory=list)
+    held: Dict[Path, str] = field(default_factory=dict)   # kept because held (:func:`hold`): why
 
     def to_dict(self) -> dict:
         return {"keep": [str(p) for p in self.keep], "remove": [str(p) for p in self.remove],
@@ -72,6 +113,7 @@ class PrunePlan:
                 "restore": [[str(a), str(b)] for a, b in self.restore],
                 "latest_good": str(self.latest_good) if self.latest_good else None,
                 "changed": [str(p) for p in self.changed],
+                "held": {str(p): why for p, why in self.held.items()},
                 "note": self.note}
 
 
@@ -251,8 +293,9 @@ def plan_prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = No
     leftovers = scan_leftovers(root, stale_s=stale_s)
     keep, remove = [], []
     newest = {p for _, p in steps[-keep_last:]}
+    held = holds(root)
     for step, path in steps:
-        if (good is None or path in newest or path == good.path
+        if (good is None or path in newest or path == good.path or path.name in held
                 or (keep_every and step % keep_every == 0)):
             keep.append(path)
         else:
@@ -260,7 +303,8 @@ def plan_prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = No
     note = "" if good is not None or not steps else "no checkpoint passed the hash check; none removed"
     return PrunePlan(keep=keep, remove=remove, temporaries=leftovers.remove,
                      latest_good=good.path if good else None, restore=leftovers.restore, note=note,
-                     judged={p: judged.get(p) for p in remove})
+                     judged={p: judged.get(p) for p in remove},
+                     held={p: held[p.name] for p in keep if p.name in held})
 
 
 def prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = None, *, dry_run: bool = False,

@@ -67,8 +67,9 @@ def list_cmd(root: str, deep: bool, as_json: bool) -> None:
     infos = ck.list_checkpoints(_root_arg(root), deep=deep)
     _flock_warning(root)
     temps = ck.dead_temporaries(root)
+    held = ck.holds(root)
     if as_json:
-        echo_json({"root": str(root), "checkpoints": [i.to_dict() for i in infos],
+        echo_json({"root": str(root), "checkpoints": [dict(i.to_dict(), held=held.get(i.path.name)) for i in infos],
                    "dead_temporaries": [str(p) for p in temps]})
         return
     if not infos:
@@ -77,7 +78,8 @@ def list_cmd(root: str, deep: bool, as_json: bool) -> None:
         status = "ok" if i.ok else "BAD"
         extra = "" if i.ok else "  " + "; ".join(i.problems)
         ws = (i.manifest or {}).get("world_size", "-")
-        click.echo(terminal(f"{i.path.name}  step={i.step}  {status}  ranks={ws}  {_human(i.size_bytes)}{extra}"))
+        why = f"  held: {held[i.path.name]}" if i.path.name in held else ""
+        click.echo(terminal(f"{i.path.name}  step={i.step}  {status}  ranks={ws}  {_human(i.size_bytes)}{extra}{why}"))
     for p in temps:
         click.echo(f"{terminal(p.name)}  (temporary of a dead save; `ckpt prune` removes it)")
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from clusterops.health.probes import dcgm, dist, host, matmul, nvml, xid
+from clusterops.health.probes import amd, copybw, dcgm, dist, fabric, host, matmul, nvml, xid
 from clusterops.health.probes.base import (ProbeContext, ProbeResult, ProbeSpec, RunOutcome, overall_status,
                                            run_probes)
 from clusterops.health.profiles import Profile
@@ -45,15 +45,18 @@ class ProbeEntry:
 REGISTRY: Dict[str, ProbeEntry] = {
     "nvml": ProbeEntry(nvml.probe_nvml),
     "xid": ProbeEntry(xid.probe_xid),
+    "amd": ProbeEntry(amd.probe_amd),
     "host.paths": ProbeEntry(host.probe_paths),
     "host.mounts": ProbeEntry(host.probe_mounts),
     "host.memory": ProbeEntry(host.probe_memory),
     "host.cpus": ProbeEntry(host.probe_cpus),
     "host.infiniband": ProbeEntry(host.probe_infiniband),
     "host.stray_processes": ProbeEntry(host.probe_stray_processes),
+    "fabric": ProbeEntry(fabric.probe_fabric),
     "dcgm": ProbeEntry(dcgm.probe_dcgm, exclusive=True),
     "matmul": ProbeEntry(matmul.probe_matmul, exclusive=True),
     "dist": ProbeEntry(dist.probe_dist, exclusive=True),
+    "copybw": ProbeEntry(copybw.probe_copybw, exclusive=True),
 }
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -67,7 +70,9 @@ def probe_specs(profile: Profile) -> List[ProbeSpec]:
             cfg.setdefault("required", profile.gpus_required)
             if profile.gpu_count is not None:
                 cfg.setdefault("gpu_count", profile.gpu_count)
-        if name == "matmul":
+        if name == "amd" and profile.gpu_count is not None:
+            cfg.setdefault("gpu_count", profile.gpu_count)
+        if name in ("matmul", "copybw"):
             cfg.setdefault("required", profile.gpus_required)
         specs.append(ProbeSpec(name, _named(name, entry.fn), cfg, float(cfg.get("timeout_s", DEFAULT_TIMEOUT_S)),
                                entry.exclusive))

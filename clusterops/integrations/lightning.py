@@ -13,7 +13,8 @@ the plain srun launcher's) its ``SLURMEnvironment`` reads the rank from
 ``TorchElasticEnvironment`` reads torchrun's variables.
 
 What the callback does:
-- beats the supervisor's heartbeat after every training batch (``sdk.heartbeat``);
+- beats the supervisor's heartbeat after every training batch (``sdk.heartbeat``), with the
+  loss ``training_step`` returned (the stability guard);
 - turns a stop request (the supervisor's stop file or SIGUSR2, the lead-time SIGUSR1,
   SIGTERM) into a checkpoint at the current step and a clean end of ``fit`` (all ranks
   agree through ``sdk.should_stop``); ``stopped`` is then True and the script exits 0;
@@ -74,6 +75,15 @@ def resume_path(root: Optional[os.PathLike] = None) -> Optional[str]:
     return str(path)
 
 
+def _loss_of(outputs):
+    """The loss ``training_step`` returned (a tensor, or a dict's ``loss``), for the stability
+    guard; None when there is none. A tensor on a GPU costs a device sync per batch."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if loss is None or not hasattr(loss, "detach"):
+        return None
+    return loss.detach()
+
+
 class ClusteropsCallback(pl.Callback):
     """Heartbeat, stop-and-save, atomic checkpoints and the requeue rule (module docstring)."""
 
@@ -109,7 +119,7 @@ class ClusteropsCallback(pl.Callback):
     # -- every step ----------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        sdk.heartbeat(step)
+        sdk.heartbeat(step, loss=_loss_of(outputs))
         stop = sdk.should_stop()       # a collective: every rank calls it here, every batch
         due = self.every_n_steps and step % self.every_n_steps == 0 and step != self.last_saved
         if stop or due:

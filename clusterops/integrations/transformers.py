@@ -5,7 +5,8 @@
     trainer.train(resume_from_checkpoint=resume_path())
 
 What the callback does:
-- beats the supervisor's heartbeat after every optimizer step (``sdk.heartbeat``);
+- beats the supervisor's heartbeat after every optimizer step (``sdk.heartbeat``), and hands
+  it the loss and grad norm the Trainer logs (``on_log``) for the stability guard;
 - turns a stop request (the supervisor's stop file or SIGUSR2, the lead-time SIGUSR1,
   SIGTERM) into a save at the current step and the end of ``train`` (``should_save``
   and ``should_training_stop``; all ranks agree through ``sdk.should_stop``);
@@ -110,6 +111,14 @@ class ClusteropsTrainerCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
             log.info("clusterops: stop requested (%s); saving at step %d", sdk.stop_reason(), state.global_step)
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # The Trainer's logged loss and grad norm (every `logging_steps`) for the supervisor's
+        # stability guard: floats already, no device sync of ours.
+        logs = logs or {}
+        if "loss" in logs or "grad_norm" in logs:
+            sdk.heartbeat(state.global_step, loss=logs.get("loss"), grad_norm=logs.get("grad_norm"))
         return control
 
     def on_save(self, args, state, control, **kwargs):

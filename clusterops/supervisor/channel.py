@@ -86,6 +86,7 @@ class Receiver:
         self.lock = threading.Lock()
         self.ranks: Dict[int, Tuple[int, float, int, float]] = {}
         self.busy: Dict[int, int] = {}     # rank -> busy_ms of the beat in ranks (-1: not known)
+        self.signals: Dict[int, Tuple[int, Optional[float], Optional[float]]] = {}   # rank -> (step, loss, gnorm)
         self.nodes: Dict[str, float] = {}
         self.received = 0
         self.dropped = 0          # undecodable, too big or deep, another version, another token
@@ -179,6 +180,8 @@ class Receiver:
                 if old is None or t >= old[1]:
                     self.ranks[b.rank] = (b.step, t, b.step_ms, now)
                     self.busy[b.rank] = b.busy_ms
+                    if b.loss is not None or b.grad_norm is not None:
+                        self.signals[b.rank] = (b.step, b.loss, b.grad_norm)
                 else:
                     self.ranks[b.rank] = old[:3] + (now,)
         return True
@@ -253,6 +256,7 @@ class Channel:
         self.file_scans = 0           # times the heartbeat directory was read
         self.files_read = 0           # files read in those scans
         self.file_timing: Dict[int, Tuple[int, int, int]] = {}   # rank -> (step, step_ms, busy_ms), files
+        self.file_signals: Dict[int, Tuple[int, Optional[float], Optional[float]]] = {}   # (step, loss, gnorm)
 
     def revive(self) -> Optional[str]:
         """Restart the receiver when its thread ended; None when it runs (or there is none),
@@ -302,7 +306,21 @@ class Channel:
                 if b.rank not in ranks or t > ranks[b.rank][1]:
                     ranks[b.rank] = (b.step, t)
                     self.file_timing[b.rank] = (b.step, b.step_ms, b.busy_ms)
+                    if b.loss is not None or b.grad_norm is not None:
+                        self.file_signals[b.rank] = (b.step, b.loss, b.grad_norm)
         return ranks
+
+    def signals(self) -> Dict[int, Tuple[int, Optional[float], Optional[float]]]:
+        """rank -> (step, loss, grad norm) of its latest beat that carried them (network or
+        node files, the newer step wins); for ``sv.Heartbeats.signals`` (the stability guard)."""
+        out = dict(self.file_signals)
+        if self.receiver is not None:
+            with self.receiver.lock:
+                net = dict(self.receiver.signals)
+            for r, v in net.items():
+                if r not in out or v[0] >= out[r][0]:
+                    out[r] = v
+        return out
 
     def timings(self) -> Dict[int, Tuple[int, int, int]]:
         """rank -> (step, step_ms, busy_ms) of its latest beat (-1: not known), from the

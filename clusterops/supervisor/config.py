@@ -118,7 +118,7 @@ def plain_contract(sup: Mapping[str, Any]):
         return v
 
     progress = value("progress", dict) or {}
-    unknown = sorted(set(progress) - {"regex"})
+    unknown = sorted(set(progress) - {"regex", "loss_regex"})
     if unknown:
         raise InputError(f"supervise.progress.{unknown[0]}: unknown key")
     regex = progress.get("regex")
@@ -130,11 +130,55 @@ def plain_contract(sup: Mapping[str, Any]):
                 raise InputError("supervise.progress.regex: needs a group for the step")
         except re.error as e:
             raise InputError(f"supervise.progress.regex: not a valid regular expression: {e}") from None
+    loss_regex = progress.get("loss_regex")
+    if loss_regex is not None:
+        try:
+            if not isinstance(loss_regex, str) or re.compile(loss_regex).groups < 1:
+                raise InputError("supervise.progress.loss_regex: needs a group for the loss")
+        except re.error as e:
+            raise InputError(f"supervise.progress.loss_regex: not a valid regular expression: {e}") from None
     args = value("resume_args", list) or []
     if not all(isinstance(a, str) for a in args):
         raise InputError("supervise.resume_args: must be a list of strings")
     return PlainContract(progress_regex=regex, checkpoint_glob=value("checkpoint_glob", str) or None,
-                         resume_args=list(args))
+                         resume_args=list(args), loss_regex=loss_regex)
+
+
+def stability_config(sup: Mapping[str, Any]):
+    """The stability guard's settings (``supervise.stability``; a flag gives it as JSON), None
+    when off; InputError ``spec: supervise.stability.KEY: ...`` for a bad value."""
+    from clusterops.supervisor.stability import StabilityConfig
+
+    v = sup.get("stability")
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise InputError(f"--stability: not valid JSON ({e})") from None
+    if v is None or v is False:
+        return None
+    if v is True:
+        v = {}
+    if not isinstance(v, dict):
+        raise InputError(f"spec: supervise.stability: must be a mapping, got {v!r}")
+    fields = {f.name: f for f in schema.STABILITY_FIELDS}
+    kw = {}
+    for key, value in v.items():
+        f = fields.get(key)
+        if f is None:
+            raise InputError(f"spec: supervise.stability.{key}: unknown key{schema.suggest(key, fields)}")
+        if value is not None:
+            kw[key] = (coerce(f, value, ("supervise", "stability", key)) if f.kind in COERCE_KINDS
+                       else _ENUM_CHECK.check(value, f, ("supervise", "stability", key)))
+    cfg = StabilityConfig(**kw)
+    bad = schema.problems(cfg, schema.STABILITY_FIELDS)
+    if bad:
+        raise InputError(f"spec: supervise.stability.{bad[0]}")
+    return cfg
+
+
+_ENUM_CHECK = _CoerceChecker(schema.KINDS, lambda p, message: InputError(
+    f"spec: {'.'.join(str(x) for x in p)}: {message}"))
 
 
 def read_spec_file(path: str) -> str:
@@ -249,6 +293,7 @@ def run_config(spec: Mapping[str, Any], command: Sequence[str], settings: Mappin
     extra["srun_args"] = srun_args
     extra["notify_urls"] = list(spec.get("notify") or [])
     extra["plain"] = plain
+    extra["stability"] = stability_config(sup)
     if spec.get("launcher") == "torchrun":
         extra["launcher"] = "torchrun"      # one agent per node; the other launchers: srun-native ranks
     return RunConfig.from_environment(cmd, jd, cd, policy, env=env, workdir=spec.get("workdir"),

@@ -15,6 +15,7 @@ epilog and the table in docs/supervisor.md are generated from it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
@@ -22,6 +23,7 @@ from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tupl
 from clusterops import drains, schema
 from clusterops.exitcodes import Supervise as ExitCode
 from clusterops.slurm.parse import FailureKind, TaskFailure
+from clusterops.supervisor import stability as stb
 from clusterops.supervisor.stragglers import Detector
 from clusterops.supervisor.timeline import Cause, EventKind as E
 
@@ -34,6 +36,8 @@ __all__ = [
     "EXIT_RESTART_BUDGET",
     "EXIT_TOO_FEW_NODES",
     "EXIT_STOPPED_NO_REQUEUE",
+    "EXIT_DIVERGED",
+    "EXIT_ROLLBACK_BUDGET",
     "LIVENESS",
     "Policy",
     "Event",
@@ -58,6 +62,8 @@ __all__ = [
     "DrainNodes",
     "Requeue",
     "Exit",
+    "SetAside",
+    "HoldCheckpoint",
     "Memory",
     "Supervisor",
     "State",
@@ -79,6 +85,8 @@ EXIT_REQUEUE_BUDGET = ExitCode.REQUEUE_BUDGET
 EXIT_RESTART_BUDGET = ExitCode.RESTART_BUDGET
 EXIT_TOO_FEW_NODES = ExitCode.TOO_FEW_NODES
 EXIT_STOPPED_NO_REQUEUE = ExitCode.STOPPED_NO_REQUEUE
+EXIT_DIVERGED = ExitCode.DIVERGED
+EXIT_ROLLBACK_BUDGET = ExitCode.ROLLBACK_BUDGET
 
 
 # --------------------------------------------------------------------------------------
@@ -123,6 +131,8 @@ class KillCause(str, Enum):
     HANG = "hang"
     NODE_DOWN = "node_down"
     STOP_TIMEOUT = "stop_timeout"
+    ROLLBACK = "rollback"        # the stability guard rolls back: the bad state is not saved
+    DIVERGED = "diverged"        # the stability guard stops the job (or gives up)
 
     def __str__(self) -> str:
         return self.value
@@ -175,6 +185,9 @@ class Heartbeats(Event):
 
     beats: Mapping[int, Tuple[int, float]] = field(default_factory=dict)
     timing: Mapping[int, Tuple[int, int, int]] = field(default_factory=dict)
+    #: rank -> (step, loss, grad norm) of its latest beat that carried them (None: not
+    #: reported), for the stability guard (clusterops.supervisor.stability).
+    signals: Mapping[int, Tuple[int, Optional[float], Optional[float]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -241,6 +254,7 @@ class Launch(Action):
     nodes: Tuple[str, ...]
     attempt: int             # 0 for the first launch of this job, counting across requeues
     restart_count: int       # restarts so far (in-allocation, across requeues)
+    hint: Optional[stb.ResumeHint] = None   # a stability rollback: resume from hint.from_step, skip, LR
 
 
 @dataclass(frozen=True)
@@ -269,6 +283,25 @@ class DrainNodes(Action):
 @dataclass(frozen=True)
 class Requeue(Action):
     exclude: Tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class SetAside(Action):
+    """Move the checkpoints newer than ``after_step`` out of the checkpoint root (into a
+    ``rolled-back-*`` directory beside them): they hold, or may hold, a diverged state, and
+    no later resume may pick them (the stability guard)."""
+
+    after_step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class HoldCheckpoint(Action):
+    """Tell retention to keep checkpoint ``step`` (a prune never removes it; ``ckpt list``
+    shows ``reason``): the newest good one before a loss spike or NaN."""
+
+    step: int
     reason: str
 
 
@@ -350,7 +383,8 @@ class Supervisor:
     """
 
     def __init__(self, policy: Policy, nodes: Sequence[str], *, slurm_restart_count: int = 0,
-                 memory: Optional[Memory] = None, ckpt_step: Optional[int] = None):
+                 memory: Optional[Memory] = None, ckpt_step: Optional[int] = None,
+                 stability: Optional[stb.StabilityConfig] = None):
         self.policy = policy
         self.allocation: List[str] = list(nodes)
         self.slurm_restart_count = slurm_restart_count
@@ -381,6 +415,11 @@ class Supervisor:
         self.detector: Optional[Detector] = None   # straggler detection of the current step
         self.replacing: Optional[str] = None        # the straggler a planned stop will replace
         self.straggler_why: Dict[str, Tuple[str, str]] = {}   # node -> (why, drain reason)
+        # The stability guard (supervise: stability:), its decision while the step is killed.
+        self.stability = stb.Guard(stability) if stability is not None else None
+        self.stability_decision: Optional[stb.Decision] = None
+        if self.stability is not None and self.memory.last_ckpt_step is not None:
+            self.stability.checkpoint(self.memory.last_ckpt_step)
 
     # -- helpers ---------------------------------------------------------------------
     def _enter(self, state: State) -> None:
@@ -499,7 +538,8 @@ class Supervisor:
         self.ckpt_at_launch = self.memory.last_ckpt_step
         out.append(Record(E.LAUNCH, {"nodes": list(active), "spares": list(self.spares), "attempt": attempt,
                                      "restart_count": self.memory.restarts, "resume_step": self.memory.last_ckpt_step}))
-        out.append(Launch(tuple(active), attempt, self.memory.restarts))
+        out.append(Launch(tuple(active), attempt, self.memory.restarts,
+                          hint=self.stability.hint if self.stability is not None else None))
         return out
 
     # -- dispatch --------------------------------------------------------------------
@@ -564,6 +604,10 @@ class Supervisor:
                 slowest = self.detector.slowest() if self.detector is not None else None
                 if slowest is not None:
                     rec["slowest"] = [slowest[0], slowest[1]]   # node, its ratio to the others (metrics)
+                if self.stability is not None and ev.signals:    # the loss curve of the timeline chart
+                    s = stb.sample_of(ev.signals)
+                    if s is not None and s.loss is not None:
+                        rec["loss"] = s.loss if math.isfinite(s.loss) else str(s.loss)
                 out.append(Record(E.PROGRESS, rec))
                 self.last_progress_step = low
                 self.last_progress_record = ev.now
@@ -587,10 +631,56 @@ class Supervisor:
             out.append(CaptureStacks(self.hung_ranks, nodes))
             out += self._kill(ev.now, KillCause.HANG)
             return out
+        if self.stability is not None and ev.signals:
+            out += self._stability(ev)
+            if self.state != RUNNING:
+                return out
         if self.detector is not None and ev.timing:
             for f in self.detector.feed(ev.timing):
                 out += self._straggler(f, ev.now)
         return out
+
+    def _stability(self, ev: Heartbeats) -> List[Action]:
+        """A loss spike or a non-finite value: record it, and stop or roll back as decided
+        (clusterops.supervisor.stability); the step is killed, so its bad state is never saved."""
+        d = self.stability.feed(ev.signals)
+        if d is None:
+            return []
+        out: List[Action] = [Record(str(d.finding.kind), dict(d.finding.record(), decision=str(d.action), why=d.why))]
+        if d.hold is not None:
+            out.append(HoldCheckpoint(d.hold, f"stability: newest checkpoint before the {d.finding.kind} that began "
+                                              f"after step {d.finding.began - 1} ({d.action})"))
+        if d.action == stb.Action.RECORD:
+            return out
+        self.stability_decision = d
+        if d.action == stb.Action.ROLLBACK:
+            h = d.hint
+            out.append(Record(E.ROLLBACK, {"to_step": h.from_step, "anomaly_step": h.anomaly_step,
+                                           "skip_batches": h.skip_batches, "lr_factor": h.lr_factor,
+                                           "rollback": h.rollback, "lost_steps": max(0, d.finding.step - h.from_step)}))
+            return out + self._kill(ev.now, KillCause.ROLLBACK)
+        return out + self._kill(ev.now, KillCause.DIVERGED)
+
+    def _exited_on_stability(self, ev: StepExited, out: List[Action]) -> List[Action]:
+        """The step the stability guard killed is gone: relaunch from the rollback's
+        checkpoint, or end the job (stop, give up)."""
+        d, self.stability_decision = self.stability_decision, None
+        out.append(Record(E.STEP_EXIT, {"returncode": ev.returncode, "cause": Cause.ROLLED_BACK,
+                                        "decision": str(d.action)}))
+        if d.action == stb.Action.ROLLBACK:
+            self.memory.last_ckpt_step = d.hint.from_step   # not the newer ones: they are set aside
+            self.memory.restarts += 1
+            self.last_cause = Cause.ROLLED_BACK
+            out.append(SetAside(d.hint.from_step, f"rollback {d.hint.rollback} ({d.finding.kind} from step "
+                                                  f"{d.finding.began})"))
+            return self._plan_launch(ev.now, out)
+        # Ending: whatever was saved since the anomaly began is no good checkpoint either.
+        out.append(SetAside(d.finding.began - 1, f"{d.finding.kind} from step {d.finding.began}"))
+        if d.action == stb.Action.STOP:
+            return self._exit(EXIT_DIVERGED, f"training diverged ({d.finding.kind} at step {d.finding.step}); "
+                                             f"stopped without saving", out)
+        return self._exit(EXIT_ROLLBACK_BUDGET, f"training diverged again ({d.finding.kind} at step "
+                                                f"{d.finding.step}): {d.why}", out)
 
     def _straggler(self, f, now: float) -> List[Action]:
         """A node found slow: record it; replace it at a checkpoint when asked and a spare is free."""
@@ -705,6 +795,8 @@ class Supervisor:
         out: List[Action] = [Record(E.CHECKPOINT, {"step": ev.step, "path": ev.path})]
         if self.memory.last_ckpt_step is None or ev.step > self.memory.last_ckpt_step:
             self.memory.last_ckpt_step = ev.step
+        if self.stability is not None and self.state == RUNNING:   # not the dying step's, after a finding
+            self.stability.checkpoint(ev.step)
         return out
 
     def _on_tick(self, ev: Tick) -> List[Action]:
@@ -723,6 +815,8 @@ class Supervisor:
 
     def _on_resume_chosen(self, ev: ResumeChosen) -> List[Action]:
         self.memory.last_ckpt_step = ev.step
+        if self.stability is not None:
+            self.stability.launched(ev.step)
         if self.state == RUNNING:
             self.ckpt_at_launch = ev.step
         return [Record(E.RESUME, {"step": ev.step, "path": ev.path, "skipped": list(ev.skipped)})]
@@ -758,6 +852,8 @@ class Supervisor:
             # The plumbing's look at the disk is the truth (a corrupted newest checkpoint
             # can move the latest good one back).
             self.memory.last_ckpt_step = ev.ckpt_step
+        if self.state == KILLING and self.stability_decision is not None:
+            return self._exited_on_stability(ev, out)
         if self.state == STOPPING:
             return self._exited_on_our_stop(ev, out)
         if self.state == RUNNING and ev.returncode == 0 and ev.stopped_by:

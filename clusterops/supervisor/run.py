@@ -49,6 +49,7 @@ from clusterops.slurm.parse import parse_srun_failures
 from clusterops.slurm.steps import srun_argv
 from clusterops.supervisor import channel as hbchannel
 from clusterops.supervisor.rendezvous import InprocessSettings, RendezvousHost
+from clusterops.supervisor.stability import StabilityConfig
 from clusterops.supervisor.timeline import EventKind as E, Timeline
 
 log = logging.getLogger(__name__)
@@ -86,13 +87,20 @@ class PlainContract:
     progress_regex: Optional[str] = None
     checkpoint_glob: Optional[str] = None
     resume_args: List[str] = field(default_factory=list)
+    loss_regex: Optional[str] = None        # group 1: the loss, for the stability guard
 
     @property
     def active(self) -> bool:
         return bool(self.progress_regex or self.checkpoint_glob)
 
-    def resume_argv(self, ckpt: str) -> List[str]:
-        return [a.replace("{ckpt}", ckpt) for a in self.resume_args] if ckpt else []
+    def resume_argv(self, ckpt: str, hint=None) -> List[str]:
+        """The resume arguments for ``ckpt``; ``{skip_batches}`` and ``{lr_factor}`` are a
+        stability rollback's ``hint`` (a ResumeHint), 0 and 1 without one."""
+        if not ckpt:
+            return []
+        skip, lr = (str(hint.skip_batches), repr(float(hint.lr_factor))) if hint is not None else ("0", "1.0")
+        return [a.replace("{ckpt}", ckpt).replace("{skip_batches}", skip).replace("{lr_factor}", lr)
+                for a in self.resume_args]
 
 
 def plain_checkpoints(ckpt_dir: Path, pattern: str) -> List[Tuple[int, float, Path]]:
@@ -125,13 +133,33 @@ class ProgressReader:
     prints) follows the newest step any rank printed.
     """
 
-    def __init__(self, regex: str, log_path: Path, hb_dir: Path, ranks: int):
+    def __init__(self, regex: str, log_path: Path, hb_dir: Path, ranks: int, loss_regex: Optional[str] = None):
         self.regex = re.compile(regex)
+        self.loss_regex = re.compile(loss_regex) if loss_regex else None
+        self.signals: Dict[int, Tuple[int, Optional[float], Optional[float]]] = {}   # rank -> (step, loss, None)
         self.log_path, self.hb_dir, self.ranks = log_path, hb_dir, ranks
         self.offset = 0
         self.partial = b""
         self.own: Dict[int, int] = {}
         self.written: Dict[int, int] = {}
+
+    def _loss(self, rank: int, body: str) -> None:
+        """A loss in an output line (the stability guard), at the rank's latest step."""
+        m = self.loss_regex.search(body)
+        if m is None:
+            return
+        try:
+            loss = float(m.group(1))          # "nan" and "inf" read as themselves
+        except (IndexError, TypeError, ValueError):
+            return
+        hit = self.regex.search(body)
+        step = self.own.get(rank, 0)
+        if hit is not None:
+            try:
+                step = int(hit.group(1))
+            except (IndexError, TypeError, ValueError):
+                pass
+        self.signals[rank] = (step, loss, None)
 
     def poll(self) -> None:
         try:
@@ -149,6 +177,8 @@ class ProgressReader:
             text = raw.decode("utf-8", "replace")
             m = _LABEL.match(text)
             rank, body = (int(m.group(1)), m.group(2)) if m else (0, text)
+            if self.loss_regex is not None:
+                self._loss(rank, body)
             hit = self.regex.search(body)
             if hit is None:
                 continue
@@ -199,6 +229,7 @@ class RunConfig:
     # rewritten at each state change and at exit; None: <job_dir>/clusterops_job.prom.
     metrics_file: Optional[Path] = None
     heartbeat: str = field(default_factory=hbchannel.mode_from_env)   # channel mode, see channel.py
+    stability: Optional[StabilityConfig] = None   # supervise: stability: (None: no guard)
     job_dir_mode: int = 0o700               # mode of a job directory the supervisor creates
     inprocess: Optional[InprocessSettings] = None   # supervise: inprocess: (rendezvous.py); None: off
 
@@ -393,6 +424,8 @@ class SupervisorRun:
             sv.DrainNodes: self._act_drain_nodes,
             sv.Requeue: self._act_requeue,
             sv.Exit: self._act_exit,
+            sv.SetAside: self._act_set_aside,
+            sv.HoldCheckpoint: self._act_hold,
         }
 
     # -- signals ---------------------------------------------------------------------
@@ -420,7 +453,10 @@ class SupervisorRun:
         latest = self._latest_ckpt(deep=False)
         self.seen_ckpt = latest
         self.sup = sv.Supervisor(cfg.policy, cfg.nodes, slurm_restart_count=cfg.slurm_restart_count,
-                                 memory=memory, ckpt_step=latest)
+                                 memory=memory, ckpt_step=latest, stability=cfg.stability)
+        if self.sup.stability is not None:      # the checkpoints a rollback may go back to
+            for step in self._ckpt_steps():
+                self.sup.stability.checkpoint(step)
         try:
             self._do(self.sup.start(self.clock()))
             while self.exit_code is None:
@@ -477,7 +513,8 @@ class SupervisorRun:
                 if self.sup.detector is not None and now >= self.next_timing:
                     timing = self.channel.timings()
                     self.next_timing = now + max(1.0, self.sup.expected_ranks / TIMING_RANKS_PER_S)
-                events.append(sv.Heartbeats(now, self.channel.snapshot(self.sup.expected_ranks), timing=timing))
+                events.append(sv.Heartbeats(now, self.channel.snapshot(self.sup.expected_ranks), timing=timing,
+                                            signals=self._signals()))
             rc = self.train.poll()
             if rc is not None:
                 events.append(self._step_exited(now, rc))
@@ -544,6 +581,9 @@ class SupervisorRun:
 
     def _act_record(self, a: sv.Record) -> None:
         self._record(a.kind, dict(a.data))
+        if a.kind == E.ROLLBACK:
+            self._notify("job_rolled_back", f"job {self.cfg.job_id} rolled back to step {a.data.get('to_step')}",
+                         dict(a.data), wait_s=2.0)
 
     def _act_run_preflight(self, a: sv.RunPreflight) -> None:
         liveness = a.profile == sv.LIVENESS
@@ -618,6 +658,65 @@ class SupervisorRun:
                 return False
         return True
 
+    def _signals(self) -> Dict[int, Tuple[int, Optional[float], Optional[float]]]:
+        """The ranks' loss and grad norm for the stability guard (none without one)."""
+        if self.sup.stability is None:
+            return {}
+        if self.progress_reader is not None and self.progress_reader.loss_regex is not None:
+            return dict(self.progress_reader.signals)
+        return self.channel.signals() if self.channel is not None else {}
+
+    def _ckpt_steps(self) -> List[int]:
+        """The steps of the checkpoints on disk (not verified: a rollback's resume verifies)."""
+        from clusterops import checkpoint as ck
+
+        if self.cfg.plain.checkpoint_glob:
+            return sorted({s for s, _, _ in plain_checkpoints(self.cfg.ckpt_dir, self.cfg.plain.checkpoint_glob)})
+        try:
+            return [s for s, _ in ck.committed_steps(self.cfg.ckpt_dir)]
+        except ClusteropsError:
+            return []
+
+    def _act_hold(self, a: sv.HoldCheckpoint) -> None:
+        """Retention's hold on a checkpoint (clusterops.checkpoint.retention.hold); the
+        script's own checkpoints (no SDK) are not clusterops's to prune, so not held."""
+        from clusterops import checkpoint as ck
+
+        if self.cfg.plain.checkpoint_glob:
+            return
+        try:
+            ck.hold(self.cfg.ckpt_dir, a.step, a.reason)
+        except OSError as e:
+            self._record(E.WARNING, {"what": f"hold on checkpoint step {a.step}: {e.strerror or e}"})
+
+    def _act_set_aside(self, a: sv.SetAside) -> None:
+        """Move the checkpoints after ``a.after_step`` into ``<ckpt_dir>/rolled-back-<N>/``
+        (kept for a look, never resumed from: no lookup reads below the root)."""
+        from clusterops import checkpoint as ck
+
+        cfg = self.cfg
+        if cfg.plain.checkpoint_glob:
+            victims = [p for s, _, p in plain_checkpoints(cfg.ckpt_dir, cfg.plain.checkpoint_glob) if s > a.after_step]
+        else:
+            victims = [p for s, p in ck.committed_steps(cfg.ckpt_dir) if s > a.after_step]
+        if not victims:
+            return
+        n = 1
+        while (cfg.ckpt_dir / f"rolled-back-{n}").exists():
+            n += 1
+        dest = cfg.ckpt_dir / f"rolled-back-{n}"
+        dest.mkdir()
+        moved = []
+        for p in victims:
+            try:
+                os.replace(p, dest / p.name)
+                moved.append(p.name)
+            except OSError as e:
+                self._record(E.WARNING, {"what": f"setting aside {p}: {e.strerror or e}"})
+        self.seen_ckpt = self._latest_ckpt(deep=False)
+        self._record(E.CHECKPOINT_SET_ASIDE, {"after_step": a.after_step, "into": str(dest), "moved": moved,
+                                              "reason": a.reason})
+
     def _ckpt_path(self, step: int) -> str:
         if self.cfg.plain.checkpoint_glob:
             found = [p for s, _, p in plain_checkpoints(self.cfg.ckpt_dir, self.cfg.plain.checkpoint_glob)
@@ -670,6 +769,11 @@ class SupervisorRun:
         if lookup.latest is not None:
             resume = str(lookup.latest.path)
         self.seen_ckpt = lookup.latest.step if lookup.latest else None
+        # A stability rollback's decision goes with the checkpoint it was made for only.
+        hint = a.hint if a.hint is not None and self.seen_ckpt == a.hint.from_step else None
+        if a.hint is not None and hint is None:
+            self._record(E.WARNING, {"what": f"rollback checkpoint step {a.hint.from_step} is not the one resumed "
+                                             f"from ({self.seen_ckpt}): no skip, no LR factor"})
         self._do(self.sup.handle(sv.ResumeChosen(self.clock(), self.seen_ckpt, resume,
                                                  tuple(str(b.path) for b in lookup.skipped))))
         nodes = list(a.nodes)
@@ -677,7 +781,8 @@ class SupervisorRun:
         env = dict(cfg.env)
         env.update({
             **protocol.rank_env(ckpt_dir=cfg.ckpt_dir, resume_from=resume, attempt=d, restart_count=a.restart_count,
-                                heartbeat_addr=self.channel.env_value),
+                                heartbeat_addr=self.channel.env_value,
+                                resume_hint=hint.to_json() if hint is not None else ""),
             "MASTER_ADDR": self.slurm.node_address(nodes[0]),
             "MASTER_PORT": str(free_port()),
         })
@@ -691,7 +796,7 @@ class SupervisorRun:
             self.rdzv_log_at = 0
         self.step_name = f"clusterops-train-{a.attempt}"
         self.step_id = None
-        command = list(cfg.command) + cfg.plain.resume_argv(resume)
+        command = list(cfg.command) + cfg.plain.resume_argv(resume, hint)
         tasks_per_node = ppn
         if cfg.launcher == "torchrun":
             command, tasks_per_node = torchrun_command(command, cfg.python, len(nodes), ppn), 1
@@ -704,7 +809,8 @@ class SupervisorRun:
                          wait_s=cfg.step_wait_s if self.rdzv is None else None, label=True, extra=cfg.srun_args)
         self.train_log = d / "step.log"
         self.progress_reader = (ProgressReader(cfg.plain.progress_regex, self.train_log, d / "heartbeat",
-                                               len(nodes) * ppn) if cfg.plain.progress_regex else None)
+                                               len(nodes) * ppn, cfg.plain.loss_regex)
+                                if cfg.plain.progress_regex else None)
         self.train = self.runner.spawn(argv, log_path=str(self.train_log), env=env, cwd=cfg.workdir,
                                        unset=TORCHRUN_VARS)
         self.launched_at = self.clock()
@@ -950,7 +1056,10 @@ class SupervisorRun:
 
     def _act_exit(self, a: sv.Exit) -> None:
         save_memory(self.cfg.job_dir, self.sup.memory)
-        if a.code != sv.EXIT_DONE:
+        if a.code in (sv.EXIT_DIVERGED, sv.EXIT_ROLLBACK_BUDGET):
+            self._notify("job_diverged", f"job {self.cfg.job_id} diverged (exit {a.code}): {a.reason}",
+                         {"exit_code": a.code, "reason": a.reason}, wait_s=10.0)
+        elif a.code != sv.EXIT_DONE:
             self._notify("job_given_up", f"job {self.cfg.job_id} gave up (exit {a.code}): {a.reason}",
                          {"exit_code": a.code, "reason": a.reason}, wait_s=10.0)
         self._write_metrics()

@@ -10,6 +10,7 @@ time, with faults, restarts and requeues marked.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from enum import Enum
@@ -39,6 +40,9 @@ class EventKind(str, Enum):
     CHECKPOINT = "checkpoint"
     HEARTBEAT_LOST = "heartbeat_lost"
     STRAGGLER = "straggler"
+    LOSS_SPIKE = "loss_spike"
+    NAN = "nan"
+    ROLLBACK = "rollback"
     NODE_DOWN = "node_down"
     NODE_BAD = "node_bad"
     STOP_REQUESTED = "stop_requested"
@@ -55,6 +59,7 @@ class EventKind(str, Enum):
     WARNING = "warning"
     # the plumbing's own records (clusterops.supervisor.run)
     CHECKPOINT_BAD = "checkpoint_bad"
+    CHECKPOINT_SET_ASIDE = "checkpoint_set_aside"
     DRAIN = "drain"
     DRAIN_REFUSED = "drain_refused"
     DRAIN_SKIPPED = "drain_skipped"
@@ -85,6 +90,7 @@ class Cause(str, Enum):
     RANK_EXIT = "rank_exit"          # the first failed rank exited with an error
     RANK_FAILED = "rank_failed"      # the first failed rank ended some other way
     STEP_FAILED = "step_failed"      # non-zero exit with no failure srun named
+    ROLLED_BACK = "rolled_back"      # killed by us: the stability guard rolls back (or stops)
 
     def __str__(self) -> str:
         return self.value
@@ -93,11 +99,11 @@ class Cause(str, Enum):
 E = EventKind
 # Event kinds drawn as markers on the chart, and how.
 FAULT_KINDS = {E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.STEP_EXIT, E.STOP_TIMEOUT, E.KILL_ESCALATED,
-               E.INPROC_FAULT}
+               E.ROLLBACK, E.INPROC_FAULT}
 DECISION_KINDS = {E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED, E.DONE,
                   E.INPROC_FIRST_STEP, E.INPROC_FALLBACK}
 # Findings that are neither a fault nor a decision: a slow node (drawn in orange).
-FINDING_KINDS = {E.STRAGGLER}
+FINDING_KINDS = {E.STRAGGLER, E.LOSS_SPIKE, E.NAN}
 
 
 class Timeline:
@@ -201,6 +207,11 @@ def _join(v: object) -> str:
     return "" if v is None else str(v)
 
 
+def _began(fields: Mapping) -> object:
+    b = fields.get("began")
+    return b - 1 if isinstance(b, int) and not isinstance(b, bool) else b
+
+
 def describe(rec: Mapping) -> str:
     """One human line for a record."""
     e = rec.get("event")
@@ -230,6 +241,15 @@ def describe(rec: Mapping) -> str:
         if fields.get("action") == "replace":
             return s + f"; replacing it with {fields.get('spare')} at a checkpoint"
         return s + f"; recorded only ({fields.get('why', 'no replacement')})"
+    if e in (E.LOSS_SPIKE, E.NAN):
+        what = "loss spike" if e == E.LOSS_SPIKE else "non-finite"
+        band = f" (band: median {fields.get('median')}, limit {fields.get('limit')})" if e == E.LOSS_SPIKE else ""
+        return (f"{what} {fields.get('signal')} {fields.get('value')} at step {fields.get('step')}, began after step "
+                f"{_began(fields)}{band}; decision: {fields.get('decision')}")
+    if e == E.ROLLBACK:
+        return (f"ROLLBACK {fields.get('rollback')}: to the checkpoint of step {fields.get('to_step')}, skip "
+                f"{fields.get('skip_batches')} batches, lr x{fields.get('lr_factor')} ({fields.get('lost_steps')} "
+                f"steps lost)")
     if e == E.GIVE_UP:
         return f"GIVE UP (exit {fields.get('code')}): {fields.get('reason')}"
     if e == E.DONE:
@@ -264,7 +284,8 @@ def summary(records: Iterable[Mapping]) -> dict:
     """Counts a test or a report wants: restarts, requeues, outcome, final step."""
     recs = list(records)
     out = {"events": len(recs), "restarts": 0, "requeues": 0, "launches": 0, "faults": [],
-           "outcome": None, "exit_code": None, "last_step": None, "checkpoints": [], "stragglers": []}
+           "outcome": None, "exit_code": None, "last_step": None, "checkpoints": [], "stragglers": [],
+           "anomalies": [], "rollbacks": 0}
     for r in recs:
         e = r.get("event")
         if e == E.RESTART:
@@ -284,6 +305,10 @@ def summary(records: Iterable[Mapping]) -> dict:
             out["checkpoints"].append(r["step"])
         elif e == E.STRAGGLER:
             out["stragglers"].append({"node": r.get("node"), "ratio": r.get("ratio"), "action": r.get("action")})
+        elif e in (E.LOSS_SPIKE, E.NAN):
+            out["anomalies"].append({"kind": e, "step": r.get("step"), "decision": r.get("decision")})
+        elif e == E.ROLLBACK:
+            out["rollbacks"] += 1
     return out
 
 
@@ -481,6 +506,10 @@ def job_metrics(records: Iterable[Mapping], job: str):
         if rep["mttr_s"] is not None:
             prom.set("clusterops_job_mttr_seconds", lab, rep["mttr_s"])
     prom.set("clusterops_job_stragglers", lab, len(s["stragglers"]))
+    for kind in (E.LOSS_SPIKE, E.NAN):
+        prom.set("clusterops_job_anomalies", dict(lab, kind=str(kind)),
+                 sum(1 for a in s["anomalies"] if a["kind"] == kind))
+    prom.set("clusterops_job_rollbacks", lab, s["rollbacks"])
     prom.set("clusterops_job_stragglers_replaced", lab, sum(1 for x in s["stragglers"] if x["action"] == "replace"))
     healed = [r for r in recs if r.get("event") == E.INPROC_FIRST_STEP]
     prom.set("clusterops_job_inprocess_recoveries", lab, len(healed))
@@ -538,7 +567,8 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
     if not recs:
         return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="60"><text x="10" y="30">empty timeline</text></svg>'
     f = _Frame(recs, width, height)
-    parts = _svg_axes(f, title) + _svg_steps(f, recs) + _svg_checkpoints(f, recs) + _svg_markers(f, recs)
+    parts = (_svg_axes(f, title) + _svg_steps(f, recs) + _svg_loss(f, recs) + _svg_checkpoints(f, recs)
+             + _svg_markers(f, recs))
     parts.append(_svg_legend(f, any(r.get("event") in FINDING_KINDS for r in recs)))
     parts.append("</svg>")
     return "\n".join(parts)
@@ -581,6 +611,43 @@ def _svg_steps(f: _Frame, recs: List[Mapping]) -> List[str]:
             parts.append(f'<polyline class="step" points="{d}" fill="none" stroke="#2a7" stroke-width="2"/>')
         for t, s in seg:
             parts.append(f'<circle cx="{f.x(t):.1f}" cy="{f.y(s):.1f}" r="1.8" fill="#2a7"/>')
+    return parts
+
+
+def _svg_loss(f: _Frame, recs: List[Mapping]) -> List[str]:
+    """The loss of the progress records (the stability guard's), on its own scale at the right:
+    a purple line, broken at each launch; a value that is not finite is a cross at the top."""
+    segs: List[List[tuple]] = [[]]
+    for r in recs:
+        if r.get("event") == E.LAUNCH:
+            segs.append([])
+        elif r.get("event") == E.PROGRESS and "loss" in r:
+            v = r["loss"]
+            segs[-1].append((r["t"], float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None))
+    vals = [v for seg in segs for _, v in seg if v is not None and math.isfinite(v)]
+    if not vals:
+        return []
+    lo, hi = min(vals), max(vals)
+    hi = hi if hi > lo else lo + 1.0
+    y = lambda v: f.pad_t + f.h * (1 - (v - lo) / (hi - lo))  # noqa: E731
+    xr = f.pad_l + f.w
+    parts = [f'<text x="{xr + 6}" y="{f.pad_t - 4}" fill="#84c">loss</text>',
+             f'<text x="{xr + 6}" y="{f.pad_t + 10}" fill="#84c">{hi:.3g}</text>',
+             f'<text x="{xr + 6}" y="{f.pad_t + f.h}" fill="#84c">{lo:.3g}</text>']
+    for seg in segs:
+        run: List[str] = []
+        for t, v in seg + [(None, None)]:
+            if t is not None and v is not None and math.isfinite(v):
+                run.append(f"{f.x(t):.1f},{y(v):.1f}")
+                continue
+            if len(run) >= 2:
+                parts.append(f'<polyline class="loss" points="{" ".join(run)}" fill="none" stroke="#84c" '
+                             f'stroke-width="1.5"/>')
+            run = []
+            if t is not None:
+                xx = f.x(t)
+                parts.append(f'<text class="loss-nonfinite" x="{xx:.1f}" y="{f.pad_t + 4}" fill="#84c" '
+                             f'text-anchor="middle">x</text>')
     return parts
 
 

@@ -3,7 +3,8 @@
 The package, from pure to side-effecting:
 
 - ``results``: one node's result from its check (``result_from_check``) and the fleet
-  comparison that flags stragglers (``mark_stragglers``);
+  comparison that flags stragglers (``mark_stragglers``) and nodes whose driver/VBIOS versions
+  differ from their partition's (``mark_version_outliers``);
 - ``policy``: the drain policy as a pure function (``plan_drains`` -> ``DrainPlan``),
   with the safety guard that refuses to drain too many nodes at once;
 - ``scripts``: the per-node check command and the batch scripts, rendered from
@@ -33,7 +34,8 @@ from clusterops.sweep.lock import FileLock, PgAdvisoryLock, SweepLocked, sweep_l
 from clusterops.sweep.pairs import run_pairs
 from clusterops.sweep.policy import Action, DrainPlan, NodeSnapshot, allowed_drains, drain_reason, plan_drains
 from clusterops.sweep.results import (FAILING, HEALTHY, METRICS, STATUSES, NodeResult, extract_metrics,
-                                      fleet_medians, mark_stragglers, parse_times, result_from_check)
+                                      fleet_medians, mark_stragglers, mark_version_outliers, parse_times,
+                                      result_from_check)
 from clusterops.sweep.options import MAX_TARGETS, MAX_TIMEOUT_S, SweepOptions, expand_nodes, unique
 from clusterops.sweep.run import (EXIT_CANNOT_RUN, EXIT_GUARD, EXIT_LOCKED, EXIT_OK, EXIT_UNHEALTHY,
                                   SweepCannotRun, SweepReport, apply_sweep_plan, require_privilege, run_sweep)
@@ -46,6 +48,6 @@ __all__ = [
     "FAILING", "FileLock", "HEALTHY", "PgAdvisoryLock", "SweepLocked", "sweep_lock", "MAX_TARGETS", "MAX_TIMEOUT_S", "METRICS", "NodeResult", "NodeSnapshot",
     "STATUSES", "SlurmFanout", "require_privilege", "SweepCannotRun", "SweepOptions", "SweepReport", "Target",
     "allowed_drains", "apply_sweep_plan", "check_argv", "clusterops_argv", "drain_reason",
-    "expand_nodes", "extract_metrics", "fleet_medians", "mark_stragglers", "parse_times",
+    "expand_nodes", "extract_metrics", "fleet_medians", "mark_stragglers", "mark_version_outliers", "parse_times",
     "plan_drains", "result_from_check", "run_pairs", "run_sweep", "ssh_fanout", "unique",
 ]

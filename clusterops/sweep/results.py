@@ -25,7 +25,17 @@ STATUSES = ("pass", "warn", "fail", "error", "unreachable", "skipped")
 METRICS = {
     "matmul_tflops": (("matmul",), ("tflops", "tflop/s")),
     "busbw_gbps": (("allreduce", "all_reduce", "all-reduce", "busbw", "bandwidth"), ("gb/s", "gbps")),
+    "h2d_gbps": (("copybw.h2d",), ("gb/s",)),
+    "d2h_gbps": (("copybw.d2h",), ("gb/s",)),
+    "p2p_gbps": (("copybw.p2p",), ("gb/s",)),
+    "hbm_gbps": (("copybw.hbm",), ("gb/s",)),
+    "fabric_errors": (("fabric.errors",), ("errors",)),
+    "fabric_flaps": (("fabric.flaps",), ("flaps",)),
 }
+#: Figures where more is worse (error counts): an outlier is above the fleet, not below it.
+HIGHER_IS_WORSE = frozenset({"fabric_errors", "fabric_flaps"})
+#: The check result whose value is a node's software versions (driver, VBIOS).
+VERSIONS_PROBE = "nvml.versions"
 
 
 @dataclass
@@ -41,6 +51,8 @@ class NodeResult:
     metrics: Dict[str, float] = field(default_factory=dict)
     probes: List[dict] = field(default_factory=list)
     stragglers: List[str] = field(default_factory=list)
+    versions: str = ""                # driver/VBIOS versions from the check ("" when none)
+    version_outlier: str = ""         # the partition's usual versions, when this node's differ
     job_id: Optional[int] = None
     profile: str = ""                 # the health profile the check ran (from its report)
 
@@ -126,9 +138,11 @@ def result_from_check(node: str, doc: Optional[Mapping], exit_code: Optional[int
         if warns:
             detail = one_line(f"{warns[0].get('name')}: {warns[0].get('detail', '')}")
     dur = doc.get("duration_s")
+    versions = next((str(r.get("value")) for r in probes if r.get("name") == VERSIONS_PROBE and r.get("value")), "")
     return NodeResult(node, status, detail=detail, probe=probe, exit_code=exit_code,
                       duration_s=float(dur) if isinstance(dur, (int, float)) else None,
-                      metrics=extract_metrics(probes), probes=probes, profile=str(doc.get("profile") or ""))
+                      metrics=extract_metrics(probes), probes=probes, profile=str(doc.get("profile") or ""),
+                      versions=versions[:200])
 
 
 def fleet_medians(results: Iterable[NodeResult]) -> Dict[str, float]:
@@ -143,8 +157,11 @@ def fleet_medians(results: Iterable[NodeResult]) -> Dict[str, float]:
 def mark_stragglers(results: Mapping[str, NodeResult], tolerance: float) -> Dict[str, float]:
     """Flag nodes below ``(1 - tolerance) x`` the sweep's median; returns the medians.
 
-    A straggler may still pass its absolute thresholds: the point is the comparison
-    with its peers. Needs at least 3 nodes with the figure to say anything.
+    For the figures in ``HIGHER_IS_WORSE`` (fabric error and flap counts) the outlier is
+    above ``(1 + tolerance) x`` the median and more than one count above it (with a median
+    of 0, a node with two or more errors stands out; a single one is noise). A straggler may still pass its absolute
+    thresholds: the point is the comparison with its peers. Needs at least 3 nodes with
+    the figure to say anything.
     """
     if not 0 <= tolerance < 1:
         raise InputError(f"--straggler-tolerance: must be in [0, 1), got {tolerance}")
@@ -153,9 +170,42 @@ def mark_stragglers(results: Mapping[str, NodeResult], tolerance: float) -> Dict
     for r in results.values():
         r.stragglers = []
         for k, med in medians.items():
-            if counts[k] >= 3 and k in r.metrics and med > 0 and r.metrics[k] < (1 - tolerance) * med:
+            if counts[k] < 3 or k not in r.metrics:
+                continue
+            v = r.metrics[k]
+            if k in HIGHER_IS_WORSE:
+                if v > (1 + tolerance) * med and v > med + 1:
+                    r.stragglers.append(k)
+            elif med > 0 and v < (1 - tolerance) * med:
                 r.stragglers.append(k)
     return medians
+
+
+def mark_version_outliers(results: Mapping[str, NodeResult], partition_of: Mapping[str, Optional[str]]) -> None:
+    """Flag a node whose driver/VBIOS versions differ from the rest of its partition.
+
+    Per partition (``partition_of``: node -> partition; None is one group), the versions
+    most of its checked nodes run are the partition's; a node on others gets
+    ``version_outlier`` set to them. Needs at least 3 nodes with versions and a strict
+    majority: a partition split down the middle (a rolling upgrade) names no one.
+    """
+    groups: Dict[Optional[str], List[NodeResult]] = {}
+    for name, r in results.items():
+        r.version_outlier = ""
+        if r.versions:
+            groups.setdefault(partition_of.get(name), []).append(r)
+    for members in groups.values():
+        if len(members) < 3:
+            continue
+        counts: Dict[str, int] = {}
+        for r in members:
+            counts[r.versions] = counts.get(r.versions, 0) + 1
+        usual, n = max(counts.items(), key=lambda kv: kv[1])
+        if n * 2 <= len(members):
+            continue
+        for r in members:
+            if r.versions != usual:
+                r.version_outlier = usual
 
 
 def parse_times(text: str) -> Optional[float]:

@@ -34,7 +34,7 @@ from clusterops.slurm import privilege
 from clusterops.sweep.options import SweepOptions, expand_nodes, unique
 from clusterops.sweep.pairs import run_pairs
 from clusterops.sweep.policy import DrainPlan, NodeSnapshot, drain_reason, plan_drains
-from clusterops.sweep.results import STATUSES, NodeResult, mark_stragglers, natural_key
+from clusterops.sweep.results import STATUSES, NodeResult, mark_stragglers, mark_version_outliers, natural_key
 from clusterops.sweep.scripts import check_argv
 from clusterops.sweep.slurm_fanout import Progress, SlurmFanout, Target
 from clusterops.sweep.ssh import ssh_fanout
@@ -91,6 +91,7 @@ class SweepReport:
         for r in self.results.values():
             c[r.status] = c.get(r.status, 0) + 1
         c["stragglers"] = sum(1 for r in self.results.values() if r.stragglers)
+        c["version_outliers"] = sum(1 for r in self.results.values() if r.version_outlier)
         return c
 
     def node_order(self) -> List[str]:
@@ -325,6 +326,8 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
     try:
         _check(st, check, on_result)
         medians = mark_stragglers(st.results, opts.straggler_tolerance)
+        mark_version_outliers(st.results, {n: opts.partition or _first_partition(st.infos.get(n))
+                                           for n in st.results})
         pair_results: List[dict] = []
         if opts.pairs and opts.via == "slurm":
             # Rechecked nodes sit in the sweep's maintenance reservation: not paired.

@@ -86,7 +86,7 @@ def events(job, kind):
 
 def assert_healed(job, slurm, reference, world, *, steps=STEPS, ignore_ckpts=()):
     info = job.wait_end(slurm)
-    story = tl.format_text(job.timeline())
+    story = tl.format_text(job.timeline()) + job.failed_step_logs()
     assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state} {info.exit_code}\n{story}\n{job.batch_log()[-3000:]}"
     assert events(job, "done"), story
     assert job.out.exists(), story

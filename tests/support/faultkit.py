@@ -222,6 +222,13 @@ class TrainJob:
         logs = sorted((self.root / "logs").glob(f"*-{self.job_id}*.out"))
         return "\n".join(p.read_text(errors="replace") for p in logs)
 
+    def failed_step_logs(self, tail: int = 1500) -> str:
+        """The end of each attempt's step log but the last (the attempts that failed), so a
+        failing assertion shows what the ranks printed, not only the timeline."""
+        logs = sorted(self.job_dir.glob("**/step.log"), key=lambda p: p.stat().st_mtime)[:-1]
+        return "".join(f"\n--- {p.relative_to(self.job_dir)} (end)\n{p.read_text(errors='replace')[-tail:]}"
+                       for p in logs)
+
 
 # ------------------------------------------------------------------------------ faults
 def corrupt_latest_checkpoint(ckpt_dir: Path) -> Path:

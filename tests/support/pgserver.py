@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import List, Optional
 
 import pytest
+from clusterops.runner import free_port
+from support.users import ensure_user
 
 PG_USER = "clusterops-pg"   # the OS user the server runs as when the tests run as root
 DB_USER = "clusterops"
@@ -35,19 +37,13 @@ def pg_bindir() -> Optional[Path]:
     return Path(found[-1]).parent if found else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PgServer:
     def __init__(self, bindir: Path, base: Path):
         self.bindir = bindir
         self.base = base
         self.data = base / "data"
         self.log = base / "server.log"
-        self.port = _free_port()
+        self.port = free_port("127.0.0.1")
         self._names = itertools.count(1)
         self.os_user = PG_USER if os.geteuid() == 0 else None
 
@@ -62,14 +58,7 @@ class PgServer:
 
     def init(self) -> None:
         if self.os_user:
-            try:
-                pwd.getpwnam(self.os_user)
-            except KeyError:
-                # Another test session may create it at the same moment: only its absence
-                # afterwards is an error.
-                subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                                self.os_user], capture_output=True)
-            pw = pwd.getpwnam(self.os_user)
+            pw = ensure_user(self.os_user, system=True)
             os.chown(self.base, pw.pw_uid, pw.pw_gid)
         os.chmod(self.base, 0o700)
         pwfile = self.base / "pwfile"

@@ -12,14 +12,9 @@ import threading
 import time
 from pathlib import Path
 from typing import List, Optional
+from clusterops.runner import free_port
 
 SSHD = "/usr/sbin/sshd"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Sshd:
@@ -46,7 +41,7 @@ class Sshd:
                                + (["-b", "2048"] if kind == "rsa" else []), check=True)
         host_keys = "".join(f"HostKey {r}/{self._key_file(t)}\n" for t in self.host_key_types)
         (r / "authorized_keys").write_text((r / "client_key.pub").read_text())
-        self.port = free_port()
+        self.port = free_port("127.0.0.1")
         (r / "sshd_config").write_text(
             f"Port {self.port}\nListenAddress 127.0.0.1\n{host_keys}"
             f"AuthorizedKeysFile {r}/authorized_keys\nPermitRootLogin prohibit-password\n"

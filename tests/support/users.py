@@ -24,6 +24,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, Iterator, List
 
@@ -33,15 +34,26 @@ from clusterops.runner import Runner
 TEST_USER = "clusterops-user"
 
 
-def ensure_user(name: str = TEST_USER) -> pwd.struct_passwd:
-    try:
-        return pwd.getpwnam(name)
-    except KeyError:
-        pass
-    done = Runner().run(["useradd", "--create-home", "--shell", "/bin/bash",
-                         "--comment", "clusterops test user (tests/support/users.py)", name],
-                        timeout_s=30, check=False)
-    # Another test process may have created it in between: that is fine too.
+def ensure_user(name: str = TEST_USER, *, system: bool = False) -> pwd.struct_passwd:
+    """The local user ``name``, created with useradd when missing (a login user with a home,
+    or ``system``: no home, no login shell). Test processes run at once (pytest-xdist
+    workers): another may create the user at the same moment, or hold /etc/passwd's lock
+    ("cannot lock /etc/passwd; try again later", exit 10), so useradd is retried until the
+    user exists and only its absence in the end is an error."""
+    if system:
+        argv = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
+    else:
+        argv = ["useradd", "--create-home", "--shell", "/bin/bash",
+                "--comment", "clusterops test user (tests/support/users.py)", name]
+    done = None
+    for attempt in range(20):
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            pass
+        if attempt:
+            time.sleep(0.25)
+        done = Runner().run(argv, timeout_s=30, check=False)
     try:
         return pwd.getpwnam(name)
     except KeyError:

@@ -4,6 +4,11 @@ Each probe module exposes functions that take a probe configuration (a plain dic
 from the resolved health profile) and a ProbeContext, and return a list of
 ProbeResult. ``clusterops.health.probes.base.run_probes`` runs them, each under its own
 deadline, so one hung probe becomes an ``error`` result instead of a hung check.
+Modules: ``base`` (results, the deadline runner), ``nvml`` and ``nvml_standin``, ``amd`` and
+``amd_standin`` (AMD GPUs through amdsmi), ``xid``,
+``fabric`` (InfiniBand/RoCE from sysfs), ``state`` (what a probe keeps between checks),
+``dcgm``, ``host``, ``matmul``, ``dist``, ``copybw`` (copy bandwidths on the GPUs).
+
 The names a profile may use, and the function each one runs, are the explicit table
 ``clusterops.health.check.REGISTRY``.
 

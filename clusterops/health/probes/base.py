@@ -106,6 +106,9 @@ class ProbeContext:
     # Slurm's count of GPUs for ``node``: a callable (node, timeout_s) -> int | None;
     # None -> ask Slurm (only when the node shows GPUs; see probes.nvml).
     slurm_gpus: Optional[Callable[[str, float], Optional[int]]] = None
+    amdsmi: Any = None               # an amdsmi-like module; None -> import amdsmi lazily (probes.amd)
+    # Slurm's gres text for ``node`` (node, timeout_s) -> str | None; None -> ask Slurm (probes.amd).
+    slurm_gres: Optional[Callable[[str, float], Optional[str]]] = None
 
 
 ProbeFn = Callable[[Dict[str, Any], ProbeContext], List[ProbeResult]]

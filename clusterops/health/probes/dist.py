@@ -375,6 +375,17 @@ def _local_ranks(cfg: Dict[str, Any], ctx: ProbeContext) -> int:
     return int(cfg.get("cpu_ranks", 2))
 
 
+def busbw_floor(cfg: Dict[str, Any], ctx: ProbeContext, world: int) -> Optional[float]:
+    """The busbw floor: the profile's ``min_busbw_gbps``, else the GPU model's
+    ``allreduce_busbw_gbps`` (a figure for a full 8-GPU node, so only with 8 ranks or more;
+    the model is the one the nvml or amd probe found earlier in the check)."""
+    if cfg.get("min_busbw_gbps") is not None:
+        return float(cfg["min_busbw_gbps"])
+    model = ctx.cache.get("gpu_model")
+    figure = (ctx.gpu_models.get(model) or {}).get("allreduce_busbw_gbps") if model else None
+    return float(figure) if figure and world >= 8 else None
+
+
 def probe_dist(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     """Run the test over this node's GPUs (or ``cpu_ranks`` gloo ranks) as local processes."""
     world = _local_ranks(cfg, ctx)
@@ -397,7 +408,7 @@ def probe_dist(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
         deadline = time.time() + timeout_s + 10
         try:
             rep = collect_report(Path(d), world, deadline=deadline,
-                                 min_busbw_gbps=cfg.get("min_busbw_gbps"))
+                                 min_busbw_gbps=busbw_floor(cfg, ctx, world) if on_gpu else cfg.get("min_busbw_gbps"))
         finally:
             for p in procs:
                 try:

@@ -350,9 +350,11 @@ def job_of_process(pid: int, proc_root: str = "/proc") -> Optional[str]:
     return None
 
 
-def find_job_processes(node: str, *, proc_root: str = "/proc") -> Dict[int, str]:
-    """pid -> SLURM_JOB_ID for processes of Slurm jobs on this node (own ancestry excluded)."""
+def find_job_processes(node: str, *, proc_root: str = "/proc", conf: Optional[str] = None) -> Dict[int, str]:
+    """pid -> SLURM_JOB_ID for processes of Slurm jobs on this node (own ancestry excluded);
+    ``conf``: the Slurm configuration they must name (default $SLURM_CONF)."""
     mine = _ancestors(os.getpid(), proc_root)
+    conf = conf or os.environ.get("SLURM_CONF")
     out: Dict[int, str] = {}
     for entry in os.scandir(proc_root):
         if not entry.name.isdigit():
@@ -362,16 +364,25 @@ def find_job_processes(node: str, *, proc_root: str = "/proc") -> Dict[int, str]
             continue
         env = _proc_env(pid, proc_root)
         job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-        # On a shared dev host several slurmd run side by side; keep this node's only.
-        if job and env.get("SLURMD_NODENAME", node) == node:
+        # On a shared dev host several slurmd run side by side; keep this node's only, and
+        # of this Slurm only (two clusters on one host both have a "node1").
+        if job and env.get("SLURMD_NODENAME", node) == node and _same_slurm(env, conf):
             out[pid] = job
     return out
+
+
+def _same_slurm(env: Dict[str, str], conf: Optional[str]) -> bool:
+    """Whether a job process belongs to the Slurm this check asks (its SLURM_CONF, where
+    both name one: slurmstepd exports it to every task)."""
+    theirs = env.get("SLURM_CONF")
+    return not (conf and theirs) or os.path.realpath(theirs) == os.path.realpath(conf)
 
 
 def probe_stray_processes(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     """Processes that belong to Slurm jobs no longer running on this node."""
     status_if_found = cfg.get("status", "warn")
-    procs = find_job_processes(ctx.node, proc_root=os.path.join(ctx.host_root, "proc"))
+    procs = find_job_processes(ctx.node, proc_root=os.path.join(ctx.host_root, "proc"),
+                               conf=ctx.env.get("SLURM_CONF"))
     if not procs:
         return [ProbeResult("host.stray_processes", "pass", value=0, unit="processes",
                             detail="no processes of Slurm jobs on this node")]

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import os
 import re
+import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from clusterops.health.probes import state as local_state
 from clusterops.health.probes.base import ProbeContext, ProbeResult, worst
 
 # NVML return codes (nvml.h); used through err.value so any pynvml-like module works.
@@ -46,6 +49,27 @@ NVLINK_MAX_LINKS = 18
 NVLINK_ERRORS = {"replay": 0, "recovery": 1, "crc_flit": 2, "crc_data": 3}
 
 NOT_SUPPORTED = object()  # a sentinel: the GPU or driver does not offer this reading
+
+# Field ids (nvml.h, nvmlDeviceGetFieldValues). The recovery action is NVML's own advice
+# after a fault (driver 570 and newer); the two slowdown fields are cumulative time (ns)
+# the clocks were held down by the HW thermal / HW power-brake slowdown.
+FI_GPU_RECOVERY_ACTION = 230
+FI_HW_THERM_SLOWDOWN_NS = 270
+FI_HW_POWER_BRAKE_NS = 271
+# nvmlGpuRecoveryAction_t -> (what it means, what to do). 0 is "none".
+RECOVERY_ACTIONS: Dict[int, Tuple[str, str]] = {
+    1: ("GPU_RESET", "reset the GPU (nvidia-smi -r) when it is idle"),
+    2: ("NODE_REBOOT", "reboot the node"),
+    3: ("DRAIN_P2P", "stop peer-to-peer traffic to this GPU (drain the node's jobs), then reset it"),
+    4: ("DRAIN_AND_RESET", "drain the node's jobs, then reset the GPU"),
+    5: ("RECOVER_IMEX_DOMAIN", "recover the node's IMEX domain"),
+    6: ("BUS_RESET", "reset the GPU's PCIe bus (reboot if unsure)"),
+    7: ("SYSTEM_REBOOT", "reboot the node (full power cycle)"),
+}
+CLOCK_SM = 1
+CLOCK_MEM = 2
+# nvmlValueType_t -> the member of nvmlValue_t that holds it.
+_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 
 class GpuLost(Exception):
@@ -145,11 +169,39 @@ def read_gpu(nv, index: int) -> Dict[str, Any]:
         links[link] = {"active": bool(state), "errors": errs}
     g["nvlink"] = links
     g["persistence"] = _call(nv, "nvmlDeviceGetPersistenceMode", h)
+    fields = read_fields(nv, h, (FI_GPU_RECOVERY_ACTION, FI_HW_THERM_SLOWDOWN_NS, FI_HW_POWER_BRAKE_NS))
+    g["recovery_action"] = fields[FI_GPU_RECOVERY_ACTION]
+    g["slowdown_ns"] = {"hw_thermal": fields[FI_HW_THERM_SLOWDOWN_NS], "hw_power_brake": fields[FI_HW_POWER_BRAKE_NS]}
+    g["vbios"] = _text(_call(nv, "nvmlDeviceGetVbiosVersion", h))
+    g["clocks_mhz"] = {
+        "app_sm": _call(nv, "nvmlDeviceGetApplicationsClock", h, CLOCK_SM),
+        "app_mem": _call(nv, "nvmlDeviceGetApplicationsClock", h, CLOCK_MEM),
+        "default_app_sm": _call(nv, "nvmlDeviceGetDefaultApplicationsClock", h, CLOCK_SM),
+        "default_app_mem": _call(nv, "nvmlDeviceGetDefaultApplicationsClock", h, CLOCK_MEM),
+        "max_sm": _call(nv, "nvmlDeviceGetMaxClockInfo", h, CLOCK_SM),
+        "sm": _call(nv, "nvmlDeviceGetClockInfo", h, CLOCK_SM),
+    }
     procs = _call(nv, "nvmlDeviceGetComputeRunningProcesses", h)
     g["processes"] = [] if procs is NOT_SUPPORTED else [
         {"pid": int(p.pid), "used_mib": (int(p.usedGpuMemory) // (1 << 20)) if p.usedGpuMemory else None}
         for p in procs]
     return g
+
+
+def read_fields(nv, h, ids: Tuple[int, ...]) -> Dict[int, Any]:
+    """Field values by id (one ``nvmlDeviceGetFieldValues`` call); NOT_SUPPORTED for each
+    field the driver does not know (its own nvmlReturn is not success) or a driver without
+    the call."""
+    vals = _call(nv, "nvmlDeviceGetFieldValues", h, list(ids))
+    out: Dict[int, Any] = {i: NOT_SUPPORTED for i in ids}
+    if vals is NOT_SUPPORTED:
+        return out
+    for fid, v in zip(ids, vals):
+        if int(getattr(v, "nvmlReturn", 1)) != 0:
+            continue
+        member = _VALUE_MEMBER.get(int(getattr(v, "valueType", 3)), "ullVal")
+        out[fid] = getattr(v.value, member)
+    return out
 
 
 # -- rules: each takes (gpu readings, cfg) -> (status, message or "", value) -----------------
@@ -274,6 +326,56 @@ def rule_persistence(g, cfg):
     return "pass", "", "on"
 
 
+def rule_recovery_action(g, cfg):
+    """NVML's advice after a fault (driver 570+): anything but NONE fails, with the action."""
+    a = g.get("recovery_action", NOT_SUPPORTED)
+    if a is NOT_SUPPORTED:
+        return "skip", "", None
+    a = int(a)
+    if a == 0:
+        return "pass", "", "NONE"
+    name, todo = RECOVERY_ACTIONS.get(a, (f"action {a}", "see the NVML documentation for this recovery action"))
+    return "fail", f"NVML recovery action {name}: {todo}", name
+
+
+def rule_app_clocks(g, cfg):
+    """Application clocks below the GPU's defaults (someone ran ``nvidia-smi -ac`` low), and
+    a maximum SM clock below the model's (a power-capped or mis-flashed board)."""
+    clk = g.get("clocks_mhz") or {}
+    app, dflt = clk.get("app_sm", NOT_SUPPORTED), clk.get("default_app_sm", NOT_SUPPORTED)
+    mx, want = clk.get("max_sm", NOT_SUPPORTED), cfg.get("_model_max_sm_mhz")
+    if want and mx is not NOT_SUPPORTED and int(mx) < int(want):
+        return "fail", f"max SM clock {mx} MHz < the model's {want} MHz: check the VBIOS and power limits", mx
+    parts = []
+    for kind in ("sm", "mem"):
+        a, d = clk.get(f"app_{kind}", NOT_SUPPORTED), clk.get(f"default_app_{kind}", NOT_SUPPORTED)
+        if NOT_SUPPORTED not in (a, d) and int(a) < int(d):
+            parts.append(f"application {kind.upper()} clock {a} MHz < default {d} MHz")
+    if parts:
+        return "warn", "; ".join(parts) + ": reset them (nvidia-smi -rac)", app
+    if app is NOT_SUPPORTED and dflt is NOT_SUPPORTED and mx is NOT_SUPPORTED:
+        return "skip", "", None
+    return "pass", "", app if app is not NOT_SUPPORTED else mx
+
+
+def rule_slowdown(g, cfg):
+    """HW thermal and power-brake slowdown time since the last check (local state): any
+    warns; above ``slowdown_fail_fraction`` of the time between the checks fails."""
+    rise = g.get("_slowdown_rise_s")
+    if rise is None:
+        return "skip", "", None
+    elapsed = g.get("_slowdown_elapsed_s") or 0.0
+    total = sum(rise.values())
+    if total <= 0:
+        return "pass", "", 0.0
+    what = ", ".join(f"{k.replace('_', ' ')} {v:.3g} s" for k, v in rise.items() if v > 0)
+    frac = float(cfg.get("slowdown_fail_fraction", 0.05))
+    if elapsed > 0 and total / elapsed > frac:
+        return "fail", (f"clocks held down {total:.3g} s of the last {elapsed:.0f} s ({what}): check cooling "
+                        "and the power supply"), round(total, 3)
+    return "warn", f"clocks held down {total:.3g} s since the last check ({what})", round(total, 3)
+
+
 def rule_processes(g, cfg):
     """A compute process that belongs to no Slurm job is a stray; a job's own processes
     (the node is busy: HealthCheckNodeState=ANY runs the check under running jobs) are not."""
@@ -297,6 +399,9 @@ RULES: List[Tuple[str, Rule, str]] = [
     ("nvml.pcie", rule_pcie, ""),
     ("nvml.nvlink", rule_nvlink, "links"),
     ("nvml.persistence", rule_persistence, ""),
+    ("nvml.recovery_action", rule_recovery_action, ""),
+    ("nvml.app_clocks", rule_app_clocks, "MHz"),
+    ("nvml.slowdown", rule_slowdown, "s"),
     ("nvml.processes", rule_processes, "processes"),
 ]
 
@@ -309,6 +414,9 @@ _THRESHOLDS = {
     "nvml.pcie": lambda c: "width and (when busy) gen at max",
     "nvml.nvlink": lambda c: {"links": c.get("nvlink_links"), "recovery_max": c.get("nvlink_recovery_max", 0)},
     "nvml.persistence": lambda c: "on",
+    "nvml.recovery_action": lambda c: "NONE",
+    "nvml.app_clocks": lambda c: "at the defaults; max SM clock at the model's",
+    "nvml.slowdown": lambda c: {"fail_fraction": c.get("slowdown_fail_fraction", 0.05)},
     "nvml.processes": lambda c: 0,
 }
 
@@ -322,6 +430,9 @@ def _fold(rule_name: str, unit: str, per_gpu: List[Tuple[Dict[str, Any], str, st
     numeric = [v for _, s, _, v in per_gpu if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if rule_name == "nvml.nvlink":
         value = min(numeric) if numeric else None
+    elif rule_name == "nvml.recovery_action":   # the action of the first GPU that has one
+        acts = [v for _, s, _, v in per_gpu if s == "fail"] or [v for _, _, _, v in per_gpu if v]
+        value = acts[0] if acts else None
     else:
         value = max(numeric) if numeric else None
     if bad:
@@ -334,6 +445,54 @@ def _fold(rule_name: str, unit: str, per_gpu: List[Tuple[Dict[str, Any], str, st
         detail = f"{len(per_gpu)} GPUs ok"
     return ProbeResult(rule_name, status, value=value, unit=unit, threshold=_THRESHOLDS[rule_name](cfg),
                        detail=detail, data=data)
+
+
+def rule_versions(driver: str, gpus: List[Dict[str, Any]]) -> ProbeResult:
+    """The driver and VBIOS versions, for the sweep's fleet comparison (a node whose
+    versions differ from the rest of its partition); GPUs of one node with different
+    VBIOS versions warn."""
+    vbios = {f"gpu{g['index']}": g["vbios"] for g in gpus if g.get("vbios") not in (None, "", _text(NOT_SUPPORTED))}
+    distinct = sorted(set(vbios.values()))
+    data = {"driver": driver, "vbios": vbios}
+    value = f"driver {driver}, VBIOS {'/'.join(distinct) or 'unknown'}"
+    if len(distinct) > 1:
+        return ProbeResult("nvml.versions", "warn", value=value, data=data,
+                           detail=f"GPUs of this node run different VBIOS versions ({', '.join(distinct)}): "
+                                  "flash them to one version")
+    return ProbeResult("nvml.versions", "pass", value=value, data=data, detail=value)
+
+
+def slowdown_since_last(gpus: List[Dict[str, Any]], cfg: Dict[str, Any], ctx: ProbeContext, now: float) -> None:
+    """Set each GPU's ``_slowdown_rise_s`` (HW thermal / power-brake slowdown seconds since
+    the previous check, from the node's local state) and ``_slowdown_elapsed_s``. A GPU
+    without the counters, or the first check, gets None (the rule skips)."""
+    readings = {g["pci_bus_id"] or str(g["index"]): g for g in gpus
+                if all(v is not NOT_SUPPORTED for v in (g.get("slowdown_ns") or {"x": NOT_SUPPORTED}).values())}
+    for g in gpus:
+        g["_slowdown_rise_s"] = None
+    if not readings:
+        return
+    path = Path(cfg["state_file"]) if cfg.get("state_file") else \
+        local_state.default_state_file(ctx.state_dir, ctx.env, ctx.node, "nvml")
+
+    def change(saved: Dict[str, Any]) -> None:
+        before = saved.get("slowdown_ns") if isinstance(saved.get("slowdown_ns"), dict) else {}
+        then = saved.get("time")
+        for key, g in readings.items():
+            prev = before.get(key)
+            if isinstance(prev, dict) and isinstance(then, (int, float)):
+                # A counter below its saved value was reset (driver reload): its value is the rise.
+                g["_slowdown_rise_s"] = {k: (int(v) - int(prev.get(k, 0)) if int(v) >= int(prev.get(k, 0))
+                                             else int(v)) / 1e9 for k, v in g["slowdown_ns"].items()}
+                g["_slowdown_elapsed_s"] = max(0.0, now - float(then))
+        saved["slowdown_ns"] = {k: {n: int(v) for n, v in g["slowdown_ns"].items()} for k, g in readings.items()}
+        saved["time"] = now
+
+    try:
+        local_state.update(path, change)
+    except OSError:
+        for g in gpus:
+            g["_slowdown_rise_s"] = None
 
 
 def local_gpu_evidence(host_root: str = "/") -> List[str]:
@@ -466,22 +625,27 @@ def _probe(nv, cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
                                           ": the GPU fell off the bus; reboot the node, RMA if it recurs"))
     # Per-model expectations (NVLink link count) resolved from the profile's gpu_models.
     models = {g["index"]: match_model(g["name"], ctx.gpu_models) for g in gpus}
+    if gpus:
+        ctx.cache.setdefault("gpu_model", models[gpus[0]["index"]])   # the dist probe's busbw floor
     from clusterops.health.probes.host import job_of_process
 
     proc_root = os.path.join(ctx.host_root, "proc")
     jobs = {p["pid"]: job_of_process(p["pid"], proc_root) for g in gpus for p in g["processes"]}
+    slowdown_since_last(gpus, cfg, ctx, time.time())
     for name, rule, unit in RULES:
         per_gpu = []
         for g in gpus:
             c = dict(cfg, _ignore_pids=ignore, _jobs=jobs)
+            spec = ctx.gpu_models.get(models.get(g["index"]) or "") or {}
             if name == "nvml.nvlink" and c.get("nvlink_links") is None:
-                m = models.get(g["index"])
-                c["nvlink_links"] = (ctx.gpu_models.get(m) or {}).get("nvlink_links") if m else None
+                c["nvlink_links"] = spec.get("nvlink_links")
+            c["_model_max_sm_mhz"] = spec.get("max_sm_clock_mhz")
             status, msg, value = rule(g, c)
             per_gpu.append((g, status, msg, value))
         results.append(_fold(name, unit, per_gpu, cfg))
     results[0].data.update(gpus=[{"index": g["index"], "name": g["name"], "pci_bus_id": g["pci_bus_id"],
                                   "model": models.get(g["index"])} for g in gpus])
+    results.append(rule_versions(drv, gpus))
     for r in results:
         if r.name == "nvml.processes":
             r.data["job_processes"] = {str(pid): job for pid, job in jobs.items() if job}

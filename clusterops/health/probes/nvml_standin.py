@@ -179,6 +179,35 @@ class StandinNVML:
     def nvmlDeviceGetPersistenceMode(self, h):
         return self._g(h, "persistence", 1)
 
+    def nvmlDeviceGetFieldValues(self, h, ids):
+        """``"fields": {"230": 1, ...}`` (field id -> value); an id not recorded answers as
+        the driver does for a field it does not know: that value's nvmlReturn is NOT_SUPPORTED."""
+        fields = self._g(h, "fields", {})
+        out = []
+        for fid in ids:
+            v = fields.get(str(fid))
+            out.append(SimpleNamespace(fieldId=fid, nvmlReturn=0 if v is not None else 3, valueType=3,
+                                       value=SimpleNamespace(ullVal=int(self._v(v) or 0))))
+        return out
+
+    def nvmlDeviceGetVbiosVersion(self, h):
+        return self._g(h, "vbios")
+
+    def _clock(self, h, key):
+        return self._v(self._g(h, "clocks_mhz", {}).get(key, "not_supported"))
+
+    def nvmlDeviceGetApplicationsClock(self, h, kind):
+        return self._clock(h, "app_sm" if kind == 1 else "app_mem")
+
+    def nvmlDeviceGetDefaultApplicationsClock(self, h, kind):
+        return self._clock(h, "default_app_sm" if kind == 1 else "default_app_mem")
+
+    def nvmlDeviceGetMaxClockInfo(self, h, kind):
+        return self._clock(h, "max_sm" if kind == 1 else "max_mem")
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        return self._clock(h, "sm" if kind == 1 else "mem")
+
     def nvmlDeviceGetComputeRunningProcesses(self, h):
         procs = self._g(h, "processes", [])
         return [SimpleNamespace(pid=p["pid"], usedGpuMemory=p.get("used_bytes")) for p in procs]

@@ -16,14 +16,12 @@ was never fixed.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from clusterops.fsutil import read_regular_text
+from clusterops.health.probes import state as local_state
 from clusterops.health.probes.base import ProbeContext, ProbeResult
 from clusterops.runner import CommandError
 
@@ -87,25 +85,11 @@ def _boot_id(cfg: Dict[str, Any]) -> str:
 
 
 def default_state_file(ctx: ProbeContext) -> Path:
-    base = ctx.state_dir or ctx.env.get("CLUSTEROPS_STATE_DIR") or "/var/lib/clusterops"
-    if not os.access(base, os.W_OK) and not os.access(os.path.dirname(base.rstrip("/")) or "/", os.W_OK):
-        base = os.path.join(os.path.expanduser("~"), ".cache", "clusterops")
-    return Path(base) / f"xid-{ctx.node}.json"
+    return local_state.default_state_file(ctx.state_dir, ctx.env, ctx.node, "xid")
 
 
-def _load_state(path: Path) -> Dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_state(path: Path, state: Dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=path.name + ".")
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f)
-    os.replace(tmp, path)
+_load_state = local_state.load_state
+_save_state = local_state.save_state
 
 
 def read_kernel_log(cfg: Dict[str, Any], ctx: ProbeContext) -> Tuple[Optional[str], str]:

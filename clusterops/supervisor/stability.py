@@ -1,0 +1,303 @@
+"""The stability guard: loss spikes and non-finite values found, and what to do about them.
+
+Pure, in the supervisor's style: samples go in, findings and decisions come out; nothing
+here reads a clock, a file or a process. :class:`clusterops.supervisor.Supervisor` owns one
+:class:`Guard` per job (``supervise: {stability: {...}}``), feeds it the ranks' loss and
+grad norm from the heartbeats (:meth:`Guard.feed`) and turns its :class:`Decision` into
+records, a kill and a relaunch.
+
+Detection (:class:`Detector`, one per job, carried across restarts):
+
+- **Non-finite** loss or grad norm on any rank is a finding at once (``nan``).
+- **Spike**: a sample whose value is above the robust band of the in-band samples,
+  ``centre + factor * max(1.4826 * MAD, MIN_REL_BAND * |centre|)`` -- the centre is the
+  median of the newest ``min_samples`` samples, the MAD that of the consecutive differences
+  over the last ``window`` samples (divided by sqrt 2: the noise of one sample, which a
+  falling trend does not inflate) -- for ``patience`` samples in a row (``loss_spike``). Only upward moves count (a falling
+  loss is the point of training); samples out of the band never enter the window, so a
+  spike does not widen the band that judges it.
+- **Warm-up**: before ``warmup_steps`` and until ``min_samples`` samples are in the
+  window, only non-finite values are findings.
+- **After a resume**: the samples of steps after the resume point belong to a timeline
+  that was thrown away; they are dropped (:meth:`Detector.resumed`), and the band of the
+  steps before it judges the new attempt from its first sample (so a spike that comes
+  back right after a rollback is seen), after ``resume_grace_steps`` steps in which only
+  non-finite values count (the first steps after a restart are noisier).
+
+Deciding (:meth:`Guard.decide`): ``record`` changes nothing; ``stop`` ends the job with
+:attr:`~clusterops.exitcodes.Supervise.DIVERGED`, not saving the bad state; ``rollback``
+kills the step (no save of the bad state) and relaunches from the newest checkpoint at
+least ``rollback_steps`` before the anomaly began, with a :class:`ResumeHint` (skip
+``skip_batches`` batches, multiply the learning rate by ``lr_factor``) that the SDK hands
+to the script (``sdk.resume().hint``). More than ``max_rollbacks`` rollbacks whose
+anomalies began within ``rollback_window_steps`` steps of each other end the job with
+:attr:`~clusterops.exitcodes.Supervise.ROLLBACK_BUDGET`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from clusterops import schema
+from clusterops.protocol import ResumeHint
+
+#: The band's floor, relative to the median: with a flat, quiet curve (MAD near 0) an
+#: ordinary wiggle must not read as a spike.
+MIN_REL_BAND = 0.02
+#: MAD -> standard deviation for normally distributed noise.
+MAD_TO_SIGMA = 1.4826
+
+
+class Action(str, Enum):
+    """What the guard does about a finding (``on_spike`` / ``on_nan``)."""
+
+    RECORD = "record"
+    STOP = "stop"
+    ROLLBACK = "rollback"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Kind(str, Enum):
+    """What was found (the timeline record's ``event``)."""
+
+    SPIKE = "loss_spike"
+    NAN = "nan"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@schema.dataclass_of(schema.STABILITY_FIELDS, frozen=True)
+class StabilityConfig:
+    """``supervise: {stability: {...}}``: the fields, defaults and bounds are
+    ``clusterops.schema.STABILITY_FIELDS`` (the docs table is generated from them)."""
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, object]) -> "StabilityConfig":
+        """From the validated ``stability`` mapping (unknown keys are the schema's job)."""
+        names = {f.name for f in schema.STABILITY_FIELDS}
+        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One look at the ranks: the lowest step among them and the median of their values
+    (None: no rank reports it); ``nonfinite`` names the ranks whose value is NaN or inf."""
+
+    step: int
+    loss: Optional[float] = None
+    grad_norm: Optional[float] = None
+    nonfinite: Tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: Kind
+    step: int                       # the sample that made it a finding
+    began: int                      # the first step that may hold the anomaly
+    signal: str                     # "loss" | "grad_norm"
+    value: float
+    band: Tuple[Optional[float], Optional[float]] = (None, None)   # (median, upper limit)
+    ranks: Tuple[int, ...] = ()     # non-finite on these ranks
+
+    def record(self) -> dict:
+        return {"step": self.step, "began": self.began, "signal": self.signal, "value": _json_num(self.value),
+                "median": _json_num(self.band[0]), "limit": _json_num(self.band[1]), "ranks": list(self.ranks)}
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str                     # Action, or "give_up"
+    finding: Finding
+    hint: Optional[ResumeHint] = None   # rollback: where to and what to skip
+    why: str = ""
+    hold: Optional[int] = None          # the checkpoint retention must keep: the newest before the anomaly
+
+    GIVE_UP = "give_up"
+
+
+def _json_num(x: Optional[float]):
+    if x is None:
+        return None
+    return x if math.isfinite(x) else str(x)
+
+
+def finite(x: Optional[float]) -> bool:
+    return x is None or math.isfinite(x)
+
+
+class _Band:
+    """A rolling window of one signal's in-band samples: (step, value)."""
+
+    def __init__(self, size: int):
+        self.values: Deque[Tuple[int, float]] = deque(maxlen=size)
+        self.streak_from: Optional[int] = None   # the step after the last in-band sample, while out
+        self.streak = 0
+        self.last_in: Optional[int] = None       # step of the last in-band sample
+
+    def limits(self, recent: int) -> Tuple[float, float]:
+        """(centre, scale): the median of the ``recent`` newest samples (a falling curve's
+        median over the whole window lags far above it), and the noise from the whole window
+        as the MAD of consecutive differences / sqrt 2 (a trend does not inflate it), at
+        least MIN_REL_BAND of the centre."""
+        vals = [v for _, v in self.values]
+        med = statistics.median(vals[-recent:])
+        diffs = [b - a for a, b in zip(vals, vals[1:])] or [0.0]
+        dmed = statistics.median(diffs)
+        mad = statistics.median(abs(d - dmed) for d in diffs) / math.sqrt(2)
+        return med, max(MAD_TO_SIGMA * mad, MIN_REL_BAND * abs(med), 1e-12)
+
+    def drop_after(self, step: int) -> None:
+        kept = [(s, v) for s, v in self.values if s <= step]
+        self.values.clear()
+        self.values.extend(kept)
+        self.streak, self.streak_from = 0, None
+        self.last_in = kept[-1][0] if kept else None
+
+
+class Detector:
+    """Finds spikes and non-finite values in the samples of one job (see the module)."""
+
+    def __init__(self, cfg: StabilityConfig):
+        self.cfg = cfg
+        self.bands: Dict[str, _Band] = {"loss": _Band(cfg.window), "grad_norm": _Band(cfg.window)}
+        self.last_step: Optional[int] = None
+        self.grace_until = -1
+
+    def resumed(self, step: Optional[int]) -> None:
+        """A new attempt continues from checkpoint ``step`` (None: from the start)."""
+        at = -1 if step is None else step
+        for b in self.bands.values():
+            b.drop_after(at)
+        self.last_step = step
+        self.grace_until = at + self.cfg.resume_grace_steps
+
+    def feed(self, s: Sample) -> Optional[Finding]:
+        """One sample (a step not seen before); the finding it completes, if any."""
+        if self.last_step is not None and s.step <= self.last_step:
+            return None
+        prev, self.last_step = self.last_step, s.step
+        signals = [("loss", s.loss)] + ([("grad_norm", s.grad_norm)] if self.cfg.watch_grad_norm else [])
+        for name, value in signals:
+            if value is not None and not math.isfinite(value):
+                b = self.bands[name]
+                began = b.streak_from if b.streak_from is not None else (prev + 1 if prev is not None else s.step)
+                return Finding(Kind.NAN, s.step, began, name, value, ranks=tuple(s.nonfinite))
+        found = None
+        for name, value in signals:
+            if value is None:
+                continue
+            f = self._judge(name, value, s.step, prev)
+            found = found or f
+        return found
+
+    def _judge(self, name: str, value: float, step: int, prev: Optional[int]) -> Optional[Finding]:
+        b, c = self.bands[name], self.cfg
+        judged = step >= c.warmup_steps and step > self.grace_until and len(b.values) >= c.min_samples
+        if judged:
+            med, scale = b.limits(c.min_samples)
+            limit = med + c.factor * scale
+            if value > limit:
+                if b.streak == 0:
+                    b.streak_from = (b.last_in + 1) if b.last_in is not None else (prev + 1 if prev is not None
+                                                                                   else step)
+                b.streak += 1
+                if b.streak >= c.patience:
+                    return Finding(Kind.SPIKE, step, b.streak_from, name, value, band=(med, limit))
+                return None
+        b.streak, b.streak_from = 0, None
+        b.values.append((step, value))
+        b.last_in = step
+        return None
+
+
+def sample_of(signals: Mapping[int, Tuple[int, Optional[float], Optional[float]]]) -> Optional[Sample]:
+    """One :class:`Sample` from rank -> (step, loss, grad norm) of each rank's latest beat
+    (None: not reported): the lowest step, the median of the finite values, and the ranks
+    with a non-finite one (whose value then stands for the sample)."""
+    if not signals:
+        return None
+    steps = [v[0] for v in signals.values()]
+    bad = tuple(sorted(r for r, (_, lo, g) in signals.items() if not finite(lo) or not finite(g)))
+
+    def pick(i: int) -> Optional[float]:
+        vals = [v[i] for v in signals.values() if v[i] is not None]
+        if not vals:
+            return None
+        odd = [x for x in vals if not math.isfinite(x)]
+        return odd[0] if odd else float(statistics.median(vals))
+
+    return Sample(min(steps), pick(1), pick(2), bad)
+
+
+@dataclass
+class Guard:
+    """The stability policy of one job: the detector, the checkpoints a rollback may use,
+    the rollbacks so far, and the hint the next launch carries (until a newer checkpoint
+    than the hint's makes it moot)."""
+
+    cfg: StabilityConfig
+    detector: Detector = field(init=False)
+    ckpt_steps: List[int] = field(default_factory=list)
+    rollbacks: List[int] = field(default_factory=list)     # anomaly steps of the rollbacks so far
+    hint: Optional[ResumeHint] = None
+    findings: int = 0
+
+    def __post_init__(self):
+        self.detector = Detector(self.cfg)
+
+    # -- what the machine tells it -----------------------------------------------------
+    def checkpoint(self, step: int) -> None:
+        if step not in self.ckpt_steps:
+            self.ckpt_steps.append(step)
+            self.ckpt_steps.sort()
+        if self.hint is not None and step > self.hint.from_step:
+            self.hint = None           # saved past the skipped window: the skip is in the checkpoint
+
+    def launched(self, resume_step: Optional[int]) -> None:
+        self.detector.resumed(resume_step)
+
+    def feed(self, signals: Mapping[int, Tuple[int, Optional[float], Optional[float]]]) -> Optional[Decision]:
+        s = sample_of(signals)
+        if s is None:
+            return None
+        f = self.detector.feed(s)
+        return None if f is None else self.decide(f)
+
+    # -- deciding ------------------------------------------------------------------------
+    def decide(self, f: Finding) -> Decision:
+        self.findings += 1
+        action = Action(self.cfg.on_nan if f.kind == Kind.NAN else self.cfg.on_spike)
+        keep = rollback_target(self.ckpt_steps, f.began - 1)
+        if action != Action.ROLLBACK:
+            return Decision(action, f, why=f"on_{'nan' if f.kind == Kind.NAN else 'spike'}: {action}", hold=keep)
+        c = self.cfg
+        recent = [a for a in self.rollbacks if abs(f.began - a) <= c.rollback_window_steps]
+        if len(recent) >= c.max_rollbacks:
+            return Decision(Decision.GIVE_UP, f, why=f"{len(recent)} rollbacks within {c.rollback_window_steps} "
+                                                     f"steps (max_rollbacks {c.max_rollbacks})", hold=keep)
+        before = f.began - c.rollback_steps
+        target = rollback_target(self.ckpt_steps, before)
+        if target is None:
+            return Decision(Decision.GIVE_UP, f, why=f"no checkpoint at or before step {before} to roll back to",
+                            hold=keep)
+        self.rollbacks.append(f.began)
+        self.hint = ResumeHint(from_step=target, skip_batches=c.skip_batches, lr_factor=c.lr_factor,
+                               anomaly_step=f.began, rollback=len(self.rollbacks))
+        # The checkpoints after the target belong to the discarded timeline.
+        self.ckpt_steps = [s for s in self.ckpt_steps if s <= target]
+        return Decision(Action.ROLLBACK, f, hint=self.hint, hold=target,
+                        why=f"newest checkpoint at least {c.rollback_steps} steps before step {f.began}")
+
+
+def rollback_target(ckpt_steps: Sequence[int], before: int) -> Optional[int]:
+    """The newest checkpoint step at or before ``before``; None when there is none."""
+    ok = [s for s in ckpt_steps if s <= before]
+    return max(ok) if ok else None
