@@ -87,6 +87,11 @@ CATALOGUE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
                                   "step stayed above straggler_ratio x the other nodes' median).", ("job",)),
     "clusterops_job_stragglers_replaced": ("Stragglers replaced by a spare node at a planned checkpoint stop.",
                                            ("job",)),
+    "clusterops_job_inprocess_recoveries": ("Faults healed in-process (supervise: inprocess:): a standby took "
+                                            "the lost rank, no relaunch.", ("job",)),
+    "clusterops_job_inprocess_fallbacks": ("In-process recoveries given up for the full relaunch.", ("job",)),
+    "clusterops_job_inprocess_recovery_seconds": ("The latest in-process recovery: the fault heard -> the new "
+                                                  "generation's first step.", ("job",)),
     "clusterops_job_node_slowness_ratio": ("A node's busy time per step over the median of the other nodes': for "
                                            "each straggler when found, and for the slowest node at the latest "
                                            "progress sample.", ("job", "node")),

@@ -29,6 +29,11 @@ variable                       meaning for the training process
                                ``rollback``; :class:`clusterops.supervisor.stability.ResumeHint`),
                                set only when the attempt resumes from a stability rollback's
                                checkpoint; ``sdk.resume().hint``
+``CLUSTEROPS_RDZV_ADDR``       in-process recovery (``supervise: inprocess:``): the rendezvous
+                               store the supervisor hosts, ``HOST:PORT/TOKEN`` (a
+                               ``torch.distributed.TCPStore``; every key under the prefix
+                               TOKEN, see :func:`rdzv_key`); empty or unset: no in-process
+                               recovery
 =============================  ===============================================================
 
 All are optional for the training script: without them it trains, saves where told
@@ -78,10 +83,11 @@ ENV_STOP_FILE = "CLUSTEROPS_STOP_FILE"
 ENV_RESTART_COUNT = "CLUSTEROPS_RESTART_COUNT"
 ENV_HEARTBEAT_ADDR = "CLUSTEROPS_HEARTBEAT_ADDR"
 ENV_RESUME_HINT = "CLUSTEROPS_RESUME_HINT"
+ENV_RDZV_ADDR = "CLUSTEROPS_RDZV_ADDR"
 
 #: Every variable of the contract, and nothing else.
 CONTRACT_ENV = (ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_HEARTBEAT_DIR, ENV_STOP_FILE, ENV_RESTART_COUNT,
-                ENV_HEARTBEAT_ADDR, ENV_RESUME_HINT)
+                ENV_HEARTBEAT_ADDR, ENV_RESUME_HINT, ENV_RDZV_ADDR)
 
 #: ENV_HEARTBEAT_ADDR's value that selects the per-node file channel (the forced fallback):
 #: ``file/TOKEN`` (the supervisor's, a fresh token per attempt, so that the node-local
@@ -130,6 +136,33 @@ class ResumeHint:
             return None
 
 
+# ------------------------------------------------------------------------ rendezvous
+# The keys of the in-process rendezvous (clusterops.supervisor.rendezvous hosts the store,
+# clusterops.recover is the ranks' side; clusterops.supervisor.membership decides):
+#   rep/n            a counter; a process adds 1 and writes its report as rep/<n> (JSON
+#                    {"kind", "uid", ...}: the kinds are membership.Report's)
+#   plan/<G>         generation G (JSON, membership.Plan.to_json), written once
+#   pg/<G>/...       generation G's process group (a PrefixStore for init_process_group)
+#   kill/<uid>       the standbys of the process's node SIGKILL it (a hung rank)
+#   finish           the training finished: the standbys exit
+RDZV_REPORTS = "rep/n"
+RDZV_FINISH = "finish"
+
+
+def rdzv_key(kind: str, *parts: object) -> str:
+    """A key of the rendezvous store: ``rdzv_key("plan", 3)`` is ``plan/3``."""
+    return "/".join([kind, *map(str, parts)])
+
+
+def parse_rdzv_addr(value: str) -> Tuple[str, int, str]:
+    """(host, port, token) of a ``HOST:PORT/TOKEN`` rendezvous address; ValueError otherwise."""
+    where, sep, token = value.partition("/")
+    host, _, port = where.rpartition(":")
+    if not sep or not token or not host or not port.isdigit():
+        raise ValueError(f"{ENV_RDZV_ADDR}={value!r}: not HOST:PORT/TOKEN")
+    return host, int(port), token
+
+
 
 # ------------------------------------------------------------------------ layout
 
@@ -174,7 +207,7 @@ def heartbeat_path(job_dir: os.PathLike, attempt: int, rank: int) -> Path:
 
 
 def rank_env(*, ckpt_dir: os.PathLike, resume_from: str, attempt: os.PathLike, restart_count: int,
-             heartbeat_addr: str = "", resume_hint: str = "") -> Dict[str, str]:
+             heartbeat_addr: str = "", resume_hint: str = "", rdzv_addr: str = "") -> Dict[str, str]:
     """The contract variables for every rank of an attempt (directory ``attempt``)."""
     return {
         ENV_RESUME_HINT: resume_hint,
@@ -184,6 +217,7 @@ def rank_env(*, ckpt_dir: os.PathLike, resume_from: str, attempt: os.PathLike, r
         ENV_STOP_FILE: str(stop_file(attempt)),
         ENV_RESTART_COUNT: str(int(restart_count)),
         ENV_HEARTBEAT_ADDR: heartbeat_addr,
+        ENV_RDZV_ADDR: rdzv_addr,
     }
 
 

@@ -491,6 +491,17 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
        "byte is caught, not loaded)", default=True),
     _f("step_wait_s", "int", "`srun --wait` for the supervisor's training steps", min=1, max=86400,
        default_text="`srun_wait_s`"),
+    _f("inprocess", "map", "in-process recovery, for a script that trains through `clusterops.recover.run`: "
+       "a lost rank is replaced by a warm standby inside the running step, its state broadcast from a survivor "
+       "(docs/supervisor.md, \"In-process recovery\"); the full relaunch stays the fallback",
+       default_text="off (every fault relaunches the step)", fields=(
+        _f("standbys_per_node", "int", "warm standby processes per node (the script imported, waiting for a "
+           "rank); a lost rank takes one on its own node, else one on another node", default=1, min=1, max=64),
+        seconds("timeout_s", "the new generation's first step must come within this long of the fault, "
+                "else the step is relaunched", 30.0),
+        seconds("unresponsive_s", "a rank that neither rejoins nor dies this long after a fault is killed by "
+                "its node's standby", 10.0),
+    )),
     # A script without the SDK (docs/supervisor.md, "Scripts without the SDK").
     _f("progress", "map", "no SDK: read progress from the ranks' output instead of heartbeat files; a hang is "
        "no new step for `hang_timeout_s`", default_text="off (SDK heartbeats)", fields=(

@@ -126,6 +126,7 @@ class _Runtime:
         self.snapshot_pool: dict = {}  # buffers of the last async snapshot, reused by the next
         self.signals_installed = False
         self.prev_handlers = {}
+        self.step_hook = None   # clusterops.recover: told of every heartbeat's step
 
 
 _rt = _Runtime()
@@ -238,6 +239,30 @@ def shutdown() -> None:
                 dist.destroy_process_group()
         _rt.initialized = False
         _rt.ckpt_group = None
+
+
+def _adopt_group(rank: int, world: int, backend: str) -> None:
+    """clusterops.recover formed a generation's default group: use it (and a gloo group of its
+    own for the checkpoint collectives, as init_distributed makes)."""
+    import torch.distributed as dist
+
+    _rt.dist = DistInfo(rank=rank, world_size=world, local_rank=_env_int("LOCAL_RANK", "SLURM_LOCALID", default=0),
+                        backend=backend)
+    _rt.ckpt_group = dist.new_group(backend="gloo") if world > 1 else None
+    _rt.initialized = True
+    _rt.stop_agreed = False
+
+
+def _drop_group() -> None:
+    """clusterops.recover is about to destroy a broken generation's group: forget it (an async
+    save that was in flight on it is abandoned; its temporary directory is never committed)."""
+    _rt.inflight = None
+    _rt.ckpt_group = None
+    _rt.initialized = False
+
+
+def _set_step_hook(fn) -> None:
+    _rt.step_hook = fn
 
 
 # ----------------------------------------------------------------------------- stop requests
@@ -427,6 +452,8 @@ def heartbeat(step: int, *, loss=None, grad_norm=None, force: bool = False) -> b
     most once per HEARTBEAT_INTERVAL_S; other calls cost one clock read. Returns True
     when written.
     """
+    if _rt.step_hook is not None:
+        _rt.step_hook(step)
     d = os.environ.get(protocol.ENV_HEARTBEAT_DIR)
     if not d:
         return False

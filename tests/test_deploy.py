@@ -117,6 +117,8 @@ def _exported_families():
             {"t": 3.0, "event": "restart", "cause": "crash"}, {"t": 4.0, "event": "launch", "resume_step": 5},
             {"t": 5.0, "event": "progress", "step": 6, "slowest": ["n2", 1.1]},
             {"t": 5.5, "event": "straggler", "node": "n3", "ratio": 2.0, "action": "replace"},
+            {"t": 5.6, "event": "inproc_fault", "gen": 0}, {"t": 5.7, "event": "inproc_first_step", "gen": 1,
+                                                           "fault_to_step_s": 0.1},
             {"t": 6.0, "event": "give_up", "code": 5}]
     text = health.prometheus_text(hrep) + report.prometheus_text(sdoc) + timeline.prometheus_text(recs, "j")
     return {f.name for f in text_string_to_metric_families(text)}

@@ -115,6 +115,15 @@ class JobSpec:
         return self.procs_per_node if self.launcher == "srun" else 1
 
     @property
+    def alloc_tasks_per_node(self) -> int:
+        """Slurm tasks per node to allocate: with ``supervise: inprocess:`` the warm standbys too."""
+        inproc = (self.supervise_dict or {}).get("inprocess")
+        if self.launcher != "srun" or inproc in (None, False):
+            return self.tasks_per_node
+        standbys = inproc.get("standbys_per_node", 1) if isinstance(inproc, dict) else 1
+        return self.tasks_per_node + int(standbys)
+
+    @property
     def alloc_nodes(self) -> int:
         """Nodes to allocate: the training's nodes plus the supervisor's spares."""
         spares = (self.supervise_dict or {}).get("spare_nodes") or 0

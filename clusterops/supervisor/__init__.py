@@ -12,6 +12,8 @@
 - ``channel``: the supervisor's end of the heartbeat channel (a UDP receiver and the
   file fallback).
 - ``stragglers``: the slow node of a running job from its heartbeats (pure).
+- ``membership``: who trains in each generation of an in-process recovery (pure).
+- ``rendezvous``: the rendezvous store (torch's ``TCPStore``) hosted for in-process recovery.
 - ``stability``: loss spikes and non-finite values from the heartbeats, and what to do
   about them: record, stop, or roll back with a data skip and an LR factor (pure).
 """

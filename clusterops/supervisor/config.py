@@ -82,6 +82,22 @@ def policy_kwargs_from_spec(spec: Mapping[str, Any]) -> dict:
     return kw
 
 
+def inprocess_settings(value: Any):
+    """``supervise: inprocess:`` (``true`` or a mapping, validated with the spec) -> settings."""
+    from clusterops.supervisor.rendezvous import InprocessSettings
+
+    if value is True:
+        return InprocessSettings()
+    if not isinstance(value, Mapping):
+        raise InputError(f"supervise.inprocess: must be true or a mapping, got {value!r}")
+    f = schema.supervise_field("inprocess")
+    known = {sub.name: sub for sub in f.fields}
+    for k in value:
+        if k not in known:
+            raise InputError(f"supervise.inprocess.{k}: unknown key")
+    return InprocessSettings(**{k: type(known[k].default)(v) for k, v in value.items()})
+
+
 def plain_contract(sup: Mapping[str, Any]):
     """The no-SDK settings (progress, checkpoint_glob, resume_args); flags give them as JSON."""
     import re
@@ -267,6 +283,8 @@ def run_config(spec: Mapping[str, Any], command: Sequence[str], settings: Mappin
         extra["step_wait_s"] = int(sup["step_wait_s"])
     elif spec.get("srun_wait_s"):
         extra["step_wait_s"] = int(spec["srun_wait_s"])
+    if sup.get("inprocess") not in (None, False):
+        extra["inprocess"] = inprocess_settings(sup["inprocess"])
     srun_args = list(spec.get("srun_args") or [])
     if spec.get("container_image"):
         srun_args.append(f"--container-image={spec['container_image']}")

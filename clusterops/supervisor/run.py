@@ -48,6 +48,7 @@ from clusterops.slurm.api import Backoff, SlurmAPI
 from clusterops.slurm.parse import parse_srun_failures
 from clusterops.slurm.steps import srun_argv
 from clusterops.supervisor import channel as hbchannel
+from clusterops.supervisor.rendezvous import InprocessSettings, RendezvousHost
 from clusterops.supervisor.stability import StabilityConfig
 from clusterops.supervisor.timeline import EventKind as E, Timeline
 
@@ -231,6 +232,7 @@ class RunConfig:
     supervisor_lost_s: float = field(default_factory=hbchannel.lost_from_env)  # beacons' silence: gone
     stability: Optional[StabilityConfig] = None   # supervise: stability: (None: no guard)
     job_dir_mode: int = 0o700               # mode of a job directory the supervisor creates
+    inprocess: Optional[InprocessSettings] = None   # supervise: inprocess: (rendezvous.py); None: off
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -410,6 +412,8 @@ class SupervisorRun:
         self.n_checks = 0
         self.notifier = None   # webhooks from the site config's notify: (made when first needed)
         self.progress_reader: Optional[ProgressReader] = None
+        self.rdzv: Optional[RendezvousHost] = None   # this attempt's in-process rendezvous
+        self.rdzv_log_at = 0     # how far the step log was read for srun's task failures
         # One handler per action class, spelled out so that grep finds them.
         self._handlers: Dict[type, Callable[[sv.Action], None]] = {
             sv.Record: self._act_record,
@@ -473,6 +477,7 @@ class SupervisorRun:
         finally:
             if self.channel is not None:
                 self.channel.close()
+            self._close_rdzv()
         return self.exit_code
 
     def _wait(self, seconds: float) -> None:
@@ -491,6 +496,8 @@ class SupervisorRun:
             ev = self._poll_preflight(now)
             if ev:
                 events.append(ev)
+        if self.rdzv is not None:
+            self._poll_rdzv()
         if self.train is not None:
             step = self._latest_ckpt(deep=False)
             if step is not None and (self.seen_ckpt is None or step > self.seen_ckpt):
@@ -783,17 +790,25 @@ class SupervisorRun:
         })
         for var in TORCHRUN_VARS:   # not from the job's env: either, see TORCHRUN_VARS
             env.pop(var, None)
+        self._close_rdzv()
+        if cfg.inprocess is not None and cfg.launcher != "torchrun":
+            self.rdzv = RendezvousHost.for_attempt(cfg.inprocess, nodes, ppn, self.slurm.node_address(nodes[0]),
+                                                   clock=self.clock)
+            env[protocol.ENV_RDZV_ADDR] = self.rdzv.addr
+            self.rdzv_log_at = 0
         self.step_name = f"clusterops-train-{a.attempt}"
         self.step_id = None
         command = list(cfg.command) + cfg.plain.resume_argv(resume, hint)
         tasks_per_node = ppn
         if cfg.launcher == "torchrun":
             command, tasks_per_node = torchrun_command(command, cfg.python, len(nodes), ppn), 1
-        else:   # one task per rank: each task sets its own RANK... (see rank_env_command)
+        elif self.rdzv is None:   # one task per rank: each task sets its own RANK... (see rank_env_command)
             command = rank_env_command(command, len(nodes) * ppn, ppn)
+        else:   # ranks and standbys; the rendezvous gives the ranks; the step outlives a lost task
+            tasks_per_node += cfg.inprocess.standbys_per_node
         argv = srun_argv(command, job_name=self.step_name, nodes=nodes, ntasks_per_node=tasks_per_node,
-                         cpus_per_task=cfg.cpus_per_task, kill_on_bad_exit=True, wait_s=cfg.step_wait_s,
-                         label=True, extra=cfg.srun_args)
+                         cpus_per_task=cfg.cpus_per_task, kill_on_bad_exit=self.rdzv is None,
+                         wait_s=cfg.step_wait_s if self.rdzv is None else None, label=True, extra=cfg.srun_args)
         self.train_log = d / "step.log"
         self.progress_reader = (ProgressReader(cfg.plain.progress_regex, self.train_log, d / "heartbeat",
                                                len(nodes) * ppn, cfg.plain.loss_regex)
@@ -815,6 +830,13 @@ class SupervisorRun:
             pass
         tasks, lost = parse_srun_failures(text)
         failures = [sv.RankFailure(node=t.node, rank=t.rank, reason=t.reason) for t in tasks]
+        if self.rdzv is not None:
+            self._poll_rdzv()
+            healed = self.rdzv.membership.lost_tasks()
+            if self.rdzv.finished and not lost and all(f.rank in healed for f in failures):
+                # Every rank finished; the only tasks that failed were lost on the way and healed.
+                rc, failures = 0, []
+            self._close_rdzv()
         self.train = None
         self.step_id = None
         ckpt = self._latest_ckpt(deep=False)
@@ -824,6 +846,32 @@ class SupervisorRun:
             stopped_by = self._external_stop(text)
         return sv.StepExited(now, returncode=rc, failures=tuple(failures), ckpt_step=ckpt,
                              node_failure=tuple(lost), stopped_by=stopped_by)
+
+    def _poll_rdzv(self) -> None:
+        """The in-process rendezvous's records into the timeline; its fallback kills the step
+        (the state machine then relaunches it as after any failure)."""
+        try:   # srun names a task that ended as soon as it ends: the death of a rank, for every node
+            with open(self.train_log, "rb") as f:
+                f.seek(self.rdzv_log_at)
+                chunk = f.read()
+        except OSError:
+            chunk = b""
+        if b"\n" in chunk:
+            chunk = chunk[:chunk.rindex(b"\n") + 1]
+            self.rdzv_log_at += len(chunk)
+            tasks, _ = parse_srun_failures(chunk.decode(errors="replace"))
+            for t in tasks:
+                self.rdzv.task_ended(t.rank, t.node, t.reason)
+        for note in self.rdzv.drain_notes():
+            self._record(E(note.kind) if note.kind in E._value2member_map_ else E.WARNING, note.data)
+        if self.rdzv.fallback and not self.rdzv.fallback_acted and self.train is not None:
+            self.rdzv.fallback_acted = True
+            self._act_kill_step(sv.KillStep(f"in-process recovery fell back: {self.rdzv.fallback}"))
+
+    def _close_rdzv(self) -> None:
+        if self.rdzv is not None:
+            self.rdzv.close()
+            self.rdzv = None
 
     def _external_stop(self, step_log: str) -> Optional[str]:
         """Did the ranks stop on a request that did not come through us?

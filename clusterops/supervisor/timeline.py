@@ -71,6 +71,12 @@ class EventKind(str, Enum):
     # the ranks' own records (clusterops.watchdog): the batch host lost, the job requeued
     SUPERVISOR_LOST = "supervisor_lost"
     TAKEOVER = "takeover"
+    # in-process recovery (clusterops.supervisor.membership decides, rendezvous.py hosts)
+    INPROC_FAULT = "inproc_fault"              # a rank lost: a new generation is being formed
+    INPROC_RENDEZVOUS = "inproc_rendezvous"    # the new generation's plan (who replaces whom, the state's source)
+    INPROC_STATE = "inproc_state"              # the state broadcast from a survivor, received
+    INPROC_FIRST_STEP = "inproc_first_step"    # the new generation's first step: healed in-process
+    INPROC_FALLBACK = "inproc_fallback"        # in-process gave up: the step is relaunched
 
     def __str__(self) -> str:
         return self.value
@@ -96,9 +102,9 @@ class Cause(str, Enum):
 E = EventKind
 # Event kinds drawn as markers on the chart, and how.
 FAULT_KINDS = {E.SUPERVISOR_LOST, E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.STEP_EXIT, E.STOP_TIMEOUT,
-               E.KILL_ESCALATED, E.ROLLBACK}
+               E.KILL_ESCALATED, E.ROLLBACK, E.INPROC_FAULT}
 DECISION_KINDS = {E.TAKEOVER, E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED,
-                  E.DONE}
+                  E.DONE, E.INPROC_FIRST_STEP, E.INPROC_FALLBACK}
 # Findings that are neither a fault nor a decision: a slow node (drawn in orange).
 FINDING_KINDS = {E.STRAGGLER, E.LOSS_SPIKE, E.NAN}
 
@@ -515,6 +521,11 @@ def job_metrics(records: Iterable[Mapping], job: str):
                  sum(1 for a in s["anomalies"] if a["kind"] == kind))
     prom.set("clusterops_job_rollbacks", lab, s["rollbacks"])
     prom.set("clusterops_job_stragglers_replaced", lab, sum(1 for x in s["stragglers"] if x["action"] == "replace"))
+    healed = [r for r in recs if r.get("event") == E.INPROC_FIRST_STEP]
+    prom.set("clusterops_job_inprocess_recoveries", lab, len(healed))
+    prom.set("clusterops_job_inprocess_fallbacks", lab, sum(1 for r in recs if r.get("event") == E.INPROC_FALLBACK))
+    if healed and _finite(healed[-1].get("fault_to_step_s")) is not None:
+        prom.set("clusterops_job_inprocess_recovery_seconds", lab, _finite(healed[-1]["fault_to_step_s"]))
     ratios = {}
     for r in recs:
         if r.get("event") == E.STRAGGLER and isinstance(r.get("node"), str) and _finite(r.get("ratio")) is not None:

@@ -1,0 +1,276 @@
+"""The SDK's recoverable training loop: survivors heal in-process, a lost rank's state comes
+from a peer.
+
+    from clusterops import recover, sdk
+
+    state = MyState(model, opt, sched)       # .step, .state_dict(), .load_state_dict()
+    def train(gen):                          # gen.rank, gen.world_size, gen.restored
+        if not gen.restored:
+            ...sdk.resume() into state...    # generation 0 (or a relaunch): from disk
+        while state.step < steps:
+            ...one step; collectives on the default group...
+            sdk.heartbeat(state.step)
+        return result
+    result = recover.run(train, state)       # None in a standby that was never needed
+
+Under ``clusterops supervise`` with ``supervise: inprocess:`` every node runs the ranks
+and warm standbys (the script has imported torch and built its state; they wait at the
+rendezvous). :func:`run` owns the process group's life: it joins the supervisor's
+rendezvous (:data:`clusterops.protocol.ENV_RDZV_ADDR`), learns its rank from the plan
+(:mod:`clusterops.supervisor.membership` decides it), forms the group on that generation's
+prefix of the supervisor's ``TCPStore`` and calls ``train``. When a collective raises (a
+dead peer's socket on gloo), the rank reports it, destroys the group, waits for the next
+generation, re-forms the group, loads the state a survivor broadcasts (the survivor at the
+highest step: model, optimizer, scheduler, data position, whatever ``state_dict`` holds,
+bit for bit) and calls ``train`` again at that step. A standby that is given a rank does the
+same, with no interpreter start and no checkpoint read. Per-rank randomness is not state a
+peer holds: derive it from ``(seed, rank, step)`` (:func:`seed_step`), so a rank that takes
+over draws what the lost one would have drawn.
+
+Without the rendezvous address (a plain ``torchrun`` or ``srun``, or no ``inprocess:``)
+:func:`run` is ``sdk.init_distributed()`` plus one call of ``train``: the same script runs
+unsupervised and under the relaunch path. gloo only: on NCCL the abort would be
+``ProcessGroupNCCL.abort()`` from a watcher thread (a hung kernel never returns by itself),
+which is not built here.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from clusterops import protocol
+from clusterops import sdk
+from clusterops.errors import ClusteropsError
+
+log = logging.getLogger(__name__)
+
+STANDBY_POLL_S = 0.02
+PG_TIMEOUT_S = 60.0
+
+
+class RecoveryAbandoned(ClusteropsError):
+    """The supervisor gave the in-process path up (its full relaunch follows)."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What ``train`` is called with: this process's place in the current generation."""
+
+    gen: int
+    rank: int
+    world_size: int
+    restored: bool           # the state came from a peer (no checkpoint to load)
+    step: Optional[int]      # the step that state holds (None in generation 0)
+
+
+def seed_step(seed: int, rank: int, step: int) -> None:
+    """Seed python's, numpy's and torch's RNGs from (seed, rank, step): randomness that a rank
+    taking over at ``step`` reproduces without any state from the lost process."""
+    import torch
+
+    s = (int(seed) * 1_000_003 + int(rank) * 7_919 + int(step)) % (2 ** 31 - 1)
+    random.seed(s)
+    torch.manual_seed(s)
+    try:
+        import numpy as np
+
+        np.random.seed(s)
+    except ImportError:
+        pass
+
+
+class _Client:
+    def __init__(self, addr: str, timeout_s: float):
+        import datetime
+
+        import torch.distributed as dist
+
+        host, port, token = protocol.parse_rdzv_addr(addr)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.tcp = dist.TCPStore(host, port, is_master=False, timeout=self.timeout, wait_for_workers=False)
+        self.store = dist.PrefixStore(token, self.tcp)
+        self.node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        self.uid = f"{self.node}:{os.getpid()}"
+
+    def report(self, kind: str, **data: Any) -> None:
+        n = self.store.add(protocol.RDZV_REPORTS, 1)
+        self.store.set(protocol.rdzv_key("rep", n), json.dumps({"kind": kind, "uid": self.uid, **data}))
+
+    def finished(self) -> Optional[str]:
+        if self.store.check([protocol.RDZV_FINISH]):
+            return self.store.get(protocol.RDZV_FINISH).decode()
+        return None
+
+    def plan(self, gen: int, *, wait: bool) -> Optional[dict]:
+        key = protocol.rdzv_key("plan", gen)
+        if not wait and not self.store.check([key]):
+            return None
+        while not self.store.check([key]):
+            why = self.finished()
+            if why is not None:
+                raise RecoveryAbandoned(f"the supervisor ended the in-process recovery ({why}) "
+                                        f"before generation {gen}")
+            time.sleep(STANDBY_POLL_S)
+        return json.loads(self.store.get(key))
+
+
+STOPPED_S = 1.0
+
+
+def _pid_state(pid: int) -> str:
+    """The process's state letter (``/proc/<pid>/stat``); "X" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def _standby(client: _Client, plan: dict) -> Optional[dict]:
+    """Wait as a warm standby: watch this node's ranks (report a death, carry out a kill)
+    until a plan gives this process a rank, or the training ends (None)."""
+    reported, killed, stop_said, stopped_since = set(), set(), set(), {}
+    while True:
+        nxt = client.plan(plan["gen"] + 1, wait=False)
+        if nxt is not None:
+            plan = nxt
+            if client.uid in plan["ranks"]:
+                return plan
+            continue
+        if client.finished() is not None:
+            return None
+        here = [u for u in plan["ranks"] if u.rpartition(":")[0] == client.node]
+        for uid in here:
+            pid = int(uid.rpartition(":")[2])
+            if uid not in killed and client.store.check([protocol.rdzv_key("kill", uid)]):
+                killed.add(uid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if uid in reported:
+                continue
+            st = _pid_state(pid)
+            if st in ("Z", "X"):
+                reported.add(uid)
+                client.report("dead", dead=uid)
+            elif st in ("T", "t"):      # stopped (SIGSTOP, a debugger): a hang seen from the node
+                since = stopped_since.setdefault(uid, time.monotonic())
+                if time.monotonic() - since >= STOPPED_S and uid not in stop_said:
+                    stop_said.add(uid)  # said once; the supervisor's kill order comes back here
+                    client.report("stopped", dead=uid, seconds=round(time.monotonic() - since, 2))
+            else:
+                stopped_since.pop(uid, None)
+        time.sleep(STANDBY_POLL_S)
+
+
+def _form(client: _Client, plan: dict, rank: int, backend: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(plan["world"])})
+    pg_store = dist.PrefixStore(protocol.rdzv_key("pg", plan["gen"]), client.store)
+    dist.init_process_group(backend=backend, store=pg_store, rank=rank, world_size=plan["world"],
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    sdk._adopt_group(rank, plan["world"], backend)
+
+
+def _teardown() -> None:
+    import torch.distributed as dist
+
+    sdk._drop_group()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:   # a broken group may complain on the way out; it is gone either way
+            log.warning("destroy_process_group: %s", e)
+    gc.collect()   # the gloo pairs close when their context is freed
+
+
+def _transfer(state: Any, src: int, rank: int) -> float:
+    """Every rank loads the state of rank ``src`` (one broadcast); seconds it took."""
+    import torch.distributed as dist
+
+    t0 = time.monotonic()
+    box = [state.state_dict() if rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    if rank != src:
+        state.load_state_dict(box[0])
+    return time.monotonic() - t0
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(e, (dist.DistError, ConnectionError)) or (
+        isinstance(e, RuntimeError) and any(w in str(e) for w in ("Connection", "connection", "gloo", "Gloo",
+                                                                   "closed", "reset by peer", "Timed out")))
+
+
+def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo",
+        timeout_s: float = PG_TIMEOUT_S) -> Any:
+    """Run ``train`` under in-process recovery (see the module); its result on a rank, None on a
+    standby that was never given one. ``state``: ``.step`` (int), ``state_dict()``,
+    ``load_state_dict(d)``."""
+    addr = os.environ.get(protocol.ENV_RDZV_ADDR)
+    if not addr:
+        d = sdk.init_distributed(backend)
+        return train(Generation(0, d.rank, d.world_size, restored=False, step=None))
+    sdk.install_stop_handlers()
+    client = _Client(addr, timeout_s)
+    client.report("hello", node=client.node, local=int(os.environ.get("SLURM_LOCALID") or 0),
+                  task=int(os.environ.get("SLURM_PROCID") or -1))
+    plan = client.plan(0, wait=True)
+    while True:
+        if client.uid not in plan["ranks"]:
+            plan = _standby(client, plan)
+            if plan is None:
+                return None
+        rank, gen = int(plan["ranks"][client.uid]), int(plan["gen"])
+        _form(client, plan, rank, backend)
+        restored = plan["src"] is not None
+        try:
+            if restored:
+                took = _transfer(state, int(plan["src"]), rank)
+                if rank == 0:
+                    client.report("state", gen=gen, seconds=round(took, 4), src=int(plan["src"]), step=state.step)
+            first = [True]
+
+            def on_step(step: int) -> None:
+                if first[0] and restored and rank == 0 and step > (plan["step"] or 0):
+                    first[0] = False
+                    client.report("step", gen=gen, step=int(step))
+
+            sdk._set_step_hook(on_step)
+            result = train(Generation(gen, rank, int(plan["world"]), restored=restored, step=plan["step"]))
+        except Exception as e:
+            if not _is_peer_failure(e):
+                raise
+            failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        else:
+            failed = None
+        if failed is not None:
+            # Out of the except clause: the exception's traceback no longer holds the broken
+            # group, so destroying it closes its sockets now, and the peers still blocked on
+            # this rank fail at once instead of at their timeout.
+            log.warning("generation %d, rank %d: a collective failed (%s); waiting for generation %d",
+                        gen, rank, failed, gen + 1)
+            client.report("fail", gen=gen, rank=rank, step=int(state.step), error=failed[:200])
+            sdk._set_step_hook(None)
+            _teardown()
+            client.report("join", gen=gen + 1, rank=rank, step=int(state.step))
+            plan = client.plan(gen + 1, wait=True)
+            continue
+        sdk._set_step_hook(None)
+        client.report("done", rank=rank, step=int(state.step))
+        return result

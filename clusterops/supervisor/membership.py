@@ -1,0 +1,351 @@
+"""Who trains in each generation of an in-process recovery: the supervisor's pure decisions.
+
+With ``supervise: inprocess:`` the training step starts, on every node, the ranks and
+``standbys_per_node`` warm standby processes (the script imported, waiting for a rank).
+Every process reports to the rendezvous the supervisor hosts
+(:mod:`clusterops.supervisor.rendezvous`); this module decides, from those reports alone,
+what happens: which process holds which rank in generation G, when a fault opens
+generation G+1, which standby takes a lost rank's place (on the same node first, else on
+another node: a spare), which survivor's state the newcomers receive, when to kill a rank
+that neither answers nor dies (a hang), and when to give the in-process path up for the
+supervisor's full relaunch (a timeout, the same rank failing twice, a fault during a
+recovery, no standby left). Plain values in, plain values out, the clock passed in;
+nothing here touches a process or a socket.
+
+Reports (``Report.kind``):
+
+===========  ====================================================================
+``hello``    a process of the step started: ``uid``, ``node``, ``local`` (SLURM_LOCALID),
+             ``task`` (SLURM_PROCID)
+``fail``     a rank's collective failed in generation ``gen`` (``rank``, ``step``)
+``join``     a survivor waits for generation ``gen`` (``rank``, ``step`` it holds)
+``dead``     a standby saw a process of its node vanish (``dead``: its uid), or srun said a
+             task ended (uid ``srun``, ``task``: its SLURM_PROCID)
+``stopped``  a standby saw a rank of its node stopped (``dead``: its uid; SIGSTOP)
+``state``    rank 0 of ``gen`` received the state (``seconds``, ``src``)
+``step``     rank 0 of ``gen`` finished its first training step there (``step``)
+``done``     a rank finished the training (``rank``, ``step``)
+===========  ====================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+
+@dataclass(frozen=True)
+class Report:
+    kind: str
+    uid: str
+    data: Dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Generation ``gen``: ``ranks`` maps a process uid to its rank; ``src`` is the rank whose
+    state every rank loads (None: generation 0, the state each process built or resumed);
+    ``step`` the step that state holds."""
+
+    gen: int
+    world: int
+    ranks: Dict[str, int]
+    standby: Tuple[str, ...]
+    src: Optional[int] = None
+    step: Optional[int] = None
+
+    def to_json(self) -> dict:
+        return {"gen": self.gen, "world": self.world, "ranks": dict(self.ranks), "standby": list(self.standby),
+                "src": self.src, "step": self.step}
+
+
+@dataclass(frozen=True)
+class Publish:
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class KillProcess:
+    """Ask the standbys of ``node`` to SIGKILL the process ``uid`` (a rank that hangs)."""
+
+    node: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Give the in-process path up: the supervisor relaunches the whole step."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Note:
+    """A timeline record (``kind`` one of the ``inproc_*`` event kinds)."""
+
+    kind: str
+    data: Dict[str, object]
+
+
+@dataclass
+class _Proc:
+    uid: str
+    node: str
+    local: int
+    alive: bool = True
+    task: int = -1
+
+
+@dataclass
+class _Recovery:
+    gen: int                  # the generation being formed
+    since: float              # when the fault was first heard of
+    first: str                # what was heard first
+    dead: Set[int] = field(default_factory=set)       # ranks of the old generation that are gone
+    joined: Dict[int, int] = field(default_factory=dict)   # rank -> step, survivors waiting
+    kill_sent: Set[str] = field(default_factory=set)
+    published_at: Optional[float] = None
+
+
+class Membership:
+    """The generations of one training step (one attempt)."""
+
+    def __init__(self, nodes: Sequence[str], ranks_per_node: int, standbys_per_node: int, *,
+                 timeout_s: float = 30.0, unresponsive_s: float = 3.0):
+        self.nodes = list(nodes)
+        self.ppn = int(ranks_per_node)
+        self.spn = int(standbys_per_node)
+        self.world = len(self.nodes) * self.ppn
+        self.timeout_s = float(timeout_s)
+        self.unresponsive_s = float(unresponsive_s)
+        self.procs: Dict[str, _Proc] = {}
+        self.plan: Optional[Plan] = None
+        self.recovery: Optional[_Recovery] = None
+        self.failures: Dict[int, int] = {}       # rank -> faults it was lost in
+        self.fallen_back: Optional[str] = None
+        self.finished = False
+        self.done_ranks: Set[int] = set()
+        self.recoveries = 0
+
+    def lost_tasks(self) -> Set[int]:
+        """srun task numbers of the processes that died while the step went on (healed, or
+        standbys): their failures in the step's output are not the step's."""
+        return {p.task for p in self.procs.values() if not p.alive}
+
+    @property
+    def expected_procs(self) -> int:
+        return len(self.nodes) * (self.ppn + self.spn)
+
+    @property
+    def gen(self) -> int:
+        return -1 if self.plan is None else self.plan.gen
+
+    def rank_node(self, rank: int) -> str:
+        uid = self._uid_of(rank)
+        return self.procs[uid].node if uid in self.procs else self.nodes[rank // self.ppn]
+
+    def _uid_of(self, rank: int) -> Optional[str]:
+        if self.plan is None:
+            return None
+        for uid, r in self.plan.ranks.items():
+            if r == rank:
+                return uid
+        return None
+
+    # -------------------------------------------------------------------- reports
+    def handle(self, rep: Report, now: float) -> List[object]:
+        if self.fallen_back is not None or self.finished:
+            return []
+        fn = getattr(self, f"_on_{rep.kind}", None)
+        if fn is None:
+            return [Note("warning", {"what": f"rendezvous: unknown report {rep.kind!r} from {rep.uid}"})]
+        return fn(rep, now)
+
+    def _on_hello(self, rep: Report, now: float) -> List[object]:
+        d = rep.data
+        self.procs[rep.uid] = _Proc(rep.uid, str(d.get("node", "")), int(d.get("local", 0)), task=int(d.get("task", -1)))
+        if self.plan is None and len(self.procs) >= self.expected_procs:
+            return [Publish(self._first_plan())]
+        return []
+
+    def _first_plan(self) -> Plan:
+        ranks: Dict[str, int] = {}
+        standby: List[str] = []
+        by_node: Dict[str, List[_Proc]] = {}
+        for p in self.procs.values():
+            by_node.setdefault(p.node, []).append(p)
+        for i, node in enumerate(self.nodes):
+            here = sorted(by_node.get(node, []), key=lambda p: p.local)
+            for j, p in enumerate(here):
+                if j < self.ppn:
+                    ranks[p.uid] = i * self.ppn + j
+                else:
+                    standby.append(p.uid)
+        # Processes on a node the plan does not know (should not happen): standbys too.
+        known = set(ranks) | set(standby)
+        standby += sorted(u for u in self.procs if u not in known)
+        self.plan = Plan(0, self.world, ranks, tuple(standby))
+        return self.plan
+
+    def _open(self, now: float, first: str, out: List[object]) -> _Recovery:
+        if self.recovery is None:
+            self.recovery = _Recovery(gen=self.gen + 1, since=now, first=first)
+            out.append(Note("inproc_fault", {"gen": self.gen, "first": first}))
+        return self.recovery
+
+    def _lost(self, rank: int, now: float, out: List[object]) -> bool:
+        """Rank of the current plan is gone; False when that means falling back."""
+        rec = self._open(now, f"rank {rank} lost", out)
+        if rank in rec.dead:
+            return True
+        rec.dead.add(rank)
+        self.failures[rank] = self.failures.get(rank, 0) + 1
+        if self.failures[rank] >= 2:
+            out.append(self._fallback(f"rank {rank} failed a second time"))
+            return False
+        return True
+
+    def _on_fail(self, rep: Report, now: float) -> List[object]:
+        out: List[object] = []
+        gen = int(rep.data.get("gen", -1))
+        rec = self.recovery
+        if rec is not None and rec.published_at is not None and gen == rec.gen:
+            out.append(self._fallback(f"a second fault during the recovery to generation {rec.gen} "
+                                      f"(rank {rep.data.get('rank')}: {rep.data.get('error', '')})"))
+            return out
+        if gen != self.gen:
+            return out
+        self._open(now, f"rank {rep.data.get('rank')}: {rep.data.get('error', 'collective failed')}", out)
+        return out + self._try_publish(now)
+
+    def _on_join(self, rep: Report, now: float) -> List[object]:
+        out: List[object] = []
+        if self.plan is None or rep.uid not in self.plan.ranks:
+            return out
+        rec = self._open(now, f"rank {rep.data.get('rank')} asked for a new generation", out)
+        if int(rep.data.get("gen", -1)) != rec.gen or rec.published_at is not None:
+            return out
+        rec.joined[self.plan.ranks[rep.uid]] = int(rep.data.get("step", 0))
+        return out + self._try_publish(now)
+
+    def _on_dead(self, rep: Report, now: float) -> List[object]:
+        out: List[object] = []
+        uid = str(rep.data.get("dead"))
+        if "task" in rep.data:     # srun's word: find the process by its task number
+            uid = next((u for u, p in self.procs.items() if p.task == int(rep.data["task"])), "")
+        p = self.procs.get(uid)
+        if p is None or not p.alive:
+            return out
+        p.alive = False
+        if self.plan is None:
+            out.append(self._fallback(f"process {uid} died before the first generation"))
+            return out
+        rank = self.plan.ranks.get(uid)
+        if rank is None:     # a standby: one spare fewer
+            out.append(Note("warning", {"what": f"standby {uid} on {p.node} died"}))
+            return out
+        rec = self.recovery
+        if rec is not None and rec.published_at is not None:
+            out.append(self._fallback(f"rank {rank} ({uid}) died during the recovery to generation {rec.gen}"))
+            return out
+        if not self._lost(rank, now, out):
+            return out
+        return out + self._try_publish(now)
+
+    def _on_stopped(self, rep: Report, now: float) -> List[object]:
+        rank = self.plan.ranks.get(str(rep.data.get("dead"))) if self.plan is not None else None
+        if rank is None:
+            return []
+        return self.hung([rank], now)
+
+    def _on_state(self, rep: Report, now: float) -> List[object]:
+        return [Note("inproc_state", dict(rep.data))]
+
+    def _on_step(self, rep: Report, now: float) -> List[object]:
+        rec = self.recovery
+        if rec is None or int(rep.data.get("gen", -1)) != rec.gen:
+            return []
+        self.recovery = None
+        self.recoveries += 1
+        return [Note("inproc_first_step", {"gen": rec.gen, "step": rep.data.get("step"),
+                                           "fault_to_step_s": round(now - rec.since, 3), "at": round(now, 3),
+                                           "lost": sorted(rec.dead), "first": rec.first})]
+
+    def _on_done(self, rep: Report, now: float) -> List[object]:
+        if self.plan is not None and rep.uid in self.plan.ranks:
+            self.done_ranks.add(self.plan.ranks[rep.uid])
+        if len(self.done_ranks) >= self.world:
+            self.finished = True
+        return []
+
+    # -------------------------------------------------------------------- decisions
+    def _try_publish(self, now: float) -> List[object]:
+        rec, plan = self.recovery, self.plan
+        if rec is None or plan is None or rec.published_at is not None:
+            return []
+        # Counted before the set is built: one join after another costs O(1), not O(world).
+        if len(rec.joined) + len(rec.dead) < plan.world or len(rec.joined.keys() | rec.dead) < plan.world:
+            return []
+        if not rec.joined:
+            return [self._fallback("no survivor to take the state from")]
+        ranks = {u: r for u, r in plan.ranks.items() if r not in rec.dead}
+        free = [u for u in plan.standby if self.procs.get(u) and self.procs[u].alive]
+        moves = []
+        for rank in sorted(rec.dead):
+            node = self.rank_node(rank)
+            pick = next((u for u in free if self.procs[u].node == node), None) or (free[0] if free else None)
+            if pick is None:
+                return [self._fallback(f"no standby left for rank {rank}")]
+            free.remove(pick)
+            ranks[pick] = rank
+            moves.append({"rank": rank, "from": node, "to": self.procs[pick].node, "uid": pick})
+        top = max(rec.joined.values())
+        src = min(r for r, s in rec.joined.items() if s == top)
+        self.plan = Plan(rec.gen, plan.world, ranks, tuple(free), src=src, step=top)
+        rec.published_at = now
+        return [Note("inproc_rendezvous", {"gen": rec.gen, "wait_s": round(now - rec.since, 3), "src": src,
+                                           "step": top, "replaced": moves}),
+                Publish(self.plan)]
+
+    def tick(self, now: float) -> List[object]:
+        """Timeouts: kill a rank that neither joined nor died; fall back past ``timeout_s``."""
+        rec = self.recovery
+        if rec is None or self.fallen_back is not None or self.plan is None:
+            return []
+        if now - rec.since > self.timeout_s:
+            what = "the new generation's first step" if rec.published_at else "the rendezvous"
+            return [self._fallback(f"{what} did not come within {self.timeout_s:g} s")]
+        out: List[object] = []
+        if rec.published_at is None and now - rec.since > self.unresponsive_s:
+            for uid, rank in sorted(self.plan.ranks.items(), key=lambda t: t[1]):
+                if rank in rec.joined or rank in rec.dead or uid in rec.kill_sent:
+                    continue
+                rec.kill_sent.add(uid)
+                node = self.procs[uid].node if uid in self.procs else self.rank_node(rank)
+                if any(p.alive and p.node == node and u in self.plan.standby for u, p in self.procs.items()):
+                    out.append(KillProcess(node, uid))
+                else:   # no standby of its node to kill or watch it: it is lost to this generation
+                    out.append(Note("warning", {"what": f"rank {rank} ({uid}) neither rejoined nor died within "
+                                                        f"{self.unresponsive_s:g} s; no standby on {node}: "
+                                                        "counted lost"}))
+                    if not self._lost(rank, now, out):
+                        return out
+        return out + self._try_publish(now)
+
+    def hung(self, ranks: Sequence[int], now: float) -> List[object]:
+        """The supervisor's heartbeats say these ranks stopped progressing: kill them, so that
+        the survivors' collectives fail and the in-process path replaces them."""
+        if self.plan is None or self.fallen_back is not None or self.finished:
+            return []
+        out: List[object] = []
+        rec = self._open(now, f"rank(s) {', '.join(map(str, ranks))} hung", out)
+        for rank in ranks:
+            uid = self._uid_of(rank)
+            if uid is not None and uid not in rec.kill_sent:
+                rec.kill_sent.add(uid)
+                out.append(KillProcess(self.rank_node(rank), uid))
+        return out
+
+    def _fallback(self, reason: str) -> Fallback:
+        self.fallen_back = reason
+        return Fallback(reason)

@@ -1,0 +1,180 @@
+"""The rendezvous the supervisor hosts for in-process recovery (``supervise: inprocess:``).
+
+One ``torch.distributed.TCPStore`` (torch's own store, not a store of ours) lives in the
+supervisor for the whole training step, so it outlives every generation of the process
+group: each generation forms its group on a prefix of it (``pg/<G>/``, a ``PrefixStore``).
+Every key sits under a fresh random token (the address the ranks get is
+``HOST:PORT/TOKEN``, :data:`clusterops.protocol.ENV_RDZV_ADDR`): anyone on the network can
+connect to the port, nobody without the token can name, read or forge a key of the job.
+
+A thread reads the processes' reports (:mod:`clusterops.protocol`'s ``rep/<n>`` keys) as
+they come, feeds them to :class:`clusterops.supervisor.membership.Membership` (every
+decision is made there) and carries its actions out: a generation's plan is written to
+``plan/<G>``, a hung rank is SIGKILLed by the standbys of its node (``kill/<uid>``), a
+fallback is left for the supervisor's loop (:attr:`RendezvousHost.fallback`), and the
+timeline records wait in :meth:`RendezvousHost.drain_notes` for the loop to write (the
+timeline has one writer). torch is imported here only when a host starts (``import
+clusterops`` and the CLI never import it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+from clusterops import protocol
+from clusterops.supervisor.membership import Fallback, KillProcess, Membership, Note, Publish, Report
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.01
+REPORT_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class InprocessSettings:
+    """``supervise: inprocess:`` (the fields and defaults are clusterops.schema's)."""
+
+    standbys_per_node: int = 1
+    timeout_s: float = 30.0
+    unresponsive_s: float = 10.0
+
+
+class RendezvousHost:
+    """The store and the thread that decides generations, for one training step."""
+
+    def __init__(self, membership: Membership, *, bind_host: str = "0.0.0.0", advertise_host: str = "127.0.0.1",
+                 clock: Callable[[], float] = time.time, store_timeout_s: float = 60.0):
+        self.membership = membership
+        self.clock = clock
+        self.token = secrets.token_hex(16)
+        self.bind_host = bind_host
+        self.advertise_host = advertise_host
+        self.store_timeout_s = store_timeout_s
+        self.store = None          # the TCPStore server (and a client of it: this thread's)
+        self.port = 0
+        self.fallback: Optional[str] = None
+        self.fallback_acted = False      # the supervisor killed the step for it
+        self._notes: List[Note] = []
+        self._hung: List[Sequence[int]] = []
+        self._ended: List[Report] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._next = 1
+        self.error: Optional[str] = None
+
+    @classmethod
+    def for_attempt(cls, settings: InprocessSettings, nodes: Sequence[str], ranks_per_node: int,
+                    advertise_host: str, *, clock: Callable[[], float] = time.time) -> "RendezvousHost":
+        """A started host for one training step on ``nodes``."""
+        m = Membership(nodes, ranks_per_node, settings.standbys_per_node, timeout_s=settings.timeout_s,
+                       unresponsive_s=settings.unresponsive_s)
+        return cls(m, advertise_host=advertise_host, clock=clock).start()
+
+    @property
+    def addr(self) -> str:
+        return f"{self.advertise_host}:{self.port}/{self.token}"
+
+    @property
+    def finished(self) -> bool:
+        return self.membership.finished
+
+    def start(self) -> "RendezvousHost":
+        import datetime
+
+        import torch.distributed as dist
+
+        server = dist.TCPStore(self.bind_host, 0, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=self.store_timeout_s))
+        self.port = server.port
+        self.server = server
+        self.store = dist.PrefixStore(self.token, server)
+        self._thread = threading.Thread(target=self._loop, name="clusterops-rdzv", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.store = None
+        self.server = None
+
+    # -------------------------------------------------------------- the loop's inputs
+    def hung(self, ranks: Sequence[int]) -> None:
+        """The supervisor's hang detection named these ranks (thread-safe)."""
+        with self._lock:
+            self._hung.append(tuple(ranks))
+
+    def task_ended(self, task: int, node: str, reason: str) -> None:
+        """srun said task ``task`` (SLURM_PROCID) of the step ended (thread-safe)."""
+        with self._lock:
+            self._ended.append(Report("dead", "srun", {"task": int(task), "node": node, "reason": reason}))
+
+    def drain_notes(self) -> List[Note]:
+        with self._lock:
+            out, self._notes = self._notes, []
+        return out
+
+    # -------------------------------------------------------------- the thread
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._once()
+                self._stop.wait(POLL_S)
+        except Exception as e:  # the store failed under us: the relaunch path takes over
+            self.error = f"{type(e).__name__}: {e}"
+            with self._lock:
+                self._notes.append(Note("inproc_fallback", {"reason": f"rendezvous store failed: {self.error}"}))
+            self.fallback = self.fallback or f"rendezvous store failed: {self.error}"
+
+    def _once(self) -> None:
+        store, m = self.store, self.membership
+        n = store.add(protocol.RDZV_REPORTS, 0)
+        actions: List[object] = []
+        raws: List[bytes] = []
+        while self._next <= n:   # in batches: one round trip for many reports (16k ranks rejoin at once)
+            upto = min(n, self._next + REPORT_BATCH - 1)
+            raws += store.multi_get([protocol.rdzv_key("rep", i) for i in range(self._next, upto + 1)])
+            self._next = upto + 1
+        for raw in raws:
+            try:
+                body = json.loads(raw)
+                rep = Report(str(body.pop("kind")), str(body.pop("uid")), body)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                actions.append(Note("warning", {"what": f"rendezvous: unreadable report {raw[:80]!r}"}))
+                continue
+            actions += m.handle(rep, self.clock())
+        with self._lock:
+            hung, self._hung = self._hung, []
+            ended, self._ended = self._ended, []
+        for rep in ended:
+            actions += m.handle(rep, self.clock())
+        for ranks in hung:
+            actions += m.hung(ranks, self.clock())
+        actions += m.tick(self.clock())
+        for a in actions:
+            self._act(a)
+        if m.finished and not store.check([protocol.RDZV_FINISH]):
+            store.set(protocol.RDZV_FINISH, "1")
+
+    def _act(self, a: object) -> None:
+        if isinstance(a, Publish):
+            self.store.set(protocol.rdzv_key("plan", a.plan.gen), json.dumps(a.plan.to_json()))
+        elif isinstance(a, KillProcess):
+            self.store.set(protocol.rdzv_key("kill", a.uid), a.node)
+        elif isinstance(a, Fallback):
+            self.fallback = a.reason
+            # The ranks stop waiting: the relaunch ends them anyway, sooner if they exit.
+            self.store.set(protocol.RDZV_FINISH, "fallback")
+            with self._lock:
+                self._notes.append(Note("inproc_fallback", {"reason": a.reason}))
+        elif isinstance(a, Note):
+            with self._lock:
+                self._notes.append(a)

@@ -1,0 +1,127 @@
+"""In-process recovery (issue 20) on the real dev cluster: examples/train_recoverable.py through
+``clusterops.recover.run`` under ``supervise: inprocess:``, 4 nodes x 1 rank + 1 warm standby
+per node, real faults (a rank SIGKILLs or SIGSTOPs itself mid-run).
+
+- kill -9 of a rank: the standby on its node takes rank 2 over in the same step (one launch,
+  no restart), the state comes from a survivor at the step of the fault (0 steps lost), and
+  the final weights equal an uninterrupted run's bitwise.
+- SIGSTOP of a rank: its node's standby sees it stopped, the supervisor has it killed, the
+  same in-process path heals it.
+- the same rank lost a second time: the rendezvous falls back, the supervisor relaunches the
+  step (resume from the last checkpoint) and the run still ends bitwise equal.
+- a node lost (slurmd and its processes killed) with a spare: not healed in-process yet; the
+  relaunch on the spare heals it, bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support import faultkit as fk
+from clusterops.supervisor import timeline as tl
+
+pytestmark = pytest.mark.integration
+
+STEPS = 60
+CKPT_EVERY = 10
+SCRIPT = fk.REPO / "examples" / "train_recoverable.py"
+
+
+def events(job, kind):
+    return [r for r in job.timeline() if r["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref = tmp_path_factory.mktemp("ref")
+    out = ref / "final.pt"
+    fk.run_local(4, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--out", str(out)], workdir=ref,
+                 script=SCRIPT)
+    return out
+
+
+def run_job(tmp_path, name, train_args, inprocess=None):
+    from clusterops.slurm.factory import connect
+
+    job = fk.TrainJob(root=tmp_path / name, name=name, nodes=4, steps=STEPS, ckpt_every=CKPT_EVERY,
+                      step_sleep=0.1, script=SCRIPT, train_args=train_args,
+                      supervise={"inprocess": inprocess or {"standbys_per_node": 1}})
+    job.submit()
+    info = job.wait_end(connect(), timeout_s=400)
+    story = tl.format_text(job.timeline())
+    assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state}\n{story}\n{job.batch_log()[-3000:]}"
+    return job, story
+
+
+@pytest.mark.timeout(600)
+def test_kill9_heals_in_process_zero_steps_lost_bitwise(cluster, tmp_path, reference):
+    job, story = run_job(tmp_path, "ipk", ["--crash-at-step", "23", "--crash-rank", "2",
+                                            "--crash-marker", str(tmp_path / "crashed")])
+    assert (tmp_path / "crashed").exists(), story
+    assert len(events(job, "launch")) == 1 and not events(job, "restart"), story
+    rdzv = events(job, "inproc_rendezvous")
+    assert len(rdzv) == 1, story
+    # The survivors were at the step of the fault: that is where the new generation starts.
+    assert rdzv[0]["step"] == 23 and [m["rank"] for m in rdzv[0]["replaced"]] == [2], story
+    assert rdzv[0]["replaced"][0]["from"] == rdzv[0]["replaced"][0]["to"] == "node3", story
+    first = events(job, "inproc_first_step")
+    assert len(first) == 1 and first[0]["step"] == 24, story
+    assert events(job, "inproc_state") and not events(job, "inproc_fallback"), story
+    assert events(job, "done"), story
+    assert fk.same_weights(job.out, reference), f"final weights differ from an uninterrupted run\n{story}"
+
+
+@pytest.mark.timeout(600)
+def test_sigstop_is_killed_by_its_node_and_heals_in_process(cluster, tmp_path, reference):
+    job, story = run_job(tmp_path, "ips", ["--hang-at-step", "17", "--crash-rank", "1",
+                                            "--crash-marker", str(tmp_path / "stopped")])
+    assert len(events(job, "launch")) == 1 and not events(job, "restart"), story
+    fault = events(job, "inproc_fault")
+    assert len(fault) == 1 and "hung" in fault[0]["first"], story
+    rdzv = events(job, "inproc_rendezvous")
+    assert len(rdzv) == 1 and rdzv[0]["step"] == 17 and rdzv[0]["replaced"][0]["rank"] == 1, story
+    assert events(job, "inproc_first_step"), story
+    assert fk.same_weights(job.out, reference), f"final weights differ from an uninterrupted run\n{story}"
+
+
+@pytest.mark.timeout(600)
+def test_same_rank_lost_twice_falls_back_to_relaunch_bitwise(cluster, tmp_path, reference):
+    job, story = run_job(tmp_path, "ip2", ["--crash-at-step", "15", "--crash-rank", "2",
+                                            "--crash-marker", str(tmp_path / "c1"),
+                                            "--second-crash-at-step", "27",
+                                            "--second-crash-marker", str(tmp_path / "c2")])
+    assert (tmp_path / "c1").exists() and (tmp_path / "c2").exists(), story
+    assert len(events(job, "inproc_first_step")) == 1, story          # the first fault healed in-process
+    fb = events(job, "inproc_fallback")
+    assert len(fb) == 1 and "second time" in fb[0]["reason"], story   # the second one did not
+    assert len(events(job, "launch")) == 2 and events(job, "restart"), story
+    resumes = events(job, "resume")
+    assert resumes and resumes[-1]["step"] == 20, story               # the relaunch resumed from disk
+    assert fk.same_weights(job.out, reference), f"final weights differ from an uninterrupted run\n{story}"
+
+
+@pytest.mark.timeout(600)
+def test_node_lost_falls_back_to_relaunch_on_the_spare_bitwise(cluster, tmp_path):
+    """A node's slurmd and every process of it killed (the dev cluster's node kill) with a spare
+    present: not healed in-process yet (its own standby died with it and cannot report; Slurm
+    marks the node down and the state machine ends the step), so the step is relaunched on the
+    spare from the last checkpoint, and still ends bitwise equal."""
+    from clusterops.slurm.factory import connect
+
+    ref = tmp_path / "ref3"
+    out_ref = ref / "final.pt"
+    fk.run_local(3, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--out", str(out_ref)], workdir=ref,
+                 script=SCRIPT)
+    job = fk.TrainJob(root=tmp_path / "ipn", name="ipn", nodes=3, steps=STEPS, ckpt_every=CKPT_EVERY,
+                      step_sleep=0.2, script=SCRIPT, supervise={"inprocess": {"standbys_per_node": 1},
+                                                                "spare_nodes": 1})
+    job.submit()
+    job.wait_step(20, timeout_s=300)
+    cluster.kill_node("node3")
+    info = job.wait_end(connect(), timeout_s=400)
+    story = tl.format_text(job.timeline())
+    assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state}\n{story}\n{job.batch_log()[-3000:]}"
+    assert events(job, "inproc_fault") and not events(job, "inproc_first_step"), story
+    assert events(job, "spare_used")[0]["nodes"] == ["node4"], story
+    assert events(job, "launch")[-1]["nodes"] == ["node1", "node2", "node4"], story
+    assert fk.same_weights(job.out, out_ref), f"final weights differ from an uninterrupted run\n{story}"

@@ -1,0 +1,143 @@
+"""The in-process generations (clusterops.supervisor.membership): pure decisions, fake clock."""
+
+from __future__ import annotations
+
+from clusterops.supervisor.membership import Fallback, KillProcess, Membership, Note, Publish, Report
+
+NODES = ["node1", "node2", "node3", "node4"]
+
+
+def started(ppn=1, spn=1, **kw):
+    """A membership whose first generation is planned: ranks r -> uid "nodeK:1<local>"."""
+    m = Membership(NODES, ppn, spn, **kw)
+    out = []
+    task = 0
+    for i, node in enumerate(NODES):
+        for local in range(ppn + spn):
+            out += m.handle(Report("hello", f"{node}:{100 + local}", {"node": node, "local": local, "task": task}), 0.0)
+            task += 1
+    return m, out
+
+
+def kinds(actions):
+    return [a.kind if isinstance(a, Note) else type(a).__name__ for a in actions]
+
+
+def test_first_plan_gives_each_node_its_ranks_in_order_and_the_rest_standby():
+    m, out = started(ppn=2, spn=1)
+    pub = [a for a in out if isinstance(a, Publish)]
+    assert len(pub) == 1 and pub[0].plan.gen == 0 and pub[0].plan.world == 8
+    ranks = pub[0].plan.ranks
+    assert ranks["node1:100"] == 0 and ranks["node1:101"] == 1 and ranks["node4:101"] == 7
+    assert set(pub[0].plan.standby) == {f"{n}:102" for n in NODES} and pub[0].plan.src is None
+
+
+def test_no_plan_until_every_process_said_hello():
+    m = Membership(NODES, 1, 1)
+    for node in NODES[:3]:
+        for local in (0, 1):
+            assert not m.handle(Report("hello", f"{node}:{local}", {"node": node, "local": local}), 0.0)
+    assert m.plan is None
+
+
+def test_dead_rank_replaced_by_its_nodes_standby_state_from_highest_survivor():
+    m, _ = started()
+    out = m.handle(Report("dead", "node3:101", {"dead": "node3:100"}), 10.0)
+    assert kinds(out) == ["inproc_fault"]
+    out = m.handle(Report("join", "node1:100", {"gen": 1, "rank": 0, "step": 23}), 10.1)
+    out += m.handle(Report("join", "node2:100", {"gen": 1, "rank": 1, "step": 24}), 10.2)
+    assert not [a for a in out if isinstance(a, Publish)]
+    out = m.handle(Report("join", "node4:100", {"gen": 1, "rank": 3, "step": 24}), 10.3)
+    pub = [a for a in out if isinstance(a, Publish)][0].plan
+    assert pub.gen == 1 and pub.ranks["node3:101"] == 2 and "node3:100" not in pub.ranks
+    assert pub.src == 1 and pub.step == 24      # the highest step, the lowest rank holding it
+    assert "node3:101" not in pub.standby
+    note = [a for a in out if isinstance(a, Note) and a.kind == "inproc_rendezvous"][0]
+    assert note.data["replaced"] == [{"rank": 2, "from": "node3", "to": "node3", "uid": "node3:101"}]
+    out = m.handle(Report("step", "node1:100", {"gen": 1, "step": 25}), 11.0)
+    assert kinds(out) == ["inproc_first_step"] and out[0].data["fault_to_step_s"] == 1.0
+    assert m.recovery is None and m.recoveries == 1
+
+
+def test_srun_task_number_names_the_dead_rank():
+    m, _ = started()
+    m.handle(Report("dead", "srun", {"task": 4, "node": "node3", "reason": "Killed"}), 5.0)   # node3 local 0
+    assert m.recovery is not None and m.recovery.dead == {2}
+
+
+def test_a_spare_standby_on_another_node_when_its_own_is_gone():
+    m, _ = started()
+    m.handle(Report("dead", "node1:100", {"dead": "node3:101"}), 1.0)    # node3's standby died
+    assert m.recovery is None                                          # a standby: no new generation
+    m.handle(Report("dead", "node1:101", {"dead": "node3:100"}), 2.0)
+    out = []
+    for node, rank in (("node1", 0), ("node2", 1), ("node4", 3)):
+        out += m.handle(Report("join", f"{node}:100", {"gen": 1, "rank": rank, "step": 7}), 2.1)
+    plan = [a for a in out if isinstance(a, Publish)][0].plan
+    took = [u for u, r in plan.ranks.items() if r == 2][0]
+    assert took.endswith(":101") and not took.startswith("node3")
+
+
+def test_same_rank_lost_twice_falls_back():
+    m, _ = started()
+    m.handle(Report("dead", "x", {"dead": "node3:100"}), 1.0)
+    for node, rank in (("node1", 0), ("node2", 1), ("node4", 3)):
+        m.handle(Report("join", f"{node}:100", {"gen": 1, "rank": rank, "step": 7}), 1.1)
+    m.handle(Report("step", "node1:100", {"gen": 1, "step": 8}), 1.5)
+    out = m.handle(Report("dead", "srun", {"task": 5}), 3.0)   # node3:101, now rank 2
+    assert [a.reason for a in out if isinstance(a, Fallback)] == ["rank 2 failed a second time"]
+    assert m.fallen_back and not m.handle(Report("join", "node1:100", {"gen": 2, "rank": 0, "step": 9}), 3.1)
+
+
+def test_fault_during_recovery_falls_back():
+    m, _ = started()
+    m.handle(Report("dead", "x", {"dead": "node3:100"}), 1.0)
+    for node, rank in (("node1", 0), ("node2", 1), ("node4", 3)):
+        m.handle(Report("join", f"{node}:100", {"gen": 1, "rank": rank, "step": 7}), 1.1)
+    out = m.handle(Report("fail", "node2:100", {"gen": 1, "rank": 1, "error": "reset"}), 1.3)
+    assert isinstance(out[0], Fallback) and "second fault during the recovery" in out[0].reason
+
+
+def test_unresponsive_rank_is_killed_by_its_standby_then_timeout_falls_back():
+    m, _ = started(timeout_s=30, unresponsive_s=3)
+    m.handle(Report("fail", "node1:100", {"gen": 0, "rank": 0, "error": "reset"}), 0.0)
+    assert m.tick(2.0) == []
+    out = m.tick(3.5)
+    assert sorted(a.uid for a in out if isinstance(a, KillProcess)) == [f"{n}:100" for n in NODES]
+    assert m.tick(4.0) == []                                          # one kill order each
+    out = m.tick(31.0)
+    assert isinstance(out[0], Fallback) and "rendezvous did not come within 30 s" in out[0].reason
+
+
+def test_stopped_rank_is_killed():
+    m, _ = started()
+    out = m.handle(Report("stopped", "node2:101", {"dead": "node2:100", "seconds": 1.0}), 5.0)
+    assert kinds(out) == ["inproc_fault", "KillProcess"] and out[1] == KillProcess("node2", "node2:100")
+    assert "hung" in m.recovery.first
+
+
+def test_no_standby_left_falls_back_and_done_finishes():
+    m, _ = started(spn=0)
+    m.handle(Report("dead", "srun", {"task": 1}), 1.0)
+    out = []
+    for node, rank in (("node1", 0), ("node3", 2), ("node4", 3)):
+        out += m.handle(Report("join", f"{node}:100", {"gen": 1, "rank": rank, "step": 7}), 1.1)
+    assert [a.reason for a in out if isinstance(a, Fallback)] == ["no standby left for rank 1"]
+    m2, _ = started()
+    for i, node in enumerate(NODES):
+        m2.handle(Report("done", f"{node}:100", {"rank": i, "step": 60}), 9.0)
+    assert m2.finished
+
+
+def test_job_metrics_count_inprocess_recoveries_and_fallbacks():
+    from clusterops.supervisor import timeline as tl
+
+    recs = [{"t": 1.0, "event": "launch", "attempt": 0, "nodes": ["node1"]},
+            {"t": 5.0, "event": "inproc_fault", "gen": 0, "first": "rank 2 lost"},
+            {"t": 6.0, "event": "inproc_first_step", "gen": 1, "step": 24, "fault_to_step_s": 0.7},
+            {"t": 9.0, "event": "inproc_fault", "gen": 1, "first": "rank 2 lost"},
+            {"t": 9.5, "event": "inproc_fallback", "reason": "rank 2 failed a second time"}]
+    out = tl.job_metrics(recs, "j").text()
+    assert 'clusterops_job_inprocess_recoveries{job="j"} 1.0' in out
+    assert 'clusterops_job_inprocess_fallbacks{job="j"} 1.0' in out
+    assert 'clusterops_job_inprocess_recovery_seconds{job="j"} 0.7' in out
