@@ -120,6 +120,7 @@ def scale_lr(optimizers, schedulers, factor: float) -> None:
             if "initial_lr" in group:
                 group["initial_lr"] = group["initial_lr"] * factor
     for sch in schedulers:
+        sch = getattr(sch, "scheduler", sch)     # accelerate's wrapper holds the schedule
         if hasattr(sch, "base_lrs"):
             sch.base_lrs = [b * factor for b in sch.base_lrs]
 
