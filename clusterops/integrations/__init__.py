@@ -5,7 +5,8 @@ Lightning callback, ``clusterops.integrations.transformers`` (extra ``clusterops
 a Hugging Face ``TrainerCallback``. Each module imports its framework itself; this package imports
 nothing, so ``import clusterops`` and the CLI never load a framework. The shared
 pieces, :func:`resume_dir` and :func:`rank_layout`, use only the SDK's environment
-contract and the launcher's variables.
+contract and the launcher's variables; :func:`scale_lr` and :func:`data_index` are the
+stability rollback's LR factor and data skip, applied by both callbacks.
 """
 
 from __future__ import annotations
