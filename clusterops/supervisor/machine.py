@@ -430,6 +430,7 @@ class Supervisor:
         self.stability_decision: Optional[stb.Decision] = None
         if self.stability is not None and self.memory.last_ckpt_step is not None:
             self.stability.checkpoint(self.memory.last_ckpt_step)
+            self.memory.hint = self.stability.hint
 
     # -- helpers ---------------------------------------------------------------------
     def _enter(self, state: State) -> None:
