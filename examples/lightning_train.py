@@ -12,6 +12,12 @@ DDP over gloo: srun tasks (Lightning's SLURM environment: the supervisor's train
 step, or the plain srun launcher) or torchrun workers; ``trainer_layout()`` sizes the
 Trainer from the launcher's variables.
 
+Stability flags for tests, as examples/train.py's: ``--poison-batches A:B`` (data batches
+A..B-1: targets x100 for the first half, a loss spike, then NaN), ``--skip-batches-at
+STEP:K`` and ``--lr-factor-at STEP:F`` (the reference of a rollback, through the same
+``ClusteropsCallback.skip`` a rollback's hint uses). The data batch of a step is
+``cb.data_index(step)``: the step past the rollbacks' skips. The loss goes with the heartbeat.
+
 Output: ``stopped step=N`` (a stop request: checkpoint committed, exit 0) or
 ``done step=N out=FILE`` (finished; FILE = torch.save of the model's state_dict).
 
@@ -37,18 +43,41 @@ from clusterops import protocol, sdk
 from clusterops.integrations.lightning import ClusteropsCallback, resume_path, trainer_layout
 
 
+def _pair(kind):
+    def parse(text: str):
+        a, b = text.split(":")
+        return int(a), kind(b)
+    return parse
+
+
 class Regressor(L.LightningModule):
-    def __init__(self, seed: int, step_sleep: float):
+    def __init__(self, seed: int, step_sleep: float, cb: ClusteropsCallback, args):
         super().__init__()
-        self.seed, self.step_sleep = seed, step_sleep
+        self.seed, self.step_sleep, self.cb, self.args = seed, step_sleep, cb, args
+        self._reference_done: set = set()
         self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
         self.register_buffer("target", torch.linspace(-1, 1, 16))
 
+    def on_train_batch_start(self, batch, batch_idx):
+        a = self.args
+        at_skip = a.skip_batches_at is not None and self.global_step == a.skip_batches_at[0]
+        at_lr = a.lr_factor_at is not None and self.global_step == a.lr_factor_at[0]
+        if (at_skip or at_lr) and self.global_step not in self._reference_done:
+            self._reference_done.add(self.global_step)
+            self.cb.skip(self.trainer, a.skip_batches_at[1] if at_skip else 0, a.lr_factor_at[1] if at_lr else 1.0)
+
     def training_step(self, batch, batch_idx):
-        # The batch depends on (seed, step, rank) alone: never on where the loader restarted.
-        g = torch.Generator().manual_seed(self.seed * 1000003 + int(self.global_step) * 131 + self.global_rank * 7)
+        # The batch depends on (seed, data batch, rank) alone: never on where the loader
+        # restarted. The data batch is the step past the rollbacks' skips.
+        d = self.cb.data_index(int(self.global_step))
+        g = torch.Generator().manual_seed(self.seed * 1000003 + d * 131 + self.global_rank * 7)
         x = torch.randn(8, 16, generator=g)
-        loss = ((self.net(x).squeeze(1) - x @ self.target) ** 2).mean()
+        y = x @ self.target
+        if self.args.poison_batches is not None:
+            a, b = self.args.poison_batches
+            if a <= d < b:
+                y = y * 100.0 if d < (a + b) // 2 else torch.full_like(y, float("nan"))
+        loss = ((self.net(x).squeeze(1) - y) ** 2).mean()
         if self.step_sleep:
             time.sleep(self.step_sleep)
         return loss
@@ -65,6 +94,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--poison-batches", type=_pair(int), default=None, metavar="A:B",
+                   help="poison the data batches A..B-1: targets x100 for the first half (a spike), then NaN")
+    p.add_argument("--skip-batches-at", type=_pair(int), default=None, metavar="STEP:K",
+                   help="at step STEP skip the next K data batches (what a rollback's hint does)")
+    p.add_argument("--lr-factor-at", type=_pair(float), default=None, metavar="STEP:F",
+                   help="at step STEP multiply the learning rate by F (a rollback's LR factor)")
     args = p.parse_args(argv)
     if args.ckpt_dir is not None:
         os.environ[protocol.ENV_CKPT_DIR] = str(args.ckpt_dir)
@@ -72,9 +107,9 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     torch.set_num_threads(1)
     L.seed_everything(args.seed, workers=True, verbose=False)
-    model = Regressor(args.seed, args.step_sleep)
-    loader = DataLoader(TensorDataset(torch.arange(args.steps * 4)), batch_size=1, shuffle=False)
     cb = ClusteropsCallback(every_n_steps=args.ckpt_every)
+    model = Regressor(args.seed, args.step_sleep, cb, args)
+    loader = DataLoader(TensorDataset(torch.arange(args.steps * 4)), batch_size=1, shuffle=False)
     trainer = L.Trainer(accelerator="cpu", **trainer_layout(), max_steps=args.steps, deterministic=True, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[cb])

@@ -124,3 +124,51 @@ def test_stop_ends_with_the_diverged_code_without_a_save():
     acts = s.handle(StepExited(21.0, returncode=137))
     assert [a.code for a in only(acts, Exit)] == [sv.EXIT_DIVERGED]
     assert only(acts, SetAside) == [SetAside(9, "nan from step 10")]
+
+
+def test_the_rollback_count_and_the_open_hint_survive_a_requeue(tmp_path):
+    import pytest
+
+    from clusterops.errors import InputError
+    from clusterops.supervisor import run as svrun
+
+    cfg = dict(warmup_steps=0, min_samples=3, patience=1, rollback_steps=10, skip_batches=30, lr_factor=0.5,
+               max_rollbacks=2)
+    s, _ = running(on_spike="rollback", **cfg)
+    for step in (10, 20, 30):
+        s.handle(CheckpointCommitted(1.5, step, f"/ck/step_{step}"))
+    healthy(s, range(1, 26))
+    assert kinds(beat(s, 40.0, 28, 500.0))[:2] == ["loss_spike", "rollback"]
+    s.handle(StepExited(41.0, returncode=137))
+    hint = s.stability.hint
+    assert hint is not None and s.memory.rollbacks == [26]
+    # The allocation is lost (preempted, requeued) before the next save: a new incarnation
+    # reads what the first left in the job directory.
+    svrun.save_memory(tmp_path, s.memory)
+    mem = svrun.load_memory(tmp_path)
+    assert mem.rollbacks == [26] and mem.hint == hint
+    s2 = Supervisor(Policy(nodes=2, preflight=None, liveness_check=False), NODES, memory=mem, ckpt_step=10,
+                    stability=StabilityConfig(on_spike="rollback", **cfg))
+    first = only(s2.start(now=100.0), Launch)[0]
+    assert first.hint == hint                       # the skip is not lost with the allocation
+    s2.handle(ResumeChosen(100.5, 10, "/ck/step_10"))
+    s2.handle(StepLaunched(101.0))
+    codes = []
+    for i in range(2):                              # the budget (2) is spent across both incarnations
+        healthy(s2, range(12, 26), t0=102.0 + 30 * i)
+        assert kinds(beat(s2, 120.0 + 30 * i, 28 + i, 500.0))[0] == "loss_spike"
+        acts = s2.handle(StepExited(121.0 + 30 * i, returncode=137))
+        codes += [a.code for a in only(acts, Exit)]
+        if not codes:
+            s2.handle(ResumeChosen(122.0 + 30 * i, 10, "/ck/step_10"))
+            s2.handle(StepLaunched(122.5 + 30 * i))
+    assert codes == [sv.EXIT_ROLLBACK_BUDGET] and len(s2.memory.rollbacks) == 2
+    # A state file of before the guard (no such keys) still reads; a damaged one names the field.
+    (tmp_path / svrun.STATE_FILE).write_text('{"attempts": 1, "restarts": 0, "no_progress": 0}')
+    assert svrun.load_memory(tmp_path).rollbacks == [] and svrun.load_memory(tmp_path).hint is None
+    (tmp_path / svrun.STATE_FILE).write_text('{"attempts": 1, "restarts": 0, "no_progress": 0, "rollbacks": ["x"]}')
+    with pytest.raises(InputError, match="rollbacks: must be a list of step numbers"):
+        svrun.load_memory(tmp_path)
+    (tmp_path / svrun.STATE_FILE).write_text('{"attempts": 1, "restarts": 0, "no_progress": 0, "hint": {"a": 1}}')
+    with pytest.raises(InputError, match="hint: must be a resume hint"):
+        svrun.load_memory(tmp_path)

@@ -151,3 +151,33 @@ def test_prune_keeps_a_held_checkpoint_and_list_shows_why(tmp_path):
     assert "step_00000020  step=20  ok" in out and "held: stability: newest checkpoint before the nan" in out
     (tmp_path / ck.HOLDS_FILE).write_text("{broken")
     assert ck.holds(tmp_path) == {}
+
+
+def test_the_callbacks_lr_factor_and_data_skip_hold_through_a_schedule():
+    """What both framework callbacks apply on a rollback (clusterops.integrations): the LR
+    factor survives the schedule's next step and a save/load of optimizer and schedule; the
+    data index moves past each skip from its step on."""
+    import torch
+
+    from clusterops.integrations import data_index, scale_lr
+
+    def make():
+        opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+    opt, sch = make()
+    for _ in range(3):
+        opt.step()
+        sch.step()
+    scale_lr([opt], [sch], 0.5)
+    opt.step()
+    sch.step()
+    assert opt.param_groups[0]["lr"] == (1e-2 * 0.5) * (1.0 / 5)  # the schedule keeps the factor
+    opt2, sch2 = make()
+    opt2.load_state_dict(opt.state_dict())
+    sch2.load_state_dict(sch.state_dict())
+    opt2.step()
+    sch2.step()
+    assert opt2.param_groups[0]["lr"] == (1e-2 * 0.5) * (1.0 / 6)  # and so does a resume
+    assert [data_index(s, [(10, 30), (50, 5)]) for s in (0, 9, 10, 49, 50)] == [0, 9, 40, 79, 85]
+    assert data_index(7, []) == 7

@@ -5,7 +5,8 @@ Lightning callback, ``clusterops.integrations.transformers`` (extra ``clusterops
 a Hugging Face ``TrainerCallback``. Each module imports its framework itself; this package imports
 nothing, so ``import clusterops`` and the CLI never load a framework. The shared
 pieces, :func:`resume_dir` and :func:`rank_layout`, use only the SDK's environment
-contract and the launcher's variables.
+contract and the launcher's variables; :func:`scale_lr` and :func:`data_index` are the
+stability rollback's LR factor and data skip, applied by both callbacks.
 """
 
 from __future__ import annotations
@@ -105,3 +106,29 @@ def resume_dir(root: Optional[os.PathLike] = None, *, deep: bool = True) -> Opti
     for bad in found.skipped:
         log.warning("skipped bad checkpoint %s: %s", bad.path, "; ".join(bad.problems))
     return found.latest.path if found.latest else None
+
+
+def scale_lr(optimizers, schedulers, factor: float) -> None:
+    """Multiply the learning rate by ``factor`` (a stability rollback's ``lr_factor``) in
+    every param group of ``optimizers`` and in the base rates of ``schedulers`` (a schedule
+    recomputes the group's rate from its base at every step). Both are saved in the
+    framework's checkpoints, so the lower rate holds after later resumes."""
+    if factor == 1.0:
+        return
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * factor
+            if "initial_lr" in group:
+                group["initial_lr"] = group["initial_lr"] * factor
+    for sch in schedulers:
+        sch = getattr(sch, "scheduler", sch)     # accelerate's wrapper holds the schedule
+        if hasattr(sch, "base_lrs"):
+            sch.base_lrs = [b * factor for b in sch.base_lrs]
+
+
+def data_index(step: int, skips) -> int:
+    """The data batch a run trains on at optimizer step ``step`` after the data skips
+    ``skips`` (pairs ``(at_step, batches)``: from step ``at_step`` on, ``batches`` more are
+    passed over; a rollback's ``skip_batches``). A callback keeps the pairs in its
+    checkpoints; the script maps its steps to data with this (the examples do)."""
+    return step + sum(k for at, k in skips if step >= at)

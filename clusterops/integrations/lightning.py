@@ -24,6 +24,12 @@ What the callback does:
   sees, verifies and resumes from them. Every rank calls the save (Lightning writes the
   file on rank 0 and then holds a barrier); with DDP the state is replicated, so rank
   0's file is the whole checkpoint and every rank resumes from it;
+- applies a stability rollback inside Lightning's own resume: when the supervisor rolled
+  back (``sdk.resume_hint`` for the restored step), it multiplies the restored optimizers'
+  learning rate (and their schedulers' base rates) by ``lr_factor`` and adds the skip to
+  ``data_skips``, pairs ``(at_step, batches)`` kept in Lightning's checkpoint with the
+  callback's state. Lightning restores no loader position of its own here, so the script
+  maps its step to data with ``data_index(step)`` (examples/lightning_train.py does);
 - when supervised (the heartbeat variable, ``protocol.ENV_HEARTBEAT_DIR``, set), turns off Lightning's SLURM
   auto-requeue (the supervisor requeues, once) and puts the SDK's signal handlers back
   after Lightning installed its own, so SIGTERM is a save-and-stop and never
@@ -38,13 +44,13 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import lightning.pytorch as pl
 
 from clusterops import checkpoint as ck
 from clusterops import protocol, sdk
-from clusterops.integrations import leave_process_group_at_exit, rank_layout, resume_dir
+from clusterops.integrations import data_index, leave_process_group_at_exit, rank_layout, resume_dir, scale_lr
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +100,27 @@ class ClusteropsCallback(pl.Callback):
         self.root = root
         self.stopped = False          # fit ended on a stop request (a checkpoint was committed)
         self.last_saved: Optional[int] = None
+        self.data_skips: List[Tuple[int, int]] = []   # (at_step, batches): rollbacks' data skips
+        self.hint: Optional[protocol.ResumeHint] = None   # the rollback this run resumed with
+
+    # -- state in Lightning's checkpoint -------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"data_skips": [list(s) for s in self.data_skips]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.data_skips = [(int(a), int(k)) for a, k in state_dict.get("data_skips", [])]
+
+    def data_index(self, step: int) -> int:
+        """The data batch of optimizer step ``step`` after the rollbacks' skips."""
+        return data_index(step, self.data_skips)
+
+    def skip(self, trainer: "pl.Trainer", batches: int, lr_factor: float = 1.0) -> None:
+        """From the current step on, pass over ``batches`` data batches and multiply the
+        learning rate by ``lr_factor`` (what a rollback's hint asks; a reference run calls it
+        at the same step)."""
+        if batches:
+            self.data_skips.append((trainer.global_step, batches))
+        scale_lr(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], lr_factor)
 
     # -- the requeue rule --------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -114,6 +141,13 @@ class ClusteropsCallback(pl.Callback):
         # just before this hook; ours go back on top, so a signal is a stop request only.
         sdk.install_stop_handlers(force=True)
         leave_process_group_at_exit()
+        # The checkpoint (weights, optimizers, schedulers, our data_skips) is restored by
+        # now: a rollback's skip and LR factor go on top of it.
+        self.hint = sdk.resume_hint(trainer.global_step)
+        if self.hint is not None:
+            self.skip(trainer, self.hint.skip_batches, self.hint.lr_factor)
+            log.warning("clusterops: rollback-hint step=%d skip=%d lr_factor=%s", trainer.global_step,
+                        self.hint.skip_batches, self.hint.lr_factor)
         sdk.heartbeat(trainer.global_step, force=True)
 
     # -- every step ----------------------------------------------------------------------

@@ -28,6 +28,16 @@ Trainer joins with gloo. Every rank writes its part of a save (rank 0 the model,
 optimizer and state; each rank its RNG state); the callback holds a barrier before
 rank 0 commits, so the commit holds every rank's part, and every rank resumes from it.
 
+Stability rollback, inside the Trainer's own resume: when the supervisor rolled back
+(``sdk.resume_hint`` for the restored step), ``on_train_begin`` -- after the Trainer loaded
+the weights, optimizer and schedule -- multiplies the learning rate of the optimizer and
+the schedule's base rates by ``lr_factor`` and adds ``(step, skip_batches)`` to
+``data_skips``. The Trainer itself fast-forwards its loader by the steps already trained;
+the extra skip is the script's data mapping, ``data_index(step)`` (examples/hf_train.py's
+dataset maps the Trainer's position through it, so its sampler position stays the
+Trainer's own). ``data_skips`` go into each checkpoint (``clusterops-data.json``, written
+before the commit) and come back on every later resume.
+
 ``resume_path()`` is the directory to pass as ``resume_from_checkpoint``:
 the resume variable (``protocol.ENV_RESUME_FROM``) when it verifies, else the newest good checkpoint under
 the checkpoint root (``protocol.ENV_CKPT_DIR``). The Trainer has no SLURM requeue of its own and installs no
@@ -36,21 +46,23 @@ signal handlers; the SDK's (installed at ``on_train_begin``) are the only ones.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from transformers import TrainerCallback
 
 from clusterops import checkpoint as ck
-from clusterops import sdk
-from clusterops.integrations import leave_process_group_at_exit, rank_layout, resume_dir
+from clusterops import protocol, sdk
+from clusterops.integrations import data_index, leave_process_group_at_exit, rank_layout, resume_dir, scale_lr
 
 log = logging.getLogger(__name__)
 
 KIND = "hf"
+DATA_FILE = "clusterops-data.json"   # the rollbacks' data skips, in each checkpoint
 PREFIX = "checkpoint-"      # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 
 
@@ -98,10 +110,45 @@ class ClusteropsTrainerCallback(TrainerCallback):
         self.root = root
         self.stopped = False          # train ended on a stop request (a checkpoint was committed)
         self.last_committed: Optional[Path] = None
+        self.data_skips: List[Tuple[int, int]] = []   # (at_step, batches): rollbacks' data skips
+        self.hint: Optional[protocol.ResumeHint] = None   # the rollback this run resumed with
+
+    def data_index(self, step: int) -> int:
+        """The data batch of the Trainer's step position ``step`` after the rollbacks' skips."""
+        return data_index(step, self.data_skips)
+
+    def skip(self, step: int, batches: int, lr_factor: float = 1.0, optimizer=None, lr_scheduler=None) -> None:
+        """From step ``step`` on, pass over ``batches`` data batches; multiply the learning
+        rate of ``optimizer`` and ``lr_scheduler`` by ``lr_factor`` now (what a rollback's hint
+        asks; a reference run calls it at the same step)."""
+        if batches:
+            self.data_skips.append((step, batches))
+        scale_lr([optimizer] if optimizer is not None else [], [lr_scheduler] if lr_scheduler is not None else [],
+                 lr_factor)
+
+    def _restore_skips(self, step: int) -> None:
+        d = resume_dir(self.root) if step > 0 else None
+        if d is None or not (d / DATA_FILE).is_file():
+            return
+        try:
+            if json.loads((d / "trainer_state.json").read_text()).get("global_step") != step:
+                return            # the Trainer resumed from somewhere else
+            self.data_skips = [(int(a), int(k)) for a, k in json.loads((d / DATA_FILE).read_text())["data_skips"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{d / DATA_FILE}: not a clusterops data-skip file ({e})") from e
 
     def on_train_begin(self, args, state, control, **kwargs):
         sdk.install_stop_handlers()
         leave_process_group_at_exit()
+        # The Trainer loaded the checkpoint (weights, optimizer, schedule) before this hook
+        # and iterates its loader only after it: the data skips and a rollback's hint go here.
+        self._restore_skips(state.global_step)
+        self.hint = sdk.resume_hint(state.global_step) if state.global_step > 0 else None
+        if self.hint is not None:
+            self.skip(state.global_step, self.hint.skip_batches, self.hint.lr_factor,
+                      kwargs.get("optimizer"), kwargs.get("lr_scheduler"))
+            log.warning("clusterops: rollback-hint step=%d skip=%d lr_factor=%s", state.global_step,
+                        self.hint.skip_batches, self.hint.lr_factor)
         sdk.heartbeat(state.global_step, force=True)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -128,6 +175,7 @@ class ClusteropsTrainerCallback(TrainerCallback):
         if state.is_world_process_zero:
             src = Path(args.output_dir) / f"{PREFIX}{state.global_step}"
             if src.is_dir():
+                (src / DATA_FILE).write_text(json.dumps({"data_skips": [list(x) for x in self.data_skips]}))
                 self.last_committed = self.commit(src, state.global_step)
         return control
 

@@ -15,6 +15,7 @@ epilog and the table in docs/supervisor.md are generated from it).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -362,16 +363,24 @@ class Memory:
     restarts: int = 0                  # restarts so far, all incarnations
     no_progress: int = 0               # restarts in a row that saw no new checkpoint
     last_ckpt_step: Optional[int] = None
+    # The stability guard's: the anomaly steps of the rollbacks so far (max_rollbacks counts
+    # them across requeues) and the hint still open (the next incarnation's launch carries it).
+    rollbacks: List[int] = field(default_factory=list)
+    hint: Optional[stb.ResumeHint] = None
 
     def to_dict(self) -> dict:
         return {"bad_nodes": dict(self.bad_nodes), "attempts": self.attempts, "restarts": self.restarts,
-                "no_progress": self.no_progress, "last_ckpt_step": self.last_ckpt_step}
+                "no_progress": self.no_progress, "last_ckpt_step": self.last_ckpt_step,
+                "rollbacks": list(self.rollbacks),
+                "hint": None if self.hint is None else json.loads(self.hint.to_json())}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Memory":
+        hint = d.get("hint")
         return cls(bad_nodes=dict(d.get("bad_nodes") or {}), attempts=int(d.get("attempts") or 0),
                    restarts=int(d.get("restarts") or 0), no_progress=int(d.get("no_progress") or 0),
-                   last_ckpt_step=d.get("last_ckpt_step"))
+                   last_ckpt_step=d.get("last_ckpt_step"), rollbacks=[int(a) for a in d.get("rollbacks") or []],
+                   hint=None if hint is None else stb.ResumeHint.from_json(json.dumps(hint)))
 
 
 class Supervisor:
@@ -416,10 +425,12 @@ class Supervisor:
         self.replacing: Optional[str] = None        # the straggler a planned stop will replace
         self.straggler_why: Dict[str, Tuple[str, str]] = {}   # node -> (why, drain reason)
         # The stability guard (supervise: stability:), its decision while the step is killed.
-        self.stability = stb.Guard(stability) if stability is not None else None
+        self.stability = (stb.Guard(stability, rollbacks=self.memory.rollbacks, hint=self.memory.hint)
+                          if stability is not None else None)   # the rollbacks list is shared
         self.stability_decision: Optional[stb.Decision] = None
         if self.stability is not None and self.memory.last_ckpt_step is not None:
             self.stability.checkpoint(self.memory.last_ckpt_step)
+            self.memory.hint = self.stability.hint
 
     # -- helpers ---------------------------------------------------------------------
     def _enter(self, state: State) -> None:
@@ -653,6 +664,7 @@ class Supervisor:
         if d.action == stb.Action.RECORD:
             return out
         self.stability_decision = d
+        self.memory.hint = self.stability.hint
         if d.action == stb.Action.ROLLBACK:
             h = d.hint
             out.append(Record(E.ROLLBACK, {"to_step": h.from_step, "anomaly_step": h.anomaly_step,
@@ -797,6 +809,7 @@ class Supervisor:
             self.memory.last_ckpt_step = ev.step
         if self.stability is not None and self.state == RUNNING:   # not the dying step's, after a finding
             self.stability.checkpoint(ev.step)
+            self.memory.hint = self.stability.hint
         return out
 
     def _on_tick(self, ev: Tick) -> List[Action]:

@@ -330,8 +330,16 @@ def parse_memory(text: str, where: str) -> sv.Memory:
     if not isinstance(bad, dict) or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in bad.items()):
         raise InputError(f"{where}: bad_nodes: must map node names to reasons (strings), got {_short(bad)}"
                          f"{_STATE_FIX}")
+    rollbacks = body.get("rollbacks", [])
+    if not isinstance(rollbacks, list) or not all(isinstance(a, int) and not isinstance(a, bool) for a in rollbacks):
+        raise InputError(f"{where}: rollbacks: must be a list of step numbers, got {_short(rollbacks)}{_STATE_FIX}")
+    hint = body.get("hint")
+    parsed = None if hint is None else protocol.ResumeHint.from_json(json.dumps(hint))
+    if hint is not None and (not isinstance(hint, dict) or parsed is None):
+        raise InputError(f"{where}: hint: must be a resume hint (from_step, skip_batches, lr_factor) or null, "
+                         f"got {_short(hint)}{_STATE_FIX}")
     return sv.Memory(bad_nodes=dict(bad), attempts=body["attempts"], restarts=body["restarts"],
-                     no_progress=body["no_progress"], last_ckpt_step=last)
+                     no_progress=body["no_progress"], last_ckpt_step=last, rollbacks=list(rollbacks), hint=parsed)
 
 
 def load_memory(job_dir: Path) -> sv.Memory:

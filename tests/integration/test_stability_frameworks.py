@@ -1,0 +1,74 @@
+"""The stability guard's rollback through the Lightning and Hugging Face Trainer callbacks,
+on the real dev cluster (2 nodes x 1 rank, DDP over gloo), with a data window poisoned on
+purpose (the examples' ``--poison-batches``: the loss spikes, then goes NaN).
+
+The supervisor kills the step, relaunches from the checkpoint before the anomaly with the
+hint; the callback applies it inside the framework's own resume (after the framework
+restored weights, optimizer and schedule: the learning rate times ``lr_factor``, the data
+position ``skip_batches`` further), and the job finishes with final weights bitwise equal
+to an uninterrupted local run that skips the same batches and lowers the LR at the same
+step (``--skip-batches-at`` / ``--lr-factor-at``, through the same callback code).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support import faultkit as fk
+from clusterops.supervisor import timeline as tl
+
+pytestmark = pytest.mark.integration
+
+STEPS = 100
+CKPT_EVERY = 10
+POISON = "60:70"          # data batches 60-64 scaled (spike), 65-69 NaN
+GUARD = {"on_spike": "rollback", "on_nan": "rollback", "warmup_steps": 20, "min_samples": 4,
+         "rollback_steps": 10, "skip_batches": 30, "lr_factor": 0.5, "max_rollbacks": 2}
+
+
+def events(j, kind):
+    return [r for r in j.timeline() if r["event"] == kind]
+
+
+def nan_weights(path) -> bool:
+    return any(torch.isnan(t).any().item() for t in torch.load(path, weights_only=True).values())
+
+
+def rollback_bitwise(tmp_path, name, script, env=None):
+    from clusterops.slurm.factory import connect
+
+    slurm = connect()
+    j = fk.TrainJob(root=tmp_path / name, name=name, nodes=2, steps=STEPS, ckpt_every=CKPT_EVERY, step_sleep=0.1,
+                    script=script, supervise={"stability": GUARD}, train_args=["--poison-batches", POISON],
+                    spec_extra={"env": env} if env else {})
+    j.submit()
+    info = j.wait_end(slurm, timeout_s=300)
+    story = tl.format_text(j.timeline())
+    assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state} {info.exit_code}\n{story}\n{j.batch_log()[-3000:]}"
+    found = events(j, "nan") + events(j, "loss_spike")
+    rb = events(j, "rollback")
+    assert found and len(rb) == 1, story
+    to = rb[0]["to_step"]
+    assert to % CKPT_EVERY == 0 and to <= found[0]["began"] - GUARD["rollback_steps"], story
+    assert [r["cause"] for r in events(j, "step_exit")][0] == "rolled_back", story
+    assert fk.damaged_checkpoints(j.ckpt_dir) == []
+    assert f"rollback-hint step={to} skip=30 lr_factor=0.5" in (j.latest_attempt() / "step.log").read_text()
+    ref = tmp_path / "ref"
+    fk.run_local(2, ["--steps", str(STEPS), "--ckpt-every", "0", "--ckpt-dir", str(ref / "ck"), "--out",
+                     str(ref / "final.pt"), "--poison-batches", POISON, "--skip-batches-at", f"{to}:30",
+                     "--lr-factor-at", f"{to}:0.5"], workdir=ref, script=script, one_per_node=True)
+    assert not nan_weights(ref / "final.pt")
+    assert not nan_weights(j.out), story
+    assert fk.same_weights(j.out, ref / "final.pt"), f"final weights differ from the run that skips the same batches\n{story}"
+
+
+@pytest.mark.timeout(420)
+def test_lightning_rollback_skips_the_window_and_ends_bitwise_equal(cluster, tmp_path):
+    rollback_bitwise(tmp_path, "stab-lt", fk.REPO / "examples" / "lightning_train.py")
+
+
+@pytest.mark.timeout(420)
+def test_hf_trainer_rollback_skips_the_window_and_ends_bitwise_equal(cluster, tmp_path):
+    rollback_bitwise(tmp_path, "stab-hf", fk.REPO / "examples" / "hf_train.py",
+                     env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
