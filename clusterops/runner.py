@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence, Tuple
 
-from clusterops.errors import ClusteropsError
+from clusterops.errors import ClusteropsError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,11 @@ def _check_argv(argv, what: str) -> tuple:
         raise TypeError(f"Runner.{what} takes a list of str arguments, never a shell string")
     if not argv:
         raise TypeError(f"Runner.{what}: empty command")
+    for i, a in enumerate(argv):
+        if "\0" in a:
+            # exec cannot pass it (the kernel ends an argument at NUL): a value from input,
+            # refused as input rather than a ValueError traceback from subprocess.
+            raise InputError(f"argument {i} of {os.path.basename(argv[0])!r} contains a NUL byte: {a!r:.60}")
     return tuple(argv)
 
 

@@ -172,3 +172,15 @@ def test_as_user_spawn_and_as_self_is_unchanged(tmp_path):
     p = Runner(as_user="nobody").spawn(["id", "-un"], log_path=str(log), cwd="/")
     assert wait_exit(p, 10) == 0 and log.read_text().strip() == "nobody"
     assert Runner(as_user="root").run(["id", "-un"]).stdout.strip() == "root"
+
+
+def test_a_nul_byte_in_an_argument_is_input_error_and_nothing_runs(tmp_path):
+    """A value with a NUL (from a flag, a spec) cannot be passed to exec: refused as input
+    (exit 2 at the CLI), not a ValueError traceback from subprocess, and nothing starts."""
+    from clusterops.errors import InputError
+    from clusterops.runner import Runner
+
+    marker = tmp_path / "ran"
+    with pytest.raises(InputError, match="NUL byte"):
+        Runner().run(["touch", str(marker), "a\0b"])
+    assert not marker.exists()

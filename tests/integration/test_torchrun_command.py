@@ -9,9 +9,12 @@ from clusterops.supervisor.run import torchrun_command
 
 PROBE = """
 import os, signal
-print(os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"],
-      signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN, signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN,
-      *os.sys.argv[1:], flush=True)
+fields = [os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"],
+          signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN, signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN,
+          *os.sys.argv[1:]]
+# One write of the whole line: the two workers share the pipe, and an unbuffered print()
+# writes each field apart, so their lines could interleave.
+os.write(1, (" ".join(map(str, fields)) + "\n").encode())
 """
 
 
