@@ -183,3 +183,27 @@ def test_cli_ibbw_skips_on_this_machine_without_hca(tmp_path):
         cli_main(["health", "ibbw", "--report-dir", str(tmp_path), "--role", "client", "--peer", "127.0.0.1"])
     assert e.value.code == 0
     assert json.loads((tmp_path / "client.json").read_text())["status"] == "skip"
+
+
+def test_client_before_its_server_tries_again_until_it_connects(tmp_path, monkeypatch):
+    monkeypatch.setattr(ibbw, "CONNECT_RETRY_S", 0.05)
+    count = tmp_path / "count"
+    env = _stand_in(tmp_path, "import sys, os\n"
+                              f"p = {str(count)!r}\n"
+                              "n = int(open(p).read()) + 1 if os.path.exists(p) else 1\n"
+                              "open(p, 'w').write(str(n))\n"
+                              f"name = 'connect_failed_client.txt' if n < 3 else 'ndr_healthy_client.txt'\n"
+                              f"sys.stdout.write(open(os.path.join({str(FIX)!r}, name)).read())\n"
+                              "sys.exit(1 if n < 3 else 0)")
+    doc = ibbw.run_rank(ibbw.PairRankOptions(report_dir=str(tmp_path / "r"), sysfs_root=str(SYSFS), timeout_s=20),
+                        runner=Runner(env=env), env={"SLURM_PROCID": "1", "MASTER_ADDR": "10.0.0.1"})
+    assert doc["status"] == "pass" and doc["attempts"] == 3
+
+
+def test_client_that_never_connects_fails_by_its_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(ibbw, "CONNECT_RETRY_S", 0.05)
+    env = _stand_in(tmp_path, f"import sys\nsys.stdout.write(open({str(FIX / 'connect_failed_client.txt')!r}).read())\n"
+                              "sys.exit(1)")
+    doc = ibbw.run_rank(ibbw.PairRankOptions(report_dir=str(tmp_path / "r"), sysfs_root=str(SYSFS), timeout_s=1.5),
+                        runner=Runner(env=env), env={"SLURM_PROCID": "1", "MASTER_ADDR": "10.0.0.1"})
+    assert doc["status"] == "fail" and "connection failed" in doc["detail"] and doc["attempts"] >= 2

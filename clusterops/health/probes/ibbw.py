@@ -35,6 +35,7 @@ from clusterops.runner import CommandNotFound, CommandTimeout, Runner
 
 PROGRAM = "ib_write_bw"
 DEFAULT_TCP_PORT = 18515          # perftest's default port for its out-of-band exchange
+CONNECT_RETRY_S = 1.0             # the client's pause before it tries a server not yet listening
 
 #: Per-HCA floors of the average ``ib_write_bw`` bandwidth, in Gb/s, by the port's rate name.
 #: ``fail`` below, ``warn`` below ``warn``. Each figure names its source.
@@ -202,15 +203,25 @@ def run_rank(opts: PairRankOptions, *, runner: Optional[Runner] = None,
         return _write(opts.report_dir, doc)
     doc["argv"] = argv
     start = time.monotonic()
-    try:
-        done = runner.run(argv, timeout_s=opts.timeout_s, check=False)
-    except CommandNotFound:
-        doc["detail"] = f"{PROGRAM} not installed (perftest)"
-        return _write(opts.report_dir, doc)
-    except CommandTimeout:
-        doc.update(judge(Parsed(ok=False, device=str(port["device"])), {}, timed_out=True))
-        return _write(opts.report_dir, doc)
-    parsed = parse_output((done.stdout or "") + "\n" + (done.stderr or ""))
+    deadline = start + opts.timeout_s
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            done = runner.run(argv, timeout_s=max(1.0, deadline - time.monotonic()), check=False)
+        except CommandNotFound:
+            doc["detail"] = f"{PROGRAM} not installed (perftest)"
+            return _write(opts.report_dir, doc)
+        except CommandTimeout:
+            doc.update(judge(Parsed(ok=False, device=str(port["device"])), {}, timed_out=True))
+            return _write(opts.report_dir, doc)
+        parsed = parse_output((done.stdout or "") + "\n" + (done.stderr or ""))
+        # The two tasks start at the same moment: a client that came before its server
+        # listens is refused; it tries again while its deadline allows.
+        if role != "client" or parsed.kind != "connect" or time.monotonic() + CONNECT_RETRY_S >= deadline:
+            break
+        time.sleep(CONNECT_RETRY_S)
+    doc["attempts"] = attempts
     parsed.device = parsed.device or str(port["device"])
     floors = floors_for(rate_name, rate_gbps)
     verdict = judge(parsed, floors)
