@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -83,6 +84,8 @@ REQUIRED_BINARIES = {
     "scontrol": "slurm-client (slurm-wlm)",
 }
 MAX_NODES = 1024
+# A gres type as slurm.conf and gres.conf take it (no ':' ',' '(' or spaces to split on).
+GPU_TYPE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,31}")
 # Under the state dir: the key (root-only) and the socket (every user's) in separate folders,
 # as /etc/munge and /run/munge are on a real node.
 MUNGE_KEY_DIR = "munge"
@@ -101,6 +104,7 @@ class DevClusterError(ClusteropsError):
 class DevClusterConfig:
     nodes: int = 4
     gpus_per_node: int = 0
+    gpu_type: Optional[str] = None       # typed gres (gpu:<type>:N, gres.conf Type=), e.g. "mi300x"
     cpus_per_node: int = 2
     memory_mb_per_node: int = 4096
     port_base: int = DEFAULT_PORT_BASE
@@ -114,6 +118,12 @@ class DevClusterConfig:
             raise InputError(f"--nodes: must be an integer from 1 to {MAX_NODES}, got {self.nodes!r}")
         if not isinstance(self.gpus_per_node, int) or not 0 <= self.gpus_per_node <= 64:
             raise InputError(f"--gpus-per-node: must be an integer from 0 to 64, got {self.gpus_per_node!r}")
+        if self.gpu_type is not None:
+            if not isinstance(self.gpu_type, str) or not GPU_TYPE.fullmatch(self.gpu_type):
+                raise InputError(f"--gpu-type: letters, digits, '_', '.' and '-' only (1-32, a letter first), "
+                                 f"got {self.gpu_type!r}")
+            if not self.gpus_per_node:
+                raise InputError("--gpu-type: needs --gpus-per-node (a type names counted GPUs)")
         if not 1 <= self.cpus_per_node <= 1024:
             raise InputError(f"--cpus-per-node: must be from 1 to 1024, got {self.cpus_per_node!r}")
         if not 1024 <= self.port_base <= 65535 - self.nodes - 1:
@@ -137,7 +147,8 @@ class DevClusterConfig:
 def render_slurm_conf(cfg: DevClusterConfig, state: Path, hostname: str) -> str:
     """slurm.conf text for the dev cluster (pure)."""
     s = str(state)
-    gres = f" Gres=gpu:{cfg.gpus_per_node}" if cfg.gpus_per_node else ""
+    typed = f"{cfg.gpu_type}:" if cfg.gpu_type else ""
+    gres = f" Gres=gpu:{typed}{cfg.gpus_per_node}" if cfg.gpus_per_node else ""
     last_port = cfg.port_base + cfg.nodes
     ports = f"{cfg.port_base + 1}" if cfg.nodes == 1 else f"{cfg.port_base + 1}-{last_port}"
     lines = [
@@ -199,7 +210,8 @@ def render_gres_conf(cfg: DevClusterConfig, state: Path) -> str:
         return "# no counted GPUs\n"
     last = cfg.gpus_per_node - 1
     files = f"{state}/dev/gpu0" if last == 0 else f"{state}/dev/gpu[0-{last}]"
-    return f"NodeName={cfg.hostlist} Name=gpu File={files}\n"
+    typed = f" Type={cfg.gpu_type}" if cfg.gpu_type else ""
+    return f"NodeName={cfg.hostlist} Name=gpu{typed} File={files}\n"
 
 
 TASK_PROLOG = """#!/bin/sh

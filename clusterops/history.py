@@ -47,6 +47,8 @@ from clusterops.errors import ClusteropsError, InputError
 from clusterops.jsonout import finite
 
 NODE_PROBE = "check"          # the row holding a node's overall verdict
+PAIR_ALLREDUCE = "pair:allreduce"        # sweep --pairs: the 2-node all-reduce, per node of the pair
+PAIR_IB_WRITE_BW = "pair:ib_write_bw"    # sweep --pairs: ib_write_bw between the pair's nodes
 DEFAULT_RETENTION_DAYS = 90.0
 DB_ENV = "CLUSTEROPS_SWEEP_DB"         # the sweep's own database
 FLEET_DB_ENV = "CLUSTEROPS_HISTORY_DB"  # the fleet's: sweeps and node checks
@@ -275,6 +277,11 @@ def _text(v: object) -> Optional[str]:
     if isinstance(v, bytes):
         return v.decode("utf-8", errors="replace")
     return str(v)
+
+
+def _num(v) -> Optional[float]:
+    """A figure for the value column (None for anything that is not a real number)."""
+    return None if isinstance(v, bool) or not isinstance(v, (int, float)) else float(v)
 
 
 def _clean(s: Optional[str], limit: int = 500) -> Optional[str]:
@@ -618,6 +625,18 @@ class History:
                 rows.append((t, report.sweep_id, name, _clean(str(p.get("name", "?")), 200),
                              _clean(str(p.get("status", "?")), 40), val, _clean(p.get("unit"), 40),
                              _clean(str(p.get("detail") or ""))))
+        for pr in getattr(report, "pairs", None) or []:
+            # --pairs: one row per node of the pair for the all-reduce and for ib_write_bw
+            # (probe names outside NODE_PROBE: the flapping rule never counts them).
+            nodes = [str(n) for n in pr.get("nodes") or []]
+            peer = ",".join(nodes)
+            ib = pr.get("ib_write_bw")
+            for node in nodes:
+                rows.append((t, report.sweep_id, node, PAIR_ALLREDUCE, _clean(str(pr.get("status", "?")), 40),
+                             _num(pr.get("busbw_gbps")), "GB/s", _clean(f"pair {peer}: {pr.get('detail') or ''}")))
+                if isinstance(ib, Mapping):
+                    rows.append((t, report.sweep_id, node, PAIR_IB_WRITE_BW, _clean(str(ib.get("status", "?")), 40),
+                                 _num(ib.get("gbps")), "Gb/s", _clean(f"pair {peer}: {ib.get('detail') or ''}")))
         counts = report.counts()
 
         def write():

@@ -117,6 +117,16 @@ def sweep_metrics(doc: Mapping):
 COPY_KINDS = {"h2d_gbps": "h2d", "d2h_gbps": "d2h", "p2p_gbps": "p2p", "hbm_gbps": "hbm"}
 # The figure columns of the HTML report: metric key -> header. A cell of a figure the
 # node is an outlier in (against the fleet median) is marked.
+def _ib_cells(ib) -> str:
+    """The pair's ib_write_bw cells: status, Gb/s, detail (empty when the pair has none)."""
+    if not isinstance(ib, Mapping):
+        return "<td></td><td></td><td></td>"
+    gbps = "" if ib.get("gbps") is None else esc(ib["gbps"])
+    gd = " (GPUDirect)" if ib.get("gpudirect") else ""
+    return (f"<td class=\"s-{esc(ib.get('status', ''))}\">{esc(ib.get('status', ''))}{gd}</td>"
+            f"<td>{gbps}</td><td>{esc(ib.get('detail') or '')}</td>")
+
+
 FIGURE_COLUMNS = {"matmul_tflops": "TFLOPS", "busbw_gbps": "busbw GB/s", "h2d_gbps": "H2D GB/s",
                   "d2h_gbps": "D2H GB/s", "p2p_gbps": "P2P GB/s", "hbm_gbps": "HBM GB/s",
                   "fabric_errors": "fabric errors", "fabric_flaps": "link flaps"}
@@ -324,9 +334,11 @@ def html_report(doc: Mapping) -> str:
     if doc.get("pairs"):
         prow = "".join(f"<tr><td>{esc(','.join(p['nodes']))}</td><td class=\"s-{esc(p['status'])}\">"
                        f"{esc(p['status'])}</td><td>{'' if p.get('busbw_gbps') is None else esc(p['busbw_gbps'])}</td>"
+                       f"{_ib_cells(p.get('ib_write_bw'))}"
                        f"<td>{esc(p.get('detail') or '')}</td></tr>" for p in doc["pairs"])
-        pairs = ("<h2>Node pairs (2-node all-reduce)</h2><table><tr><th>nodes</th><th>status</th>"
-                 f"<th>busbw GB/s</th><th>detail</th></tr>{prow}</table>")
+        pairs = ("<h2>Node pairs (2-node all-reduce, ib_write_bw)</h2><table><tr><th>nodes</th><th>status</th>"
+                 "<th>busbw GB/s</th><th>ib_write_bw</th><th>ib Gb/s</th><th>ib detail</th>"
+                 f"<th>detail</th></tr>{prow}</table>")
     header = ("<tr><th>node</th><th>status</th><th>detail</th><th>check s</th>"
               + "".join(f"<th>{esc(FIGURE_COLUMNS[k])}</th>" for k in columns)
               + "<th>straggler</th>" + ("<th>versions</th>" if with_versions else "") + "<th>action</th></tr>")

@@ -132,3 +132,29 @@ def test_a_schema_with_bytes_that_are_not_utf8_is_a_clear_input_error(tmp_path, 
         main(["health", "history", "--db", str(path)])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "not a usable sweep history database" in err and "Traceback" not in err
+
+
+def test_pair_results_recorded_per_node_and_never_counted_as_node_failures(history_target):
+    """--pairs: the all-reduce and ib_write_bw of each pair are rows for both nodes, with
+    their figures; a failing pair does not enter the flapping rule (node verdicts only)."""
+    from clusterops.history import PAIR_ALLREDUCE, PAIR_IB_WRITE_BW
+
+    now = time.time()
+    rep = report("p1", now, {"node1": "pass", "node2": "pass", "node3": "pass", "node4": "pass"})
+    rep.pairs = [
+        {"nodes": ["node1", "node2"], "status": "fail", "busbw_gbps": 1.5, "job_id": 1,
+         "detail": "ib_write_bw: mlx5_0: 196.1 Gb/s < floor 380",
+         "ib_write_bw": {"status": "fail", "gbps": 196.1, "detail": "mlx5_0: 196.1 Gb/s < floor 380"}},
+        {"nodes": ["node3", "node4"], "status": "unreachable", "busbw_gbps": None, "job_id": 2,
+         "detail": "no result within 5s", "ib_write_bw": None},
+    ]
+    with History.open(history_target) as h:
+        h.record(rep)
+        ib = h.rows(node="node2", probe=PAIR_IB_WRITE_BW)
+        assert [(r.status, r.value, r.unit) for r in ib] == [("fail", 196.1, "Gb/s")]
+        assert ib[0].detail.startswith("pair node1,node2: ")
+        assert [(r.status, r.value) for r in h.rows(node="node1", probe=PAIR_ALLREDUCE)] == [("fail", 1.5)]
+        assert [(r.status, r.value) for r in h.rows(node="node4", probe=PAIR_ALLREDUCE)] == [("unreachable", None)]
+        assert h.rows(node="node4", probe=PAIR_IB_WRITE_BW) == []
+        assert h.fail_history(["node1", "node2"], 3) == {"node1": [False], "node2": [False]}
+        assert {r.node: r.status for r in h.latest()} == {n: "pass" for n in ("node1", "node2", "node3", "node4")}

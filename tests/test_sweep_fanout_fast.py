@@ -269,3 +269,57 @@ def test_pairs_report_each_pair_and_cancel_a_silent_one(tmp_path):
         assert script == tmp_path / "pairs" / "pair.sh" and "--nodes=2" in args and "--exclusive" in args
     text = (tmp_path / "pairs" / "pair.sh").read_text()
     assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 " in text and " health dist " in text
+
+
+def test_pairs_carry_ib_write_bw_skip_pass_and_fail(tmp_path):
+    """The pair job's ibbw step: a skip (no HCA) leaves the pair as the all-reduce made it,
+    a pass is carried with its figure, a fail makes the pair fail; the step runs one task per
+    node and asks for GPUDirect in the deep profile only."""
+    from clusterops.sweep import NodeResult, run_pairs
+
+    def side(status, gbps=None, detail="", gpudirect=False):
+        return {"status": status, "gbps": gbps, "detail": detail, "node": "n", "gpudirect": gpudirect}
+
+    slurm = PairSlurm({
+        "node1,node2": {"busbw_gbps": 1.5, "ib": {"server": side("skip", detail="no HCA: nothing under /sys"),
+                                                  "client": side("skip", detail="no HCA")}},
+        "node3,node4": {"busbw_gbps": 1.5, "ib": {"server": side("pass"),
+                                                  "client": side("pass", 393.9, "mlx5_0: 393.9 Gb/s", True)}},
+        "node5,node6": {"busbw_gbps": 1.5, "ib": {"server": side("pass"),
+                                                  "client": side("fail", 196.1, "mlx5_0: 196.1 Gb/s < floor 380")}},
+    })
+    results = {f"node{i}": NodeResult(f"node{i}", "pass") for i in range(1, 7)}
+    clock = FakeClock()
+    out = run_pairs(slurm, results, SweepOptions(timeout_s=5, pairs=True, profile="deep"), tmp_path, [],
+                    clock=clock, sleep=clock.sleep)
+    by = {tuple(p["nodes"]): p for p in out}
+    skip, ok, low = by[("node1", "node2")], by[("node3", "node4")], by[("node5", "node6")]
+    assert skip["status"] == "pass" and skip["ib_write_bw"]["status"] == "skip"
+    assert "no HCA" in skip["ib_write_bw"]["detail"]
+    assert ok["status"] == "pass" and ok["ib_write_bw"]["gbps"] == 393.9 and ok["ib_write_bw"]["gpudirect"]
+    assert low["status"] == "fail" and "ib_write_bw" in low["detail"] and "380" in low["detail"]
+    text = (tmp_path / "pairs" / "pair.sh").read_text()
+    assert "srun --ntasks-per-node=1 --wait=15 " in text and " health ibbw " in text and "--gpudirect" in text
+    out = run_pairs(PairSlurm({}), results, SweepOptions(timeout_s=1, pairs=True, profile="fast"),
+                    tmp_path / "fast", [], clock=clock, sleep=clock.sleep)
+    assert "--gpudirect" not in (tmp_path / "fast" / "pairs" / "pair.sh").read_text()
+    assert all(p["ib_write_bw"] is None for p in out)   # silent pairs: unreachable, no ib result
+
+
+def test_pair_script_runs_the_ib_step_after_the_all_reduce(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'nodeq1\\nnodeq2\\n'\n")
+    (bin_dir / "srun").write_text("#!/bin/bash\necho \"srun $*\"\nexit 0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    pair_dir = tmp_path / "p 'x'"
+    pair_dir.mkdir()
+    script = pair_dir / "pair.sh"
+    script.write_text(pair_script(pair_dir, ["srun", "dist"], ib_step=["srun", "--wait=15", "clusterops", "health", "ibbw"]))
+    env = {"SLURM_JOB_ID": "8", "SLURM_JOB_NODELIST": "nodeq[1-2]", "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert (pair_dir / "8.ib.out").read_text().strip() == \
+        f"srun --wait=15 clusterops health ibbw --report-dir {pair_dir}/8.ib"
+    assert (pair_dir / "8.ib").is_dir() and (pair_dir / "8.done").read_text().strip() == "0"

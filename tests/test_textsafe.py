@@ -111,15 +111,18 @@ def _doc():
             "medians": {}, "plan": {"guard_tripped": True, "message": "<guard>\x07", "actions": [
                 {"node": "n<1>\x1b", "action": "drain", "why": "fail"}]},
             "applied": [], "errors": ["<err>\x1b"],
-            "pairs": [{"nodes": ["a<", "b>"], "status": "<pp>", "busbw_gbps": "<img src=x>", "detail": "<d>"}]}
+            "pairs": [{"nodes": ["a<", "b>"], "status": "<pp>", "busbw_gbps": "<img src=x>", "detail": "<d>",
+                       "ib_write_bw": {"status": "<ibs>", "gbps": "<ibg>", "detail": "<ibd>\x1b", "gpudirect": True}}]}
 
 
 def test_sweep_html_report_escapes_every_field():
     page = html_report(_doc())
-    for raw in ("<i>", "<b>1", "<s>", "<v>", "<guard>", "<err>", "<img", "<d>", "<pp>", "<m>", "s<1>", "n<1>"):
+    for raw in ("<i>", "<b>1", "<s>", "<v>", "<guard>", "<err>", "<img", "<d>", "<pp>", "<m>", "s<1>", "n<1>",
+                "<ibs>", "<ibg>", "<ibd>"):
         assert raw not in page, raw
     assert not CONTROL.search(page)
     assert "&lt;img src=x&gt;" in page and "&lt;i&gt;3&lt;/i&gt;" in page
+    assert "&lt;ibd&gt;" in page and "(GPUDirect)" in page
 
 
 # ----------------------------------------------------------------------------- properties

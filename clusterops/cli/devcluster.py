@@ -33,6 +33,8 @@ def devcluster() -> None:
 @devcluster.command()
 @click.option("--nodes", "nodes", type=int, default=4, show_default=True, help="Number of nodes (node1..nodeN).")
 @click.option("--gpus-per-node", type=int, default=0, show_default=True, help="Counted GPUs (gres) per node.")
+@click.option("--gpu-type", default=None, metavar="TYPE",
+              help="Declare the GPUs with a gres type (gpu:TYPE:N), e.g. mi300x or h100.")
 @click.option("--cpus-per-node", type=int, default=2, show_default=True, help="CPUs each node declares.")
 @click.option("--port-base", type=int, default=None, help="slurmctld port; nodes use the next N ports [17000].")
 @click.option("--slurm-prefix", metavar="DIR", default=None,
@@ -40,7 +42,7 @@ def devcluster() -> None:
                    "(env CLUSTEROPS_SLURM_PREFIX).")
 @_state_dir_option
 @json_option
-def up(nodes: int, gpus_per_node: int, cpus_per_node: int, port_base, slurm_prefix, state_dir: str,
+def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, slurm_prefix, state_dir: str,
        as_json: bool) -> None:
     """Bring the cluster up and wait until every node is idle (idempotent).
 
@@ -57,7 +59,7 @@ def up(nodes: int, gpus_per_node: int, cpus_per_node: int, port_base, slurm_pref
         slurm_prefix, source = os.environ[PREFIX_ENV], PREFIX_ENV
     if slurm_prefix is not None:
         slurm_prefix = str(check_prefix(slurm_prefix, source))
-    cfg = DevClusterConfig(nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node,
+    cfg = DevClusterConfig(nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type, cpus_per_node=cpus_per_node,
                            port_base=port_base or DEFAULT_PORT_BASE, slurm_prefix=slurm_prefix)
     info = DevCluster(state_dir).up(cfg)
     if as_json:

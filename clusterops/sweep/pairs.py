@@ -6,6 +6,12 @@ under ``srun`` (the step argv from ``clusterops.slurm.steps.srun_argv``, the scr
 ``templates/sweep/pair.sh.j2``), shows the link. Results are read from per-job files as
 in the check fan-out; a pair without a result in time is ``unreachable`` and its job
 cancelled.
+
+The same job then runs ``clusterops health ibbw`` as a second step over the pair
+(:mod:`clusterops.health.probes.ibbw`: ``ib_write_bw`` from node 0 to node 1, GPUDirect
+when the sweep's profile is one that exercises the GPUs, ``preflight`` or ``deep``): its
+result is the pair's ``ib_write_bw`` entry. A skip there (no ``ib_write_bw``, no HCA)
+leaves the pair's status as the all-reduce made it; a fail there makes the pair fail.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Tuple
 
 from clusterops.errors import ClusteropsError
+from clusterops.health.probes import ibbw
 from clusterops.sweep import scripts
 from clusterops.sweep.options import SweepOptions
 from clusterops.sweep.results import NodeResult, natural_key, one_line
@@ -40,7 +47,7 @@ def run_pairs(slurm, results: Mapping[str, NodeResult], opts: SweepOptions, work
     dist = base + ["health", "dist", "--timeout-s", str(max(10, int(opts.timeout_s * 0.8))),
                    "--size", "16M", "--warmup", "2", "--iters", "5"]
     step = srun_argv(dist, ntasks_per_node=1, kill_on_bad_exit=True)
-    script.write_text(scripts.pair_script(pair_dir, step))
+    script.write_text(scripts.pair_script(pair_dir, step, ib_step=ib_step_argv(opts, base)))
     jobs: Dict[int, Tuple[str, str]] = {}
     for a, b in pairs:
         try:
@@ -72,8 +79,15 @@ def run_pairs(slurm, results: Mapping[str, NodeResult], opts: SweepOptions, work
                     detail = one_line((pair_dir / f"{jid}.err").read_text(errors="replace")[-300:])
                 except OSError:
                     detail = f"exit {rc_text}, no report"
+            ib_dir = pair_dir / f"{jid}.ib"
+            # No folder and no step log: the job ran no ibbw step (nothing to report).
+            ib = ibbw.read_pair(ib_dir) if ib_dir.exists() or Path(f"{ib_dir}.err").exists() else None
+            if ib and ib["status"] == "error":
+                errors.append(one_line(f"pair {a},{b}: ib_write_bw: {ib['detail']}"))
+            if ib and ib["status"] == "fail" and status == "pass":
+                status, detail = "fail", one_line(f"ib_write_bw: {ib['detail']}")
             out.append({"nodes": [a, b], "status": status, "busbw_gbps": busbw, "job_id": jid,
-                        "detail": detail})
+                        "detail": detail, "ib_write_bw": ib})
         sleep(0.3)
     for jid, (a, b) in jobs.items():
         try:
@@ -81,5 +95,20 @@ def run_pairs(slurm, results: Mapping[str, NodeResult], opts: SweepOptions, work
         except ClusteropsError:
             pass
         out.append({"nodes": [a, b], "status": "unreachable", "busbw_gbps": None, "job_id": jid,
-                    "detail": f"no result within {opts.timeout_s:g}s"})
+                    "detail": f"no result within {opts.timeout_s:g}s", "ib_write_bw": None})
     return out
+
+
+#: Sweep profiles that exercise the GPUs: their pair test asks for GPUDirect RDMA.
+GPUDIRECT_PROFILES = ("preflight", "deep")
+
+
+def ib_step_argv(opts: SweepOptions, base: List[str]) -> List[str]:
+    """The pair's ``ib_write_bw`` step: one task per node, the second killed soon after the
+    first exits (a side that skipped does not leave its peer waiting out its deadline)."""
+    from clusterops.slurm.steps import srun_argv
+
+    cmd = base + ["health", "ibbw", "--timeout-s", str(max(10, int(opts.timeout_s * 0.1)))]
+    if opts.profile in GPUDIRECT_PROFILES:
+        cmd.append("--gpudirect")
+    return srun_argv(cmd, ntasks_per_node=1, wait_s=15)

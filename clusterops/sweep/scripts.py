@@ -65,7 +65,7 @@ def check_script(work_dir: Path, command: Sequence[str]) -> str:
     return render(CHECK_TEMPLATE, work_dir=str(work_dir), command=list(command))
 
 
-def pair_script(pair_dir: Path, step: Sequence[str]) -> str:
+def pair_script(pair_dir: Path, step: Sequence[str], ib_step: Sequence[str] = ()) -> str:
     """The pair job: runs the ``srun`` argv ``step`` (``clusterops health dist`` over both
     nodes) with its report in ``pair_dir`` and ``<jobid>.done`` holding its exit code."""
-    return render(PAIR_TEMPLATE, pair_dir=str(pair_dir), step=list(step))
+    return render(PAIR_TEMPLATE, pair_dir=str(pair_dir), step=list(step), ib_step=list(ib_step))

@@ -251,7 +251,8 @@ class SweepSlurm(FakeSlurm):
 
 class PairSlurm(FakeSlurm):
     """The --pairs jobs: a pair named in ``answers`` ("node1,node2" -> its result document)
-    answers at once, as pair.sh would leave it; any other pair stays silent."""
+    answers at once, as pair.sh would leave it (with its ``ib`` entry, the ibbw step's
+    ``server.json``/``client.json``); any other pair stays silent."""
 
     def __init__(self, answers: Mapping[str, dict], first_id: int = 500):
         super().__init__()
@@ -266,7 +267,13 @@ class PairSlurm(FakeSlurm):
         self.submitted[jid] = (Path(script), list(args))
         if nodes in self.answers:
             pair_dir = Path(script).parent
-            (pair_dir / f"{jid}.json").write_text(json.dumps(self.answers[nodes]))
+            answer = dict(self.answers[nodes])
+            ib = answer.pop("ib", None)          # {"server": {...}, "client": {...}}: the ibbw step's files
+            (pair_dir / f"{jid}.json").write_text(json.dumps(answer))
+            if ib:
+                (pair_dir / f"{jid}.ib").mkdir()
+                for role, doc in ib.items():
+                    (pair_dir / f"{jid}.ib" / f"{role}.json").write_text(json.dumps(doc))
             (pair_dir / f"{jid}.done").write_text("0\n")
         return jid
 
