@@ -105,11 +105,12 @@ def test_same_rank_lost_twice_falls_back_to_relaunch_bitwise(cluster, tmp_path, 
 @pytest.mark.timeout(600)
 def test_node_lost_falls_back_to_relaunch_on_the_spare_bitwise(cluster, tmp_path):
     """A node's slurmd and every process of it killed (the dev cluster's node kill) with a spare
-    present. Two outcomes are right, and which one comes depends on timing: the lost rank
-    goes to another node's standby and the step finishes before Slurm marks the node down
-    (healed in-process, one launch), or, usually, Slurm marks it down first and the state
-    machine ends the step (its own standby died with it and cannot report), so the step is
-    relaunched on the spare from the last checkpoint. Either way it ends bitwise equal."""
+    present. Which right outcome comes depends on timing: the lost rank goes to another node's
+    standby and the step finishes before Slurm marks the node down (healed in-process, one
+    launch), or, usually, the step is ended first (Slurm marks the node down, or the survivors
+    block in a collective with the dead peer until the hang detection fires; the node's own
+    standby died with it and cannot report) and relaunched on the spare from the last
+    checkpoint. Either way it ends bitwise equal."""
     from clusterops.slurm.factory import connect
 
     ref = tmp_path / "ref3"
@@ -125,7 +126,6 @@ def test_node_lost_falls_back_to_relaunch_on_the_spare_bitwise(cluster, tmp_path
     info = job.wait_end(connect(), timeout_s=400)
     story = tl.format_text(job.timeline())
     assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state}\n{story}\n{job.batch_log()[-3000:]}"
-    assert events(job, "inproc_fault"), story
     if events(job, "inproc_first_step") and len(events(job, "launch")) == 1:
         plans = [r for r in events(job, "inproc_rendezvous") if r.get("replaced")]
         assert plans and "node3" in json.dumps(plans[-1]["replaced"]), story   # node3's rank moved

@@ -14,7 +14,7 @@ fields = [os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]
           *os.sys.argv[1:]]
 # One write of the whole line: the two workers share the pipe, and an unbuffered print()
 # writes each field apart, so their lines could interleave.
-os.write(1, (" ".join(map(str, fields)) + "\n").encode())
+os.write(1, (" ".join(map(str, fields)) + "\\n").encode())
 """
 
 
