@@ -120,7 +120,8 @@ class Ckpt(_Codes):
 
     OK = 0, "ok (list, prune, shrink done; latest found; verify good)", \
         ("done: `list` listed (bad ones included, marked BAD), `latest` found one, `verify` good, "
-         "`prune` pruned (or planned with `--dry-run`), `shrink` recommitted or had nothing to do")
+         "`prune` pruned (or planned with `--dry-run`), `shrink` recommitted or had nothing to do, "
+         "`release` released the holds")
     FAILED = 1, ("no good checkpoint (latest); checkpoint bad (verify); shrink refused (bad checkpoint, "
                  "or a file that needs pickled code without --unsafe-load)"), \
         ("`latest`: no good checkpoint; `verify`: the checkpoint is bad (each problem on its own line); "
@@ -130,7 +131,8 @@ class Ckpt(_Codes):
     USAGE = 2, "usage error: missing root, root not a directory, bad flag value", \
         ("usage or input error, one `Error:` line, nothing done: ROOT missing or not a directory, PATH "
          "not a directory (`shrink`), PATH not a `step_<N>` directory or not the canonical name of its "
-         "step (`shrink step_10`), a path with a NUL byte, a bad flag value (`--keep-last 0`)")
+         "step (`shrink step_10`), a path with a NUL byte, a bad flag value (`--keep-last 0`), a step "
+         "that is not held (`release`), a holds file that cannot be read (`prune`, `release`)")
 
 
 class Launch(_Codes):

@@ -153,6 +153,77 @@ def test_prune_keeps_a_held_checkpoint_and_list_shows_why(tmp_path):
     assert ck.holds(tmp_path) == {}
 
 
+def _four_checkpoints(root):
+    from clusterops import checkpoint as ck
+
+    for step in (10, 20, 30, 40):
+        p = ck.PendingCheckpoint(root, step)
+        (p.path / "w.bin").write_bytes(b"x" * step)
+        p.record_file("w.bin")
+        p.commit(world_size=1)
+
+
+def test_release_lifts_named_holds_and_refuses_a_step_not_held(tmp_path):
+    from clusterops import checkpoint as ck
+    from support.props_harness import run_cli
+
+    _four_checkpoints(tmp_path)
+    ck.hold(tmp_path, 10, "stability: before the spike")
+    ck.hold(tmp_path, 20, "stability: rollback 1 target")
+    bad = run_cli(["ckpt", "release", str(tmp_path), "20", "30"])
+    assert bad.code == 2 and "step_00000030 not held" in bad.stderr
+    assert set(ck.holds(tmp_path)) == {"step_00000010", "step_00000020"}     # nothing released
+    assert run_cli(["ckpt", "release", str(tmp_path)]).code == 2   # neither STEPS nor --all
+    ok = run_cli(["ckpt", "release", str(tmp_path), "20"])
+    assert ok.code == 0 and "released step_00000020 (held: stability: rollback 1 target)" in ok.stdout
+    assert ck.holds(tmp_path) == {"step_00000010": "stability: before the spike"}
+    plan = ck.prune(tmp_path, keep_last=1)
+    assert sorted(p.name for p in plan.keep) == ["step_00000010", "step_00000040"]
+    out = run_cli(["ckpt", "release", str(tmp_path), "--all", "--json"])
+    assert out.code == 0 and '"step_00000010"' in out.stdout
+    assert not (tmp_path / ck.HOLDS_FILE).exists()
+    assert ck.prune(tmp_path, keep_last=1).keep == [tmp_path / "step_00000040"]
+
+
+def test_prune_refuses_a_root_whose_holds_file_cannot_be_read(tmp_path):
+    from clusterops import checkpoint as ck
+    from support.props_harness import run_cli
+
+    _four_checkpoints(tmp_path)
+    (tmp_path / ck.HOLDS_FILE).write_text('["step_00000010"]')          # JSON, not a mapping
+    res = run_cli(["ckpt", "prune", str(tmp_path), "--keep-last", "1"])
+    assert res.code == 2 and ck.HOLDS_FILE in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [f"step_000000{n}" for n in (10, 20, 30, 40)]
+    assert run_cli(["ckpt", "release", str(tmp_path), "--all"]).code == 2
+    # The supervisor's next hold keeps what it could not read for a look and starts afresh.
+    ck.hold(tmp_path, 30, "stability: before the nan")
+    assert (tmp_path / (ck.HOLDS_FILE + ".bad")).read_text() == '["step_00000010"]'
+    assert ck.holds(tmp_path) == {"step_00000030": "stability: before the nan"}
+
+
+HOLD_MANY = """
+import sys
+from clusterops import checkpoint as ck
+root, first = sys.argv[1], int(sys.argv[2])
+for step in range(first, first + 40):
+    ck.hold(root, step, f"by {first}")
+"""
+
+
+def test_holds_written_at_once_by_several_processes_are_all_kept(tmp_path):
+    """Read-modify-write under the holds lock: no writer's hold is lost to another's."""
+    import subprocess
+    import sys
+
+    from clusterops import checkpoint as ck
+
+    procs = [subprocess.Popen([sys.executable, "-c", HOLD_MANY, str(tmp_path), str(first)])
+             for first in (0, 1000, 2000, 3000)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+    held = ck.holds(tmp_path)
+    assert len(held) == 160 and held["step_00002039"] == "by 2000"
+
+
 def test_the_callbacks_lr_factor_and_data_skip_hold_through_a_schedule():
     """What both framework callbacks apply on a rollback (clusterops.integrations): the LR
     factor survives the schedule's next step and a save/load of optimizer and schedule; the

@@ -28,9 +28,9 @@ from clusterops.checkpoint.format import (DEFAULT_HASH, FORMAT, FORMAT_VERSION, 
 from clusterops.checkpoint.locks import WriterLock, lock_state
 from clusterops.checkpoint.lookup import (CheckpointInfo, Lookup, UnsafeLoadRefused, committed_steps,
                                           find_latest_good, latest_good, list_checkpoints, load_torch, verify)
-from clusterops.checkpoint.retention import (HOLDS_FILE, STALE_TMP_S, Leftovers, PrunePlan, dead_temporaries, hold,
-                                             holds, plan_prune,
-                                             prune, restore_interrupted, scan_leftovers)
+from clusterops.checkpoint.retention import (HOLDS_FILE, STALE_TMP_S, HoldsUnreadable, Leftovers, PrunePlan,
+                                             dead_temporaries, hold, holds, plan_prune, prune, release,
+                                             restore_interrupted, scan_leftovers)
 from clusterops.checkpoint.shrink import ShrinkReport, shrink, shrink_object
 from clusterops.checkpoint.writer import (FAULT_ENV, RENAME_EXCHANGE, HashingWriter, PendingCheckpoint,
                                           fault_armed, fault_point, is_disk_full, save_torch, wrap_save_error)
@@ -44,7 +44,7 @@ __all__ = [
     "CheckpointInfo", "Lookup", "UnsafeLoadRefused", "committed_steps", "find_latest_good", "latest_good",
     "list_checkpoints", "load_torch", "verify",
     "STALE_TMP_S", "Leftovers", "PrunePlan", "dead_temporaries", "plan_prune", "prune", "restore_interrupted",
-    "HOLDS_FILE", "hold", "holds",
+    "HOLDS_FILE", "HoldsUnreadable", "hold", "holds", "release",
     "scan_leftovers",
     "ShrinkReport", "shrink", "shrink_object",
     "FAULT_ENV", "RENAME_EXCHANGE", "HashingWriter", "PendingCheckpoint", "fault_armed", "fault_point",

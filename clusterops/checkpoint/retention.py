@@ -15,8 +15,9 @@ nothing, and its entries are judged by age.
 Holds: ``<root>/.clusterops-holds.json`` maps a checkpoint's directory name to why it must
 stay (:func:`hold`: the stability guard holds the newest good checkpoint before a loss
 spike or NaN, the one a rollback goes, or a person would go, back to). A prune keeps every
-held checkpoint, and ``ckpt list`` shows the reason. The file is rewritten atomically;
-one that cannot be read holds nothing and is said in the log.
+held checkpoint, and ``ckpt list`` shows the reason; :func:`release` (``ckpt release``) lifts
+holds. The file is rewritten atomically under a flock (``.clusterops-holds.lock``); a prune
+refuses a root whose holds file cannot be read, as what it holds is then unknown.
 """
 
 from __future__ import annotations
@@ -60,37 +61,100 @@ def identity(path: os.PathLike) -> Optional[Identity]:
 
 
 HOLDS_FILE = ".clusterops-holds.json"
+HOLDS_LOCK = ".clusterops-holds.lock"
 
 
-def holds(root: os.PathLike) -> Dict[str, str]:
-    """Directory name -> why it is held, of the checkpoints held under ``root``."""
+class HoldsUnreadable(InputError):
+    """The holds file exists but cannot be read: what it holds is unknown."""
+
+
+def _read_holds(root: os.PathLike) -> Dict[str, str]:
+    """The holds under ``root``; {} without a file; HoldsUnreadable when one is there but
+    cannot be read or is not a mapping of step directories to reasons."""
     import json
 
+    path = os.path.join(root, HOLDS_FILE)
     try:
-        with open(os.path.join(root, HOLDS_FILE)) as f:
+        with open(path) as f:
             body = json.load(f)
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        log.warning("%s: unreadable (%s); no checkpoint held", os.path.join(root, HOLDS_FILE), e)
-        return {}
+        raise HoldsUnreadable(f"{path}: cannot be read ({e})") from None
     if not isinstance(body, dict):
-        return {}
+        raise HoldsUnreadable(f"{path}: not a JSON object of step directories to reasons")
     return {str(k): str(v) for k, v in body.items() if isinstance(k, str) and parse_step(k) is not None}
 
 
-def hold(root: os.PathLike, step: int, reason: str) -> Path:
-    """Hold checkpoint ``step`` under ``root`` (prune keeps it) with ``reason``; OSError when the
-    holds file cannot be written."""
+def holds(root: os.PathLike) -> Dict[str, str]:
+    """Directory name -> why it is held, of the checkpoints held under ``root``. An unreadable
+    holds file holds nothing here (said in the log); :func:`prune` refuses to run on one."""
+    try:
+        return _read_holds(root)
+    except HoldsUnreadable as e:
+        log.warning("%s; no checkpoint held", e.message)
+        return {}
+
+
+@contextlib.contextmanager
+def _holds_locked(root: os.PathLike):
+    """The holds file's writers one at a time (the supervisor holding while a person releases)."""
+    import fcntl
+
+    fd = os.open(os.path.join(root, HOLDS_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write_holds(root: os.PathLike, current: Dict[str, str]) -> Path:
     import json
 
-    current = holds(root)
-    current[step_dir_name(step)] = str(reason)
     final = Path(root) / HOLDS_FILE
+    if not current:
+        with contextlib.suppress(FileNotFoundError):
+            final.unlink()
+        return final
     tmp = final.with_name(f"{HOLDS_FILE}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(current, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, final)
     return final
+
+
+def hold(root: os.PathLike, step: int, reason: str) -> Path:
+    """Hold checkpoint ``step`` under ``root`` (prune keeps it) with ``reason``; OSError when the
+    holds file cannot be written. An unreadable holds file is set aside as ``<file>.bad``
+    (kept for a look) and a new one started."""
+    with _holds_locked(root):
+        try:
+            current = _read_holds(root)
+        except HoldsUnreadable as e:
+            log.warning("%s; set aside as %s.bad", e.message, HOLDS_FILE)
+            os.replace(os.path.join(root, HOLDS_FILE), os.path.join(root, HOLDS_FILE + ".bad"))
+            current = {}
+        current[step_dir_name(step)] = str(reason)
+        return _write_holds(root, current)
+
+
+def release(root: os.PathLike, steps: Optional[List[int]] = None) -> Dict[str, str]:
+    """Lift the holds on ``steps`` (every hold when None) and return what was released (name ->
+    reason). A step that is not held is an InputError and nothing is released; so is an
+    unreadable holds file (fix or remove it by hand: what it holds is unknown)."""
+    with _holds_locked(root):
+        current = _read_holds(root)
+        if steps is None:
+            gone = dict(current)
+        else:
+            names = [step_dir_name(s) for s in steps]
+            missing = [n for n in names if n not in current]
+            if missing:
+                held = ", ".join(sorted(current)) or "none"
+                raise InputError(f"{os.path.join(root, HOLDS_FILE)}: {', '.join(missing)} not held (held: {held})")
+            gone = {n: current[n] for n in names}
+        _write_holds(root, {k: v for k, v in current.items() if k not in gone})
+        return gone
 
 
 @dataclass
@@ -293,7 +357,7 @@ def plan_prune(root: os.PathLike, keep_last: int, keep_every: Optional[int] = No
     leftovers = scan_leftovers(root, stale_s=stale_s)
     keep, remove = [], []
     newest = {p for _, p in steps[-keep_last:]}
-    held = holds(root)
+    held = _read_holds(root)   # unreadable: refuse (InputError), what it holds is unknown
     for step, path in steps:
         if (good is None or path in newest or path == good.path or path.name in held
                 or (keep_every and step % keep_every == 0)):

@@ -137,6 +137,34 @@ def verify_cmd(path: str, deep: bool, as_json: bool) -> int:
     return 0 if info.ok else 1
 
 
+@ckpt.command("release")
+@click.argument("root")
+@click.argument("steps", nargs=-1, type=click.IntRange(min=0))
+@click.option("--all", "release_all", is_flag=True, help="Release every hold under ROOT.")
+@json_option
+def release_cmd(root: str, steps, release_all: bool, as_json: bool) -> None:
+    """Release the holds on checkpoints STEPS under ROOT (or --all), so that `ckpt prune` may
+    remove them again.
+
+    The stability guard holds the newest checkpoint before a loss spike or NaN (and a
+    rollback's target) and never lifts a hold itself. A step that is not held is an error
+    and nothing is released.
+    """
+    from clusterops import checkpoint as ck
+    from clusterops.errors import InputError
+
+    if bool(steps) == release_all:
+        raise InputError("give the STEPS to release or --all (not both)")
+    gone = ck.release(_root_arg(root), None if release_all else list(steps))
+    if as_json:
+        echo_json({"root": str(root), "released": gone})
+        return
+    if not gone:
+        click.echo(f"no holds under {root}")
+    for name, why in sorted(gone.items()):
+        click.echo(terminal(f"released {name} (held: {why})"))
+
+
 @ckpt.command("prune")
 @click.argument("root")
 @click.option("--keep-last", type=click.IntRange(min=1), required=True, help="Keep the newest N checkpoints.")
