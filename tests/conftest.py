@@ -32,6 +32,9 @@ _HOST_STATE = Path(tempfile.mkdtemp(prefix="clusterops-test-state-"))
 _HOST_STATE.chmod(0o1777)
 os.environ.setdefault("CLUSTEROPS_STATE_DIR", str(_HOST_STATE / "state"))
 os.environ.setdefault("CLUSTEROPS_SWEEP_DB", str(_HOST_STATE / "sweep.db"))
+# Reference runs (support.faultkit.run_local) shared by the whole session: the workers
+# inherit the first process's directory.
+os.environ.setdefault("CLUSTEROPS_TEST_REF_CACHE", str(_HOST_STATE / "reference-runs"))
 
 
 def pick_port_base(count: int) -> int:
@@ -153,17 +156,68 @@ def pytest_runtest_setup(item):
 
 def pytest_collection_modifyitems(config, items):
     """The device tiers are deselected (not skipped: they are not in the CPU suite's count)
-    unless the -m expression names them: ``-m gpu`` (NVIDIA), ``-m rocm`` (AMD)."""
+    unless the -m expression names them: ``-m gpu`` (NVIDIA), ``-m rocm`` (AMD). Then the
+    dev-cluster tests go first, longest first (see :func:`longest_first`)."""
     expr = config.option.markexpr or ""
     tiers = [t for t in ("gpu", "rocm") if t not in expr]
-    if not tiers:
-        return
-    keep, drop = [], []
-    for item in items:
-        (drop if any(item.get_closest_marker(t) for t in tiers) else keep).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    if tiers:
+        keep, drop = [], []
+        for item in items:
+            (drop if any(item.get_closest_marker(t) for t in tiers) else keep).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+    longest_first(items, _known_durations())
+
+
+# Each test's seconds (setup + call + teardown) from a full run, for the order below. Refresh:
+# CLUSTEROPS_TEST_DURATIONS_OUT=tests/durations.json bash scripts/test.sh
+DURATIONS = REPO / "tests" / "durations.json"
+UNKNOWN_DEVCLUSTER_S = 30.0     # a dev-cluster test not in the file yet: about a median one
+
+
+def _known_durations() -> dict:
+    import json
+
+    try:
+        body = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def longest_first(items, known: dict) -> None:
+    """Dev-cluster tests first, longest first, then the unit tests in their own order.
+
+    The workers take the next test as they finish one (pytest-xdist's load scheduling keeps
+    this order), so the suite's wall time is that of the busiest worker: a two-minute test
+    begun last makes the other workers wait idle at the end, while short unit tests fill
+    the gaps well. Unit tests keep their module order (their module fixtures stay set up);
+    the integration modules' expensive shared pieces (reference runs) are cached across
+    modules and workers (support.faultkit.run_local)."""
+    def is_devcluster(item) -> bool:
+        return "/integration/" in str(item.fspath).replace(os.sep, "/")
+
+    heavy = [it for it in items if is_devcluster(it)]
+    light = [it for it in items if not is_devcluster(it)]
+    heavy.sort(key=lambda it: -float(known.get(it.nodeid, UNKNOWN_DEVCLUSTER_S)))   # stable: ties keep order
+    items[:] = heavy + light
+
+
+_recorded: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("CLUSTEROPS_TEST_DURATIONS_OUT"):
+        _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + float(report.duration)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("CLUSTEROPS_TEST_DURATIONS_OUT")
+    if out and _recorded and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import json
+
+        Path(out).write_text(json.dumps({k: round(v, 1) for k, v in sorted(_recorded.items())}, indent=0) + "\n")
 
 
 def pytest_unconfigure(config):

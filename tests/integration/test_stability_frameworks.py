@@ -13,7 +13,6 @@ step (``--skip-batches-at`` / ``--lr-factor-at``, through the same callback code
 from __future__ import annotations
 
 import pytest
-import torch
 
 from support import faultkit as fk
 from clusterops.supervisor import timeline as tl
@@ -29,10 +28,6 @@ GUARD = {"on_spike": "rollback", "on_nan": "rollback", "warmup_steps": 20, "min_
 
 def events(j, kind):
     return [r for r in j.timeline() if r["event"] == kind]
-
-
-def nan_weights(path) -> bool:
-    return any(torch.isnan(t).any().item() for t in torch.load(path, weights_only=True).values())
 
 
 def rollback_bitwise(tmp_path, name, script, env=None):
@@ -54,13 +49,12 @@ def rollback_bitwise(tmp_path, name, script, env=None):
     assert [r["cause"] for r in events(j, "step_exit")][0] == "rolled_back", story
     assert fk.damaged_checkpoints(j.ckpt_dir) == []
     assert f"rollback-hint step={to} skip=30 lr_factor=0.5" in (j.latest_attempt() / "step.log").read_text()
-    ref = tmp_path / "ref"
-    fk.run_local(2, ["--steps", str(STEPS), "--ckpt-every", "0", "--ckpt-dir", str(ref / "ck"), "--out",
-                     str(ref / "final.pt"), "--poison-batches", POISON, "--skip-batches-at", f"{to}:30",
-                     "--lr-factor-at", f"{to}:0.5"], workdir=ref, script=script, one_per_node=True)
-    assert not nan_weights(ref / "final.pt")
-    assert not nan_weights(j.out), story
-    assert fk.same_weights(j.out, ref / "final.pt"), f"final weights differ from the run that skips the same batches\n{story}"
+    d = tmp_path / "ref"
+    ref = fk.rollback_reference(2, d, steps=STEPS, poison=POISON, at=to, script=script, one_per_node=True,
+                                args=["--ckpt-every", "0", "--ckpt-dir", str(d / "ck")])
+    assert not fk.nan_weights(ref)
+    assert not fk.nan_weights(j.out), story
+    assert fk.same_weights(j.out, ref), f"final weights differ from the run that skips the same batches\n{story}"
 
 
 @pytest.mark.timeout(420)

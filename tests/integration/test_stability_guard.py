@@ -18,7 +18,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-import torch
 
 from support import faultkit as fk
 from clusterops import checkpoint as ck
@@ -47,20 +46,13 @@ def job(tmp_path, name, guard, poison=POISON, **kw):
                        train_args=["--poison-batches", poison], **kw)
 
 
-def reference(tmp_path, *extra):
-    d = tmp_path / "reference"
-    out = d / "final.pt"
-    fk.run_local(4, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--step-sleep", "0", "--out", str(out),
-                     "--poison-batches", POISON, *extra], workdir=d)
-    return out
+def reference(tmp_path, at=None):
+    return fk.rollback_reference(4, tmp_path / "reference", steps=STEPS, poison=POISON, at=at,
+                                 args=["--ckpt-every", str(CKPT_EVERY), "--step-sleep", "0"])
 
 
 def events(j, kind):
     return [r for r in j.timeline() if r["event"] == kind]
-
-
-def nan_weights(path) -> bool:
-    return any(torch.isnan(t).any().item() for t in torch.load(path, weights_only=True).values())
 
 
 def test_rollback_skips_the_poisoned_window_and_ends_bitwise_equal(cluster, slurm, tmp_path):
@@ -80,8 +72,8 @@ def test_rollback_skips_the_poisoned_window_and_ends_bitwise_equal(cluster, slur
     assert aside and aside[0]["after_step"] == to, story
     assert fk.damaged_checkpoints(j.ckpt_dir) == []
     assert "rollback-hint step=%d skip=30 lr_factor=0.5" % to in (j.latest_attempt() / "step.log").read_text()
-    ref = reference(tmp_path, "--skip-batches-at", f"{to}:30", "--lr-factor-at", f"{to}:0.5")
-    assert not nan_weights(ref)
+    ref = reference(tmp_path, at=to)
+    assert not fk.nan_weights(ref)
     assert fk.same_weights(j.out, ref), f"final weights differ from the run that skips the same batches\n{story}"
 
 
@@ -95,7 +87,7 @@ def test_record_shows_the_anomaly_and_changes_nothing(cluster, slurm, tmp_path):
     assert nan and nan[0]["decision"] == "record" and nan[0]["value"] == "nan", story
     assert not events(j, "rollback") and len(events(j, "launch")) == 1, story
     ref = reference(tmp_path)
-    assert nan_weights(ref) and fk.same_weights(j.out, ref), story
+    assert fk.nan_weights(ref) and fk.same_weights(j.out, ref), story
 
 
 class _Hook(BaseHTTPRequestHandler):
@@ -160,9 +152,8 @@ def test_rollback_of_a_script_without_the_sdk_through_resume_args(cluster, slurm
     assert not list(j.ckpt_dir.glob(f"rolled-back-1/ckpt_{to:07d}.pt")), story
     commands = [p.read_text().splitlines()[0] for p in sorted(j.job_dir.glob("attempt-*/command.txt"))]
     assert any(f"--skip-batches 30 --lr-factor 0.5" in c and f"ckpt_{to:07d}.pt" in c for c in commands), commands
-    ref = tmp_path / "ref"
-    fk.run_local(2, ["--steps", "80", "--ckpt-every", "10", "--ckpt-dir", str(ref / "ck"), "--out",
-                     str(ref / "final.pt"), "--poison-batches", poison, "--skip-batches-at", f"{to}:30",
-                     "--lr-factor-at", f"{to}:0.5"], workdir=ref, script=plain)
-    assert not nan_weights(ref / "final.pt")
-    assert fk.same_weights(j.out, ref / "final.pt"), f"final weights differ from the run that skips the same batches\n{story}"
+    d = tmp_path / "ref"
+    ref = fk.rollback_reference(2, d, steps=80, poison=poison, at=to, script=plain,
+                                args=["--ckpt-every", "10", "--ckpt-dir", str(d / "ck")])
+    assert not fk.nan_weights(ref)
+    assert fk.same_weights(j.out, ref), f"final weights differ from the run that skips the same batches\n{story}"

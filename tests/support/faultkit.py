@@ -261,6 +261,12 @@ def damaged_checkpoints(ckpt_dir: Path, ignore: Sequence[Path] = ()) -> List[str
 
 
 # ------------------------------------------------------------------------------ reference runs
+# A directory shared by every process of one test session (tests/conftest.py sets it): a
+# reference run asked for twice, by two modules or two pytest-xdist workers, runs once.
+REF_CACHE_ENV = "CLUSTEROPS_TEST_REF_CACHE"
+_W = "<workdir>"
+
+
 def run_local(world: int, args: Sequence[str], *, workdir: Path, python: str = sys.executable,
               script: Path = TRAIN_SCRIPT, timeout_s: float = 300.0, one_per_node: bool = False) -> str:
     """Run examples/train.py uninterrupted on `world` local gloo ranks (no Slurm); rank 0's output.
@@ -269,8 +275,45 @@ def run_local(world: int, args: Sequence[str], *, workdir: Path, python: str = s
     (GROUP_RANK=rank, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, TORCHELASTIC_RUN_ID set), the
     layout of a ``nodes: N`` job with one rank per node, for frameworks that size
     themselves from it (Lightning's num_nodes/devices).
+
+    With ``$CLUSTEROPS_TEST_REF_CACHE`` set, the same run (world, layout, interpreter, the
+    script's bytes, and the arguments with ``workdir`` written as a placeholder) is computed
+    once per session under a lock, in the cache's own work directory; a later call gets a
+    copy of that directory's files in ``workdir`` and the output with the paths mapped back.
+    The run is deterministic (that is what the tests compare against), so a copy is the run.
     """
+    workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    cache = os.environ.get(REF_CACHE_ENV)
+    if not cache:
+        return _run_local(world, list(args), workdir, python, script, timeout_s, one_per_node)
+    import fcntl
+    import hashlib
+    import shutil
+
+    here = str(workdir)
+    generic = [a.replace(here, _W) for a in args]
+    key = hashlib.sha256(json.dumps([world, one_per_node, python, str(script), generic,
+                                     hashlib.sha256(Path(script).read_bytes()).hexdigest()]).encode()).hexdigest()[:24]
+    root = Path(cache)
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)
+    entry = root / key
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (entry / "output.txt").exists():
+            shutil.rmtree(entry, ignore_errors=True)       # a run that failed halfway
+            work = entry / "work"
+            work.mkdir(parents=True)
+            out = _run_local(world, [a.replace(_W, str(work)) for a in generic], work, python, script,
+                             timeout_s, one_per_node)
+            (entry / "output.txt").write_text(out)
+    work = entry / "work"
+    shutil.copytree(work, workdir, dirs_exist_ok=True)
+    return (entry / "output.txt").read_text().replace(str(work), here)
+
+
+def _run_local(world: int, args: List[str], workdir: Path, python: str, script: Path, timeout_s: float,
+               one_per_node: bool) -> str:
     port = free_port("127.0.0.1")
     # No Slurm or supervisor context may leak in: this is a plain local run.
     unset = [k for k in os.environ if k.startswith(("SLURM_", "CLUSTEROPS_"))]
@@ -301,6 +344,27 @@ def run_local(world: int, args: Sequence[str], *, workdir: Path, python: str = s
         if p.returncode != 0:
             raise ClusteropsError(f"reference run failed ({p.returncode}): {out[-800:]}")
     return outs[0]
+
+
+def rollback_reference(world: int, workdir: Path, *, steps: int, poison: str, at: Optional[int] = None,
+                       skip: int = 30, lr_factor: float = 0.5, args: Sequence[str] = (), script: Path = TRAIN_SCRIPT,
+                       one_per_node: bool = False) -> Path:
+    """The stability tests' reference: final weights of an uninterrupted run of ``script`` with
+    the same poisoned window that, from step ``at`` on, skips ``skip`` batches and scales its
+    learning rate by ``lr_factor`` (what a rollback to ``at`` tells the script); without
+    ``at``, the run with the poison alone."""
+    out = workdir / "final.pt"
+    fix = [] if at is None else ["--skip-batches-at", f"{at}:{skip}", "--lr-factor-at", f"{at}:{lr_factor:g}"]
+    run_local(world, ["--steps", str(steps), *args, "--out", str(out), "--poison-batches", poison, *fix],
+              workdir=workdir, script=script, one_per_node=one_per_node)
+    return out
+
+
+def nan_weights(path: Path) -> bool:
+    """Whether any tensor of a saved state dict holds a NaN (a run the poison got through to)."""
+    import torch
+
+    return any(torch.isnan(t).any().item() for t in torch.load(path, weights_only=True).values())
 
 
 def same_weights(a: Path, b: Path) -> bool:
