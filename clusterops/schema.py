@@ -182,6 +182,10 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
         _f("gres_from_slurm", "bool", "on a GPU partition, ask Slurm's gres whether the node has AMD GPUs",
            default=True),
         seconds("slurm_timeout_s", "deadline of that one Slurm query", 2),
+        _f("cli", "bool", "without the amdsmi library, read the `amd-smi` CLI's JSON on a node with AMD GPUs",
+           default=True),
+        _f("amd_smi", "str", "the amd-smi program", default="amd-smi"),
+        seconds("cli_timeout_s", "deadline of each of the four amd-smi calls", 10),
     ),
     "xid": (
         _f("source", "enum", "where the kernel log comes from", default="auto",
