@@ -150,6 +150,8 @@ def test_builtin_profiles_and_gpu_models_are_valid():
      "p.yaml:4: probes.ibbw.floors.NRD: unknown key (did you mean 'NDR'?)"),
     ("probes:\n  ibbw:\n    floors:\n      HDR: {fail: 190, warn: 180}\n",
      "probes.ibbw.floors.HDR.warn: 180 is below fail 190"),
+    ("probes:\n  ibbw:\n    floors:\n      NDR: {warn: 300}\n",
+     "probes.ibbw.floors.NDR.warn: 300 is below fail 380"),
     ("probes:\n  ibbw:\n    gpudirect: sometimes\n",
      "p.yaml:3: probes.ibbw.gpudirect: must be true or false, got 'sometimes'"),
     ("probes:\n  ibbw:\n    tcp_port: 80\n", "p.yaml:3: probes.ibbw.tcp_port: must be a whole number in [1024, 65000], got 80"),
