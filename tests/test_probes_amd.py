@@ -37,25 +37,6 @@ def test_healthy_mi300x_node_passes_every_rule(tmp_path):
     assert res["amd.gpu_count"].data["gpus"][0]["model"] == "MI300X"
 
 
-def test_ecc_errors_fail_with_the_ras_block(tmp_path):
-    res = run("mi300x_ecc_errors.json", tmp_path)
-    r = res["amd.ecc"]
-    assert r.status == "fail" and r.value == 3
-    assert "GPU2 (0000:46:00.0): 2 uncorrectable and 1 deferred ECC errors" in r.detail
-    assert res["amd.ras"].status == "fail" and "RAS UMC MULT_UC" in res["amd.ras"].detail
-
-
-def test_pending_bad_page_fails(tmp_path):
-    r = run("mi300x_bad_pages.json", tmp_path)["amd.bad_pages"]
-    assert r.status == "fail" and r.value == 2 and "GPU6 (0000:c6:00.0): 1 bad pages pending" in r.detail
-
-
-def test_xgmi_link_down_fails(tmp_path):
-    r = run("mi300x_xgmi_link_down.json", tmp_path, xgmi_links=7)["amd.xgmi"]
-    assert r.status == "fail" and r.value == 6
-    assert "GPU4 (0000:85:00.0): XGMI links down: 2; 6 XGMI links up < 7; XGMI error status ERROR" in r.detail
-
-
 def test_gpu_missing_against_the_gres_fails(tmp_path):
     r = run("mi300x_8gpu_healthy.json", tmp_path, gres="gpu:mi300x:9")["amd.gpu_count"]
     assert r.status == "fail" and "8 AMD GPUs visible, expected 9 (Slurm gres)" in r.detail
@@ -198,26 +179,6 @@ def test_cli_healthy_mi300x_passes_every_rule_from_the_four_commands(tmp_path):
                                     ["topology", "-a", "-t", "--json"]])
 
 
-def test_cli_ecc_errors_fail_with_the_ras_block(tmp_path):
-    res = run_cli("mi300x_ecc_errors", tmp_path)
-    assert res["amd.ecc"].status == "fail" and res["amd.ecc"].value == 3
-    assert "GPU2 (0000:46:00.0): 2 uncorrectable and 1 deferred ECC errors" in res["amd.ecc"].detail
-    assert res["amd.ras"].status == "fail" and "RAS UMC MULT_UC" in res["amd.ras"].detail
-
-
-def test_cli_pending_bad_page_fails(tmp_path):
-    r = run_cli("mi300x_bad_pages", tmp_path)["amd.bad_pages"]
-    assert r.status == "fail" and r.value == 2 and "GPU6 (0000:c6:00.0): 1 bad pages pending" in r.detail
-
-
-def test_cli_xgmi_link_down_fails(tmp_path):
-    r = run_cli("mi300x_xgmi_link_down", tmp_path, xgmi_links=7)["amd.xgmi"]
-    assert r.status == "fail" and r.value == 6
-    assert "GPU4 (0000:85:00.0): XGMI links down: 2; 6 XGMI links up < 7; XGMI error status ERROR" in r.detail
-    # GPU 2 sees the same link down from its side
-    assert "GPU2 (0000:46:00.0): XGMI links down: 3" in r.detail
-
-
 def test_cli_that_fails_is_an_error_naming_the_command_and_cli_false_keeps_the_install_error(tmp_path):
     res = run_cli("mi300x_healthy", tmp_path, fail="metric")
     assert [r.status for r in res.values()] == ["error"]
@@ -244,3 +205,37 @@ def test_a_node_without_amd_gpus_never_runs_amd_smi(tmp_path):
                        host_root=str(tmp_path / "none"), slurm_gres=lambda n, t: "")
     assert [r.status for r in probe_amd({}, ctx)] == ["skip"]
     assert not (tmp_path / "argv.jsonl").exists()
+
+
+# -- the same cases from either source: the library's values and the CLI's JSON --------------------
+
+_CASES = {"ecc": ("mi300x_ecc_errors.json", "mi300x_ecc_errors"), "bad_pages": ("mi300x_bad_pages.json", "mi300x_bad_pages"),
+          "xgmi": ("mi300x_xgmi_link_down.json", "mi300x_xgmi_link_down")}
+
+
+def _either(source, case, tmp_path, **cfg):
+    lib, cli = _CASES[case]
+    return run(lib, tmp_path, **cfg) if source == "amdsmi" else run_cli(cli, tmp_path, **cfg)
+
+
+@pytest.mark.parametrize("source", ["amdsmi", "amd-smi"])
+def test_ecc_errors_fail_with_the_ras_block(tmp_path, source):
+    res = _either(source, "ecc", tmp_path)
+    assert res["amd.ecc"].status == "fail" and res["amd.ecc"].value == 3
+    assert "GPU2 (0000:46:00.0): 2 uncorrectable and 1 deferred ECC errors" in res["amd.ecc"].detail
+    assert res["amd.ras"].status == "fail" and "RAS UMC MULT_UC" in res["amd.ras"].detail
+
+
+@pytest.mark.parametrize("source", ["amdsmi", "amd-smi"])
+def test_pending_bad_page_fails(tmp_path, source):
+    r = _either(source, "bad_pages", tmp_path)["amd.bad_pages"]
+    assert r.status == "fail" and r.value == 2 and "GPU6 (0000:c6:00.0): 1 bad pages pending" in r.detail
+
+
+@pytest.mark.parametrize("source", ["amdsmi", "amd-smi"])
+def test_xgmi_link_down_fails(tmp_path, source):
+    r = _either(source, "xgmi", tmp_path, xgmi_links=7)["amd.xgmi"]
+    assert r.status == "fail" and r.value == 6
+    assert "GPU4 (0000:85:00.0): XGMI links down: 2; 6 XGMI links up < 7; XGMI error status ERROR" in r.detail
+    if source == "amd-smi":   # the topology is both GPUs' view: GPU 2 sees the same link down
+        assert "GPU2 (0000:46:00.0): XGMI links down: 3" in r.detail
