@@ -637,6 +637,14 @@ class History:
                 if isinstance(ib, Mapping):
                     rows.append((t, report.sweep_id, node, PAIR_IB_WRITE_BW, _clean(str(ib.get("status", "?")), 40),
                                  _num(ib.get("gbps")), "Gb/s", _clean(f"pair {peer}: {ib.get('detail') or ''}")))
+                    # and one row per rail: pair:ib_write_bw:<hca>/<port>
+                    for rail in ib.get("rails") or []:
+                        if not isinstance(rail, Mapping) or not rail.get("rail"):
+                            continue
+                        rows.append((t, report.sweep_id, node,
+                                     _clean(f"{PAIR_IB_WRITE_BW}:{rail['rail']}", 200),
+                                     _clean(str(rail.get("status", "?")), 40), _num(rail.get("gbps")), "Gb/s",
+                                     _clean(f"pair {peer}: {rail.get('detail') or ''}")))
         counts = report.counts()
 
         def write():

@@ -47,6 +47,11 @@ CATALOGUE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
                                            "window.", ("node",)),
     "clusterops_sweep_node_version_outlier": ("1 when the node's driver/VBIOS versions differ from most of its "
                                               "partition's.", ("node",)),
+    "clusterops_sweep_pair_ib_write_bw_gbps": ("ib_write_bw average bandwidth between the node and its pair peer in "
+                                               "the last sweep, per rail (Gb/s).", ("node", "peer", "rail")),
+    "clusterops_sweep_pair_ib_write_bw_status": ("The pair's ib_write_bw verdict (its worst rail), for each node of "
+                                                 "the pair: -1 skip, 0 pass, 1 warn, 2 fail, 3 error.",
+                                                 ("node", "peer")),
     "clusterops_sweep_node_action": ("What the sweep did to the node (drain, resume, keep).", ("node", "action")),
     "clusterops_sweep_node_drained": ("1 for a node that carries a drain after the sweep, labelled with who "
                                       "drained it (origin from the clusterops:<origin>: reason; other: not "

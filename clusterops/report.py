@@ -87,6 +87,18 @@ def sweep_metrics(doc: Mapping):
             add("clusterops_sweep_node_fabric_flaps", {"node": node}, m["fabric_flaps"])
         if n.get("versions"):
             add("clusterops_sweep_node_version_outlier", {"node": node}, 1 if n.get("version_outlier") else 0)
+    for pr in doc.get("pairs") or []:
+        ib = pr.get("ib_write_bw")
+        nodes = [str(n) for n in pr.get("nodes") or []]
+        if not isinstance(ib, Mapping) or len(nodes) != 2:
+            continue
+        for node, peer in (nodes, nodes[::-1]):
+            add("clusterops_sweep_pair_ib_write_bw_status", {"node": node, "peer": peer},
+                PAIR_STATUS_VALUE.get(str(ib.get("status")), 3))
+            for rail in ib.get("rails") or []:
+                if isinstance(rail, Mapping) and isinstance(rail.get("gbps"), (int, float)) and rail.get("rail"):
+                    add("clusterops_sweep_pair_ib_write_bw_gbps", {"node": node, "peer": peer,
+                                                                   "rail": str(rail["rail"])}, rail["gbps"])
     for a in doc.get("applied", []):
         add("clusterops_sweep_node_action", {"node": a["node"], "action": a["action"]}, 1)
     by_origin: Dict[str, int] = {o: 0 for o in DRAIN_ORIGINS}
@@ -113,18 +125,25 @@ def sweep_metrics(doc: Mapping):
     return prom
 
 
+# The pair ib_write_bw verdict as a number (as clusterops_health_probe_status counts).
+PAIR_STATUS_VALUE = {"skip": -1, "pass": 0, "warn": 1, "fail": 2, "error": 3}
 # The copy-bandwidth figures of a node (sweep metric key -> the `kind` label).
 COPY_KINDS = {"h2d_gbps": "h2d", "d2h_gbps": "d2h", "p2p_gbps": "p2p", "hbm_gbps": "hbm"}
 # The figure columns of the HTML report: metric key -> header. A cell of a figure the
 # node is an outlier in (against the fleet median) is marked.
 def _ib_cells(ib) -> str:
-    """The pair's ib_write_bw cells: status, Gb/s, detail (empty when the pair has none)."""
+    """The pair's ib_write_bw cells: status, Gb/s (the slowest rail), detail and each rail's
+    figure (empty when the pair has none)."""
     if not isinstance(ib, Mapping):
-        return "<td></td><td></td><td></td>"
+        return "<td></td><td></td><td></td><td></td>"
     gbps = "" if ib.get("gbps") is None else esc(ib["gbps"])
     gd = " (GPUDirect)" if ib.get("gpudirect") else ""
+    rails = "<br>".join(
+        f'<span class="s-{esc(r.get("status", ""))}">{esc(r.get("rail") or "?")}: '
+        f'{"" if r.get("gbps") is None else esc(r["gbps"])} {esc(r.get("status", ""))}</span>'
+        for r in ib.get("rails") or [] if isinstance(r, Mapping))
     return (f"<td class=\"s-{esc(ib.get('status', ''))}\">{esc(ib.get('status', ''))}{gd}</td>"
-            f"<td>{gbps}</td><td>{esc(ib.get('detail') or '')}</td>")
+            f"<td>{gbps}</td><td>{esc(ib.get('detail') or '')}</td><td>{rails}</td>")
 
 
 FIGURE_COLUMNS = {"matmul_tflops": "TFLOPS", "busbw_gbps": "busbw GB/s", "h2d_gbps": "H2D GB/s",
@@ -337,7 +356,7 @@ def html_report(doc: Mapping) -> str:
                        f"{_ib_cells(p.get('ib_write_bw'))}"
                        f"<td>{esc(p.get('detail') or '')}</td></tr>" for p in doc["pairs"])
         pairs = ("<h2>Node pairs (2-node all-reduce, ib_write_bw)</h2><table><tr><th>nodes</th><th>status</th>"
-                 "<th>busbw GB/s</th><th>ib_write_bw</th><th>ib Gb/s</th><th>ib detail</th>"
+                 "<th>busbw GB/s</th><th>ib_write_bw</th><th>ib Gb/s</th><th>ib detail</th><th>ib rails (Gb/s)</th>"
                  f"<th>detail</th></tr>{prow}</table>")
     header = ("<tr><th>node</th><th>status</th><th>detail</th><th>check s</th>"
               + "".join(f"<th>{esc(FIGURE_COLUMNS[k])}</th>" for k in columns)

@@ -182,6 +182,10 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
         _f("gres_from_slurm", "bool", "on a GPU partition, ask Slurm's gres whether the node has AMD GPUs",
            default=True),
         seconds("slurm_timeout_s", "deadline of that one Slurm query", 2),
+        _f("cli", "bool", "without the amdsmi library, read the `amd-smi` CLI's JSON on a node with AMD GPUs",
+           default=True),
+        _f("amd_smi", "str", "the amd-smi program", default="amd-smi"),
+        seconds("cli_timeout_s", "deadline of each of the four amd-smi calls", 10),
     ),
     "xid": (
         _f("source", "enum", "where the kernel log comes from", default="auto",
@@ -252,6 +256,35 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
                          "port_rcv_remote_physical_errors", "port_rcv_switch_relay_errors", "port_xmit_discards",
                          "port_xmit_constraint_errors", "port_rcv_constraint_errors",
                          "local_link_integrity_errors", "excessive_buffer_overrun_errors", "VL15_dropped"))),
+    ),
+    # Not run by `health check`: the sweep's pair mode (`sweep --pairs`) runs it between two
+    # nodes (`clusterops health ibbw --profile P`), with these settings of the sweep's profile.
+    "ibbw": (
+        _f("sys_root", "str", "", default="/sys/class/infiniband"),
+        _f("devices", "list", "HCA names whose ports are tested (shell patterns, e.g. mlx5_*); empty: all",
+           default=[], item=Field("device", "str"), max_len=256),
+        _f("link_layers", "list", "link layers tested: InfiniBand, Ethernet (RoCE)",
+           default=["InfiniBand", "Ethernet"], item=Field("layer", "enum", choices=("InfiniBand", "Ethernet")),
+           min_len=1, max_len=2),
+        _f("all_rails", "bool", "every ACTIVE port, one result per rail (false: the first ACTIVE port only)",
+           default=True),
+        _f("gpudirect", "bool", "GPU memory buffers (`--use_cuda`) where the node has an NVIDIA GPU",
+           default=False),
+        _f("gpu", "int", "the GPU of the GPUDirect buffers", default=0, min=0, max=63),
+        _f("gid_index", "int", "RoCE GID index passed as `-x` (null: chosen from sysfs, RoCE v2 with an "
+           "IPv4-mapped address first); InfiniBand ports never take one", min=0, max=1023, nullable=True),
+        _f("tcp_port", "int", "perftest's out-of-band port of the first rail (rail i uses tcp_port + i)",
+           default=18515, min=1024, max=65000),
+        _f("size_bytes", "int", "message size", default=1 << 20, min=1, max=1 << 30),
+        _f("iters", "int", "iterations per rail", default=2000, min=1, max=10_000_000),
+        _f("floors", "map", "per-rate floors of the average bandwidth in Gb/s, by the port's rate name: "
+           "{fail, warn}; over the built-in ones", fields=tuple(
+               _f(rate, "map", "", fields=(_f("fail", "number", "", min=0, max=1e6, nullable=True),
+                                           _f("warn", "number", "", min=0, max=1e6, nullable=True)))
+               for rate in ("SDR", "DDR", "QDR", "FDR10", "FDR", "EDR", "HDR", "NDR", "XDR"))),
+        _f("fail_fraction", "number", "a rate with no floor fails below this share of its line rate",
+           default=0.9, min=0, max=1),
+        _f("warn_fraction", "number", "and warns below this share", default=0.95, min=0, max=1),
     ),
     "host.stray_processes": (
         _f("status", "enum", "status when processes of finished jobs are found", default="warn",

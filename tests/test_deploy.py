@@ -112,7 +112,10 @@ def _exported_families():
                        "versions": "driver 570.133.20, VBIOS 96.00.99.00.01", "version_outlier": ""}],
             "plan": {"guard_tripped": True, "actions": [{"node": "n2", "action": "keep", "why": "still failing",
                                                          "reason": "clusterops:health:fast: x: y"}]},
-            "applied": [{"node": "n2", "action": "keep", "reason": "clusterops:health:fast: x: y"}]}
+            "applied": [{"node": "n2", "action": "keep", "reason": "clusterops:health:fast: x: y"}],
+            "pairs": [{"nodes": ["n1", "n2"], "status": "pass", "busbw_gbps": 1.0,
+                       "ib_write_bw": {"status": "pass", "gbps": 393.0,
+                                       "rails": [{"rail": "mlx5_0/1", "status": "pass", "gbps": 393.0}]}}]}
     recs = [{"t": 1.0, "event": "launch", "resume_step": 0}, {"t": 2.0, "event": "progress", "step": 5},
             {"t": 3.0, "event": "restart", "cause": "crash"}, {"t": 4.0, "event": "launch", "resume_step": 5},
             {"t": 5.0, "event": "progress", "step": 6, "slowest": ["n2", 1.1]},

@@ -91,9 +91,13 @@ def _cfg_keys(module_path: Path) -> set:
 
 
 def test_schema_lists_exactly_the_settings_each_probe_module_reads():
+    from clusterops.health.check import PAIR_PROBES
+
     modules = {}
     for name, entry in REGISTRY.items():
         modules.setdefault(entry.fn.__module__, set()).add(name)
+    for name, module in PAIR_PROBES.items():
+        modules.setdefault(module, set()).add(name)
     for module, names in modules.items():
         path = REPO / (module.replace(".", "/") + ".py")
         read = _cfg_keys(path)
@@ -139,6 +143,26 @@ def test_builtin_profiles_and_gpu_models_are_valid():
     ("probes:\n  nvml:\n    timeout_s: 1e9\n", "p.yaml:3: probes.nvml.timeout_s: must be a number in [0.1, 86400]"),
     ("probes:\n  host.stray_processes: {status: pass}\n",
      "p.yaml:2: probes.host.stray_processes.status: must be one of warn, fail, got 'pass'"),
+    # ibbw: the sweep's pair test, validated like any probe's settings
+    ("probes:\n  ibbw:\n    floors:\n      NDR: {fail: -1}\n",
+     "p.yaml:4: probes.ibbw.floors.NDR.fail: must be a number in [0, 1e+06], got -1"),
+    ("probes:\n  ibbw:\n    floors:\n      NRD: {fail: 300}\n",
+     "p.yaml:4: probes.ibbw.floors.NRD: unknown key (did you mean 'NDR'?)"),
+    ("probes:\n  ibbw:\n    floors:\n      HDR: {fail: 190, warn: 180}\n",
+     "probes.ibbw.floors.HDR.warn: 180 is below fail 190"),
+    ("probes:\n  ibbw:\n    floors:\n      NDR: {warn: 300}\n",
+     "probes.ibbw.floors.NDR.warn: 300 is below fail 380"),
+    ("probes:\n  ibbw:\n    gpudirect: sometimes\n",
+     "p.yaml:3: probes.ibbw.gpudirect: must be true or false, got 'sometimes'"),
+    ("probes:\n  ibbw:\n    tcp_port: 80\n", "p.yaml:3: probes.ibbw.tcp_port: must be a whole number in [1024, 65000], got 80"),
+    ("probes:\n  ibbw:\n    gid_index: -1\n", "p.yaml:3: probes.ibbw.gid_index: must be a whole number in [0, 1023], got -1"),
+    ("probes:\n  ibbw:\n    link_layers: [RoCE]\n",
+     "p.yaml:3: probes.ibbw.link_layers[0]: must be one of InfiniBand, Ethernet, got 'RoCE'"),
+    ("probes:\n  ibbw:\n    size_bytes: 0\n", "p.yaml:3: probes.ibbw.size_bytes: must be a whole number in [1, "),
+    ("probes:\n  ibbw:\n    all_rail: true\n", "p.yaml:3: probes.ibbw.all_rail: unknown setting (did you mean 'all_rails'?)"),
+    ("probes:\n  ibbw:\n    fail_fraction: 0.9\n    warn_fraction: 0.5\n",
+     "probes.ibbw.warn_fraction: 0.5 is below fail_fraction 0.9"),
+    ("probes:\n  ibbw:\n    timeout_s: 0\n", "p.yaml:3: probes.ibbw.timeout_s: must be a number in [0.1, 86400]"),
     ("- a\n- b\n", "p.yaml: a health profile or site config is a YAML mapping"),
     ("extends: [fast]\n", "p.yaml:1: extends: must be a string, got a list"),
 ])

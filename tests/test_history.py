@@ -144,7 +144,10 @@ def test_pair_results_recorded_per_node_and_never_counted_as_node_failures(histo
     rep.pairs = [
         {"nodes": ["node1", "node2"], "status": "fail", "busbw_gbps": 1.5, "job_id": 1,
          "detail": "ib_write_bw: mlx5_0: 196.1 Gb/s < floor 380",
-         "ib_write_bw": {"status": "fail", "gbps": 196.1, "detail": "mlx5_0: 196.1 Gb/s < floor 380"}},
+         "ib_write_bw": {"status": "fail", "gbps": 196.1, "detail": "mlx5_0: 196.1 Gb/s < floor 380",
+                         "rails": [{"rail": "mlx5_0/1", "status": "fail", "gbps": 196.1,
+                                    "detail": "mlx5_0: 196.1 Gb/s < floor 380"},
+                                   {"rail": "mlx5_1/1", "status": "pass", "gbps": 393.9, "detail": "mlx5_1: 393.9 Gb/s"}]}},
         {"nodes": ["node3", "node4"], "status": "unreachable", "busbw_gbps": None, "job_id": 2,
          "detail": "no result within 5s", "ib_write_bw": None},
     ]
@@ -153,6 +156,10 @@ def test_pair_results_recorded_per_node_and_never_counted_as_node_failures(histo
         ib = h.rows(node="node2", probe=PAIR_IB_WRITE_BW)
         assert [(r.status, r.value, r.unit) for r in ib] == [("fail", 196.1, "Gb/s")]
         assert ib[0].detail.startswith("pair node1,node2: ")
+        rails = {r.probe: (r.status, r.value) for n in ("node1", "node2") for r in h.rows(node=n)
+                 if r.probe.startswith(PAIR_IB_WRITE_BW + ":")}
+        assert rails == {f"{PAIR_IB_WRITE_BW}:mlx5_0/1": ("fail", 196.1), f"{PAIR_IB_WRITE_BW}:mlx5_1/1": ("pass", 393.9)}
+        assert len(h.rows(node="node1", probe=f"{PAIR_IB_WRITE_BW}:mlx5_1/1")) == 1
         assert [(r.status, r.value) for r in h.rows(node="node1", probe=PAIR_ALLREDUCE)] == [("fail", 1.5)]
         assert [(r.status, r.value) for r in h.rows(node="node4", probe=PAIR_ALLREDUCE)] == [("unreachable", None)]
         assert h.rows(node="node4", probe=PAIR_IB_WRITE_BW) == []

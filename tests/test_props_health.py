@@ -405,3 +405,33 @@ def test_valid_settings_never_crash_a_probe(case):
     assert results or (name == "host.mounts" and not cfg.get("mounts")), (name, cfg)
     for r in results:
         assert "probe raised" not in r.detail, (name, cfg, r.detail)
+
+
+@settings(SETTINGS, max_examples=max(20, SETTINGS.max_examples))
+@given(valid(schema.Field("ibbw", "map", fields=schema.PROBE_SETTINGS["ibbw"] + schema.COMMON_SETTINGS)))
+def test_valid_ibbw_settings_give_rails_floors_and_argvs(cfg):
+    """The sweep's pair test with any ibbw settings the schema accepts (on a recorded RoCE
+    tree): options, rails, floors and both sides' argv, never an exception."""
+    from hypothesis import assume
+
+    from clusterops.health.probes import ibbw
+    from clusterops.health.profiles import _check_resolved
+
+    try:   # the rules between settings, as loading a profile applies them
+        _check_resolved({"probes": {"ibbw": cfg}}, "p.yaml")
+    except InputError:
+        assume(False)
+    cfg = dict(_settle({"probes": {"ibbw": cfg}})["probes"]["ibbw"],
+               sys_root=str(Path(__file__).parent / "fixtures" / "fabric" / "roce" / "t0"))
+    opts = ibbw.options_from_profile(cfg, str(WORK))
+    rails, seen = ibbw.pick_rails(Path(opts.sysfs_root), devices=opts.devices, link_layers=opts.link_layers,
+                                  all_rails=opts.all_rails, gid=opts.gid_index)
+    assert seen <= 4 and len(rails) <= seen and (opts.all_rails or len(rails) <= 1)
+    for i, r in enumerate(rails):
+        floors = ibbw.floors_for(r["rate"], r["rate_gbps"], opts.floors)
+        assert floors["fail"] is None or floors["warn"] is None or floors["fail"] <= floors["warn"] + 1e-9
+        s = ibbw.perftest_argv("server", device=r["device"], ib_port=int(r["ib_port"]), tcp_port=opts.tcp_port + i,
+                               size_bytes=opts.size_bytes, iters=opts.iters, gid_index=r["gid_index"])
+        c = ibbw.perftest_argv("client", device=r["device"], ib_port=int(r["ib_port"]), tcp_port=opts.tcp_port + i,
+                               size_bytes=opts.size_bytes, iters=opts.iters, gid_index=r["gid_index"], peer="10.0.0.1")
+        assert c[:len(s)] == s and ("-x" in s) == (r["link_layer"] == "Ethernet" and r["gid_index"] is not None)

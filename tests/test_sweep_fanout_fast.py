@@ -274,7 +274,8 @@ def test_pairs_report_each_pair_and_cancel_a_silent_one(tmp_path):
 def test_pairs_carry_ib_write_bw_skip_pass_and_fail(tmp_path):
     """The pair job's ibbw step: a skip (no HCA) leaves the pair as the all-reduce made it,
     a pass is carried with its figure, a fail makes the pair fail; the step runs one task per
-    node and asks for GPUDirect in the deep profile only."""
+    node with the sweep's profile (whose probes.ibbw says GPUDirect or not); a profile that
+    turns ibbw off runs no ib step."""
     from clusterops.sweep import NodeResult, run_pairs
 
     def side(status, gbps=None, detail="", gpudirect=False):
@@ -299,11 +300,16 @@ def test_pairs_carry_ib_write_bw_skip_pass_and_fail(tmp_path):
     assert ok["status"] == "pass" and ok["ib_write_bw"]["gbps"] == 393.9 and ok["ib_write_bw"]["gpudirect"]
     assert low["status"] == "fail" and "ib_write_bw" in low["detail"] and "380" in low["detail"]
     text = (tmp_path / "pairs" / "pair.sh").read_text()
-    assert "srun --ntasks-per-node=1 --wait=15 " in text and " health ibbw " in text and "--gpudirect" in text
+    assert "srun --ntasks-per-node=1 --wait=15 " in text and " health ibbw --profile deep" in text
     out = run_pairs(PairSlurm({}), results, SweepOptions(timeout_s=1, pairs=True, profile="fast"),
                     tmp_path / "fast", [], clock=clock, sleep=clock.sleep)
-    assert "--gpudirect" not in (tmp_path / "fast" / "pairs" / "pair.sh").read_text()
+    assert " health ibbw --profile fast" in (tmp_path / "fast" / "pairs" / "pair.sh").read_text()
     assert all(p["ib_write_bw"] is None for p in out)   # silent pairs: unreachable, no ib result
+    off = tmp_path / "off.yaml"
+    off.write_text("extends: fast\nprobes:\n  ibbw: false\n")
+    run_pairs(PairSlurm({}), results, SweepOptions(timeout_s=1, pairs=True, profile=str(off)),
+              tmp_path / "off", [], clock=clock, sleep=clock.sleep)
+    assert "health ibbw" not in (tmp_path / "off" / "pairs" / "pair.sh").read_text()
 
 
 def test_pair_script_runs_the_ib_step_after_the_all_reduce(tmp_path):

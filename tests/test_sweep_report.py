@@ -93,3 +93,34 @@ def test_write_atomic_never_shows_half_a_file(tmp_path):
     assert [p for p in os.listdir(tmp_path) if p != "m.prom"] == []
     write_prometheus(tmp_path / "sub" / "x.prom", make_report())
     assert (tmp_path / "sub" / "x.prom").stat().st_mode & 0o777 == 0o644
+
+
+def _pair_doc():
+    rails = [{"rail": "mlx5_0/1", "status": "pass", "gbps": 393.9, "detail": "mlx5_0: 393.9 Gb/s"},
+             {"rail": "mlx5_1/1", "status": "fail", "gbps": 196.1, "detail": "mlx5_1: 196.1 Gb/s < floor 380 Gb/s"}]
+    return {"sweep_id": "s", "finished": 1.0, "duration_s": 1.0, "exit_code": 1, "counts": {"pass": 4},
+            "nodes": [{"node": f"n{i}", "status": "pass", "healthy": True} for i in range(1, 5)],
+            "pairs": [{"nodes": ["n1", "n2"], "status": "fail", "busbw_gbps": 1.5, "detail": "ib_write_bw: mlx5_1",
+                       "ib_write_bw": {"status": "fail", "gbps": 196.1, "detail": rails[1]["detail"], "rails": rails}},
+                      {"nodes": ["n3", "n4"], "status": "pass", "busbw_gbps": 1.5,
+                       "ib_write_bw": {"status": "skip", "gbps": None, "detail": "n3: no HCA", "rails": []}}]}
+
+
+def test_pair_ib_write_bw_exported_per_node_and_rail_with_its_verdict():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(prometheus_text(_pair_doc()))}
+    gbps = {(s.labels["node"], s.labels["peer"], s.labels["rail"]): s.value
+            for s in fams["clusterops_sweep_pair_ib_write_bw_gbps"].samples}
+    assert gbps == {("n1", "n2", "mlx5_0/1"): 393.9, ("n1", "n2", "mlx5_1/1"): 196.1,
+                    ("n2", "n1", "mlx5_0/1"): 393.9, ("n2", "n1", "mlx5_1/1"): 196.1}
+    status = {(s.labels["node"], s.labels["peer"]): s.value
+              for s in fams["clusterops_sweep_pair_ib_write_bw_status"].samples}
+    assert status == {("n1", "n2"): 2, ("n2", "n1"): 2, ("n3", "n4"): -1, ("n4", "n3"): -1}
+
+
+def test_html_pairs_show_each_rails_figure():
+    page = html_report(_pair_doc())
+    assert "ib rails (Gb/s)" in page
+    assert '<span class="s-fail">mlx5_1/1: 196.1 fail</span>' in page
+    assert '<span class="s-pass">mlx5_0/1: 393.9 pass</span>' in page

@@ -164,34 +164,51 @@ def dist(result_dir, timeout_s, backend, sizes, warmup, iters, min_busbw_gbps, r
 @health.command()
 @click.option("--report-dir", type=click.Path(file_okay=False), required=True,
               help="Where this task writes <role>.json (server.json, client.json).")
+@click.option("--profile", default=None,
+              help="Health profile (name or file) whose probes.ibbw settings to use. Default: the built-in defaults.")
+@click.option("--site-config", default=None, type=click.Path(dir_okay=False),
+              help="Health site config (default $CLUSTEROPS_HEALTH_SITE).")
 @click.option("--peer", default=None, help="The server's address (client side). Default: $MASTER_ADDR.")
 @click.option("--role", type=click.Choice(["server", "client"]), default=None,
               help="Default: server for $SLURM_PROCID 0, else client.")
-@click.option("--device", default=None, help="HCA (e.g. mlx5_0). Default: the first ACTIVE port.")
-@click.option("--tcp-port", type=click.IntRange(1, 65535), default=18515, show_default=True)
-@click.option("--size", "size", default="1M", show_default=True, metavar="BYTES", help="Message size.")
-@click.option("--iters", type=click.IntRange(1, 10_000_000), default=2000, show_default=True)
-@click.option("--timeout-s", type=click.FloatRange(min=1.0), default=60.0, show_default=True)
-@click.option("--gpudirect", is_flag=True, help="GPU memory buffers (--use_cuda) where the node has an NVIDIA GPU.")
-@click.option("--gpu", type=click.IntRange(0, 63), default=0, show_default=True, help="The GPU for --gpudirect.")
-def ibbw(report_dir, peer, role, device, tcp_port, size, iters, timeout_s, gpudirect, gpu):
-    """ib_write_bw (perftest) between two nodes, one task per node.
+@click.option("--device", default=None, help="Test this HCA only (e.g. mlx5_0). Default: every ACTIVE port.")
+@click.option("--tcp-port", type=click.IntRange(1024, 65000), default=None, help="First rail's port [profile: 18515].")
+@click.option("--size", "size", default=None, metavar="BYTES", help="Message size [profile: 1M].")
+@click.option("--iters", type=click.IntRange(1, 10_000_000), default=None, help="[profile: 2000]")
+@click.option("--timeout-s", type=click.FloatRange(min=1.0), default=None, help="Per rail [profile's timeout_s].")
+@click.option("--gpudirect/--no-gpudirect", default=None,
+              help="GPU memory buffers (--use_cuda) where the node has an NVIDIA GPU [profile].")
+@click.option("--gpu", type=click.IntRange(0, 63), default=None, help="The GPU for --gpudirect [profile: 0].")
+def ibbw(report_dir, profile, site_config, peer, role, device, tcp_port, size, iters, timeout_s, gpudirect, gpu):
+    """ib_write_bw (perftest) between two nodes, one task per node, on every rail.
 
     \b
     Run as one step over two nodes, e.g.:
-      srun --nodes=2 --ntasks-per-node=1 clusterops health ibbw --report-dir out
+      srun --nodes=2 --ntasks-per-node=1 clusterops health ibbw --profile deep --report-dir out
     No ib_write_bw or no HCA: skip with the reason. Exit 0 unless fail or error.
     """
     from clusterops.errors import InputError
-    from clusterops.health.probes.ibbw import PairRankOptions, run_rank
+    from clusterops.health.probes.ibbw import options_from_profile, run_rank
 
-    try:
-        size_bytes = _parse_size(size)
-    except ValueError:
-        raise InputError(f"--size: {size!r} is not a byte count (e.g. 65536, 1M)") from None
-    doc = run_rank(PairRankOptions(report_dir=report_dir, peer=peer, role=role, device=device, tcp_port=tcp_port,
-                                   size_bytes=size_bytes, iters=iters, timeout_s=timeout_s, gpudirect=gpudirect,
-                                   gpu=gpu, host_root=os.environ.get("CLUSTEROPS_HOST_ROOT") or "/"))
+    size_bytes = None
+    if size is not None:
+        try:
+            size_bytes = _parse_size(size)
+        except ValueError:
+            raise InputError(f"--size: {size!r} is not a byte count (e.g. 65536, 1M)") from None
+    cfg = {"timeout_s": 60.0}
+    if profile:
+        from clusterops.health import load_profile
+
+        prof = load_profile(profile, site_config)
+        if "ibbw" not in prof.probes:
+            click.echo(f"ibbw: skip: disabled in profile {prof.name}")
+            return 0
+        cfg = prof.probes["ibbw"]
+    opts = options_from_profile(cfg, report_dir, peer=peer, role=role, device=device, tcp_port=tcp_port,
+                                size_bytes=size_bytes, iters=iters, timeout_s=timeout_s, gpudirect=gpudirect,
+                                gpu=gpu, host_root=os.environ.get("CLUSTEROPS_HOST_ROOT") or "/")
+    doc = run_rank(opts)
     click.echo(f"{doc['role']}: {doc['status']}: {doc['detail']}")
     return 1 if doc["status"] in ("fail", "error") else 0
 

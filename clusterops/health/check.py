@@ -59,11 +59,16 @@ REGISTRY: Dict[str, ProbeEntry] = {
     "copybw": ProbeEntry(copybw.probe_copybw, exclusive=True),
 }
 DEFAULT_TIMEOUT_S = 10.0
+# Probes a profile configures that `health check` does not run: the sweep's pair mode runs
+# them between two nodes (name -> the module that reads their settings).
+PAIR_PROBES: Dict[str, str] = {"ibbw": "clusterops.health.probes.ibbw"}
 
 
 def probe_specs(profile: Profile) -> List[ProbeSpec]:
     specs = []
     for name, cfg in profile.probes.items():
+        if name in PAIR_PROBES:
+            continue
         entry = REGISTRY[name]
         cfg = dict(cfg)
         if name == "nvml":

@@ -195,6 +195,18 @@ def _check_resolved(data: Dict[str, Any], source: str) -> None:
     if warn_c > fail_c:
         raise InputError(f"{source}: probes.nvml.temperature_warn_c: {warn_c} is above "
                          f"temperature_fail_c {fail_c}")
+    ib = probes.get("ibbw") if isinstance(probes.get("ibbw"), dict) else {}
+    if ib.get("floors"):
+        from clusterops.health.probes.ibbw import FLOORS_GBPS   # the built-in floors a rate's settle over
+
+        for rate, fl in ib["floors"].items():
+            both = dict(FLOORS_GBPS.get(rate) or {}, **{k: v for k, v in (fl or {}).items() if k in ("fail", "warn")})
+            if both.get("fail") is not None and both.get("warn") is not None and both["warn"] < both["fail"]:
+                raise InputError(f"{source}: probes.ibbw.floors.{rate}.warn: {both['warn']:g} is below "
+                                 f"fail {both['fail']:g}")
+    if ib.get("warn_fraction", 0.95) < ib.get("fail_fraction", 0.9):
+        raise InputError(f"{source}: probes.ibbw.warn_fraction: {ib.get('warn_fraction', 0.95):g} is below "
+                         f"fail_fraction {ib.get('fail_fraction', 0.9):g}")
     xid = probes.get("xid") if isinstance(probes.get("xid"), dict) else {}
     if xid.get("source") == "file" and not xid.get("log_file"):
         raise InputError(f"{source}: probes.xid.source: 'file' needs probes.xid.log_file")

@@ -7,10 +7,10 @@ under ``srun`` (the step argv from ``clusterops.slurm.steps.srun_argv``, the scr
 in the check fan-out; a pair without a result in time is ``unreachable`` and its job
 cancelled.
 
-The same job then runs ``clusterops health ibbw`` as a second step over the pair
-(:mod:`clusterops.health.probes.ibbw`: ``ib_write_bw`` from node 0 to node 1, GPUDirect
-when the sweep's profile is one that exercises the GPUs, ``preflight`` or ``deep``): its
-result is the pair's ``ib_write_bw`` entry. A skip there (no ``ib_write_bw``, no HCA)
+The same job then runs ``clusterops health ibbw --profile P`` as a second step over the pair
+(:mod:`clusterops.health.probes.ibbw`: ``ib_write_bw`` from node 0 to node 1 on every rail,
+with the profile's ``probes.ibbw`` settings: GPUDirect where it says so, as ``preflight`` and
+``deep`` do): its result is the pair's ``ib_write_bw`` entry. A skip there (no ``ib_write_bw``, no HCA)
 leaves the pair's status as the all-reduce made it; a fail there makes the pair fail.
 """
 
@@ -99,16 +99,18 @@ def run_pairs(slurm, results: Mapping[str, NodeResult], opts: SweepOptions, work
     return out
 
 
-#: Sweep profiles that exercise the GPUs: their pair test asks for GPUDirect RDMA.
-GPUDIRECT_PROFILES = ("preflight", "deep")
-
-
 def ib_step_argv(opts: SweepOptions, base: List[str]) -> List[str]:
     """The pair's ``ib_write_bw`` step: one task per node, the second killed soon after the
-    first exits (a side that skipped does not leave its peer waiting out its deadline)."""
+    first exits (a side that skipped does not leave its peer waiting out its deadline). The
+    settings are the sweep profile's ``probes.ibbw`` (the nodes resolve the profile as their
+    check does); a profile that disables ``ibbw`` runs no step (empty argv)."""
     from clusterops.slurm.steps import srun_argv
 
-    cmd = base + ["health", "ibbw", "--timeout-s", str(max(10, int(opts.timeout_s * 0.1)))]
-    if opts.profile in GPUDIRECT_PROFILES:
-        cmd.append("--gpudirect")
+    cmd = base + ["health", "ibbw"]
+    if not opts.check_cmd:   # a wrapped check's profile is the site's business: the defaults
+        from clusterops.health import load_profile
+
+        if "ibbw" not in load_profile(opts.profile).probes:
+            return []
+        cmd += ["--profile", opts.profile]
     return srun_argv(cmd, ntasks_per_node=1, wait_s=15)

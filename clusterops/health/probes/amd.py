@@ -9,11 +9,13 @@ XGMI links (a link down fails; the XGMI error status fails); the PCIe link again
 maximum width and speed (width fails, speed only when busy); throttle status (warns);
 hotspot and memory temperatures; socket power against the cap.
 
-The library is passed in as ``ctx.amdsmi`` (tests use
+Without the library, on a node with AMD GPUs, the probe reads ROCm's ``amd-smi`` CLI
+(``amd-smi static|metric|bad-pages|topology --json``, through the runner:
+:mod:`clusterops.health.probes.amd_cli`, ``cli: false`` turns it off). The library is passed in as ``ctx.amdsmi`` (tests use
 :mod:`clusterops.health.probes.amd_standin`, fed with recorded return values; set
 ``CLUSTEROPS_AMDSMI_STANDIN=file.json`` for the CLI), or imported here, lazily. A node
 with AMD GPUs (``/dev/kfd``, the amdgpu module, or a Slurm gres of an AMD type such as
-``gpu:mi300x:8``) whose ``amdsmi`` cannot be used is an ``error`` that says what to
+``gpu:mi300x:8``) with neither ``amdsmi`` nor ``amd-smi`` is an ``error`` that says what to
 install, never a skip.
 """
 
@@ -25,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from clusterops.health.probes.base import ProbeContext, ProbeResult, worst
 from clusterops.health.probes.nvml import local_gpu_evidence, match_model
+from clusterops.runner import CommandNotFound, CommandTimeout
 
 NOT_SUPPORTED = object()
 RAS_BLOCKS = ("UMC", "SDMA", "GFX", "MMHUB", "ATHUB", "PCIE_BIF", "HDP", "XGMI_WAFL", "DF", "SMN", "SEM",
@@ -276,17 +279,32 @@ def probe_amd(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
                        and not local_gpu_evidence(ctx.host_root))
     gres = _gres(cfg, ctx) if ask else ""
     amd_gres = bool(AMD_GRES.search(gres or ""))
+    amd_node = bool(evidence or amd_gres or cfg.get("required"))
+    why = ", ".join(evidence) or (f"Slurm gres {gres}" if amd_gres else "the profile requires AMD GPUs")
+    reader = "amdsmi"
+    if lib is None and amd_node and cfg.get("cli", True):
+        # No Python library: ROCm's amd-smi CLI, if the node has it (its JSON, through the runner).
+        from clusterops.health.probes.amd_cli import AmdSmiCli
+
+        lib = AmdSmiCli(ctx.runner, program=str(cfg.get("amd_smi", "amd-smi")),
+                        timeout_s=float(cfg.get("cli_timeout_s", 10)))
+        reader = "amd-smi"
     if lib is None:
-        if evidence or amd_gres or cfg.get("required"):
-            why = ", ".join(evidence) or (f"Slurm gres {gres}" if amd_gres else "the profile requires AMD GPUs")
+        if amd_node:
             return [ProbeResult("amd", "error", detail=f"this node has AMD GPUs ({why}) but the amdsmi Python "
                                                        f"library is missing: {INSTALL}")]
         return [ProbeResult("amd", "skip", detail="no AMD GPUs (no /dev/kfd, no amdgpu module, no AMD gres)")]
     try:
         lib.amdsmi_init()
+    except CommandNotFound:
+        return [ProbeResult("amd", "error", detail=f"this node has AMD GPUs ({why}) but neither the amdsmi Python "
+                                                   f"library nor the amd-smi CLI is there: {INSTALL}")]
+    except CommandTimeout as e:
+        return [ProbeResult("amd", "error", detail=f"amd-smi did not answer: {e}")]
     except Exception as e:
         status = "error" if (evidence or amd_gres) else "skip"
-        return [ProbeResult("amd", status, detail=f"amdsmi_init failed ({type(e).__name__}: {e}): load the amdgpu "
+        what = "amd-smi failed" if reader == "amd-smi" else "amdsmi_init failed"
+        return [ProbeResult("amd", status, detail=f"{what} ({type(e).__name__}: {e}): load the amdgpu "
                                                   "driver (modprobe amdgpu) and check ROCm")]
     try:
         handles = list(lib.amdsmi_get_processor_handles() or [])
@@ -310,7 +328,9 @@ def probe_amd(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
                                           "missing; check dmesg (amdgpu), reboot, RMA if it stays"))
     else:
         results.append(ProbeResult("amd.gpu_count", "pass", value=len(gpus), unit="GPUs", threshold=want,
-                                   detail=f"{len(gpus)} AMD GPUs visible"))
+                                   detail=f"{len(gpus)} AMD GPUs visible"
+                                          + (" (read from the amd-smi CLI)" if reader == "amd-smi" else "")))
+    results[0].data["source"] = reader
     if not gpus:
         return results
     models = {g["index"]: match_model(g["name"], ctx.gpu_models) for g in gpus}
