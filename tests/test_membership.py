@@ -141,3 +141,18 @@ def test_job_metrics_count_inprocess_recoveries_and_fallbacks():
     assert 'clusterops_job_inprocess_recoveries{job="j"} 1.0' in out
     assert 'clusterops_job_inprocess_fallbacks{job="j"} 1.0' in out
     assert 'clusterops_job_inprocess_recovery_seconds{job="j"} 0.7' in out
+
+
+def test_recovery_notes_carry_when_each_phase_ended():
+    """The goodput report's in-process phases come from these times (the rendezvous's clock,
+    not the moment the supervisor's loop wrote the record)."""
+    m, _ = started()
+    out = m.handle(Report("dead", "node3:101", {"dead": "node3:100"}), 10.0)
+    assert out[0].data["at"] == 10.0
+    out = []
+    for t, (node, rank) in zip((10.25, 10.3, 10.5), (("node1", 0), ("node2", 1), ("node4", 3))):
+        out += m.handle(Report("join", f"{node}:100", {"gen": 1, "rank": rank, "step": 9}), t)
+    note = [a for a in out if isinstance(a, Note) and a.kind == "inproc_rendezvous"][0]
+    assert note.data["abort_s"] == 0.25 and note.data["wait_s"] == 0.5 and note.data["at"] == 10.5
+    st = m.handle(Report("state", "node1:100", {"gen": 1, "seconds": 0.01, "src": 0}), 10.7)
+    assert st[0].kind == "inproc_state" and st[0].data["at"] == 10.7 and st[0].data["seconds"] == 0.01

@@ -105,6 +105,7 @@ class _Recovery:
     joined: Dict[int, int] = field(default_factory=dict)   # rank -> step, survivors waiting
     kill_sent: Set[str] = field(default_factory=set)
     published_at: Optional[float] = None
+    first_join_at: Optional[float] = None   # the first survivor had destroyed its group (the abort's end)
 
 
 class Membership:
@@ -190,7 +191,7 @@ class Membership:
     def _open(self, now: float, first: str, out: List[object]) -> _Recovery:
         if self.recovery is None:
             self.recovery = _Recovery(gen=self.gen + 1, since=now, first=first)
-            out.append(Note("inproc_fault", {"gen": self.gen, "first": first}))
+            out.append(Note("inproc_fault", {"gen": self.gen, "first": first, "at": round(now, 3)}))
         return self.recovery
 
     def _lost(self, rank: int, now: float, out: List[object]) -> bool:
@@ -226,6 +227,8 @@ class Membership:
         if int(rep.data.get("gen", -1)) != rec.gen or rec.published_at is not None:
             return out
         rec.joined[self.plan.ranks[rep.uid]] = int(rep.data.get("step", 0))
+        if rec.first_join_at is None:
+            rec.first_join_at = now
         return out + self._try_publish(now)
 
     def _on_dead(self, rep: Report, now: float) -> List[object]:
@@ -259,7 +262,7 @@ class Membership:
         return self.hung([rank], now)
 
     def _on_state(self, rep: Report, now: float) -> List[object]:
-        return [Note("inproc_state", dict(rep.data))]
+        return [Note("inproc_state", dict(rep.data, at=round(now, 3)))]
 
     def _on_step(self, rep: Report, now: float) -> List[object]:
         rec = self.recovery
@@ -303,8 +306,10 @@ class Membership:
         src = min(r for r, s in rec.joined.items() if s == top)
         self.plan = Plan(rec.gen, plan.world, ranks, tuple(free), src=src, step=top)
         rec.published_at = now
-        return [Note("inproc_rendezvous", {"gen": rec.gen, "wait_s": round(now - rec.since, 3), "src": src,
-                                           "step": top, "replaced": moves}),
+        abort = (rec.first_join_at if rec.first_join_at is not None else now) - rec.since
+        return [Note("inproc_rendezvous", {"gen": rec.gen, "wait_s": round(now - rec.since, 3),
+                                           "abort_s": round(abort, 3), "src": src, "step": top,
+                                           "replaced": moves, "at": round(now, 3)}),
                 Publish(self.plan)]
 
     def tick(self, now: float) -> List[object]:
