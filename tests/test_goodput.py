@@ -193,3 +193,33 @@ def test_the_chart_draws_each_phase_of_an_in_process_recovery():
     assert 'class="inproc-phase"' not in tl.render_svg(recs[:3] + recs[-2:])   # no recovery, no band
     html = tl.render_html(recs)
     assert "in-process recoveries</td><td>1" in html and "in-process: first step</td><td>0.200 s" in html
+
+
+RECORDED = Path(__file__).parent / "fixtures" / "timelines" / "inprocess_refill.jsonl"
+
+
+def test_recorded_timeline_two_faults_healed_in_process():
+    """The timeline of tests/integration/test_inprocess.py's refill test, as the supervisor
+    wrote it on the dev cluster (2 nodes x 2 ranks; rank 2 SIGKILLed at step 15, rank 3 at
+    step 45, both healed in-process on node2, the second by the refilled standby)."""
+    recs = [json.loads(line) for line in RECORDED.read_text().splitlines()]
+    windows = tl.inprocess_windows(recs)
+    healed = [r for r in recs if r["event"] == "inproc_first_step"]
+    assert len(windows) == 2 == len(healed)
+    for w, h in zip(windows, healed):
+        assert w["end"] - w["start"] == pytest.approx(h["fault_to_step_s"], abs=1e-6)
+        assert sum(b - a for _, a, b in w["phases"]) == pytest.approx(h["fault_to_step_s"], abs=1e-6)
+        assert all(b >= a for _, a, b in w["phases"])
+        rdzv = next(r for r in recs if r["event"] == "inproc_rendezvous" and r["gen"] == h["gen"])
+        assert dict((n, b - a) for n, a, b in w["phases"])["abort"] == pytest.approx(rdzv["abort_s"], abs=1e-6)
+    r = tl.goodput_report(recs)
+    assert r["restarts"] == 0 and r["inprocess"]["recoveries"] == 2
+    assert r["lost_s"]["inprocess"] == pytest.approx(sum(h["fault_to_step_s"] for h in healed), abs=1e-3)
+    assert r["productive_s"] + sum(r["lost_s"].values()) == pytest.approx(r["wall_s"], abs=1e-3)
+    assert r["mttr_s"] == pytest.approx(sum(h["fault_to_step_s"] for h in healed) / 2, abs=1e-3)
+    # The same run read the old way (the faults as relaunches) loses more and heals nothing in-process.
+    old = [x for x in recs if not x["event"].startswith("inproc_") or x["event"] == "inproc_fault"]
+    r_old = tl.goodput_report(old)
+    assert r_old["inprocess"]["recoveries"] == 0 and r_old["productive_s"] < r["productive_s"]
+    svg = tl.render_svg(recs)
+    assert svg.count('class="inproc-phase"') == 8

@@ -11,7 +11,8 @@ A thread reads the processes' reports (:mod:`clusterops.protocol`'s ``rep/<n>`` 
 they come, feeds them to :class:`clusterops.supervisor.membership.Membership` (every
 decision is made there) and carries its actions out: a generation's plan is written to
 ``plan/<G>``, a hung rank is SIGKILLed by the standbys of its node (``kill/<uid>``), a
-fallback is left for the supervisor's loop (:attr:`RendezvousHost.fallback`), and the
+fallback is left for the supervisor's loop (:attr:`RendezvousHost.fallback`), so is a
+standby to start in a used one's place (:meth:`RendezvousHost.drain_refills`), and the
 timeline records wait in :meth:`RendezvousHost.drain_notes` for the loop to write (the
 timeline has one writer). torch is imported here only when a host starts (``import
 clusterops`` and the CLI never import it).
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 from clusterops import protocol
-from clusterops.supervisor.membership import Fallback, KillProcess, Membership, Note, Publish, Report
+from clusterops.supervisor.membership import Fallback, KillProcess, Membership, Note, Publish, Report, StartStandby
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class InprocessSettings:
     standbys_per_node: int = 1
     timeout_s: float = 30.0
     unresponsive_s: float = 10.0
+    refill: bool = True
 
 
 class RendezvousHost:
@@ -63,6 +65,7 @@ class RendezvousHost:
         self._notes: List[Note] = []
         self._hung: List[Sequence[int]] = []
         self._ended: List[Report] = []
+        self._refills: List[StartStandby] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -74,7 +77,7 @@ class RendezvousHost:
                     advertise_host: str, *, clock: Callable[[], float] = time.time) -> "RendezvousHost":
         """A started host for one training step on ``nodes``."""
         m = Membership(nodes, ranks_per_node, settings.standbys_per_node, timeout_s=settings.timeout_s,
-                       unresponsive_s=settings.unresponsive_s)
+                       unresponsive_s=settings.unresponsive_s, refill=settings.refill)
         return cls(m, advertise_host=advertise_host, clock=clock).start()
 
     @property
@@ -116,6 +119,12 @@ class RendezvousHost:
         """srun said task ``task`` (SLURM_PROCID) of the step ended (thread-safe)."""
         with self._lock:
             self._ended.append(Report("dead", "srun", {"task": int(task), "node": node, "reason": reason}))
+
+    def drain_refills(self) -> List[StartStandby]:
+        """Standbys to start in used ones' places (the supervisor starts them: a Slurm step)."""
+        with self._lock:
+            out, self._refills = self._refills, []
+        return out
 
     def drain_notes(self) -> List[Note]:
         with self._lock:
@@ -175,6 +184,9 @@ class RendezvousHost:
             self.store.set(protocol.RDZV_FINISH, "fallback")
             with self._lock:
                 self._notes.append(Note("inproc_fallback", {"reason": a.reason}))
+        elif isinstance(a, StartStandby):
+            with self._lock:
+                self._refills.append(a)
         elif isinstance(a, Note):
             with self._lock:
                 self._notes.append(a)

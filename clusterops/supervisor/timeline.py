@@ -77,6 +77,8 @@ class EventKind(str, Enum):
     INPROC_STATE = "inproc_state"              # the state broadcast from a survivor, received
     INPROC_FIRST_STEP = "inproc_first_step"    # the new generation's first step: healed in-process
     INPROC_FALLBACK = "inproc_fallback"        # in-process gave up: the step is relaunched
+    INPROC_REFILL = "inproc_refill"            # a new standby started on a node whose standby was used
+    INPROC_STANDBY = "inproc_standby"          # that new standby is warm (said hello): in the pool
 
     def __str__(self) -> str:
         return self.value
