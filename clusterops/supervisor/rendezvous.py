@@ -7,7 +7,8 @@ Every key sits under a fresh random token (the address the ranks get is
 ``HOST:PORT/TOKEN``, :data:`clusterops.protocol.ENV_RDZV_ADDR`): anyone on the network can
 connect to the port, nobody without the token can name, read or forge a key of the job.
 
-A thread reads the processes' reports (:mod:`clusterops.protocol`'s ``rep/<n>`` keys) as
+A thread reads the processes' reports (:mod:`clusterops.protocol`'s ``rep/<n>`` keys, and
+the survivors' joins, one line each appended to ``join/<G>``: one round trip a rank) as
 they come, feeds them to :class:`clusterops.supervisor.membership.Membership` (every
 decision is made there) and carries its actions out: a generation's plan is written to
 ``plan/<G>``, a hung rank is SIGKILLed by the standbys of its node (``kill/<uid>``), a
@@ -26,7 +27,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from clusterops import protocol
 from clusterops.supervisor.membership import Fallback, KillProcess, Membership, Note, Publish, Report, StartStandby
@@ -70,6 +71,8 @@ class RendezvousHost:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._next = 1
+        self._joins_read: Dict[int, int] = {}    # generation -> bytes of join/<G> read
+        self._uid_of: tuple = (None, {})
         self.error: Optional[str] = None
 
     @classmethod
@@ -160,6 +163,7 @@ class RendezvousHost:
                 actions.append(Note("warning", {"what": f"rendezvous: unreadable report {raw[:80]!r}"}))
                 continue
             actions += m.handle(rep, self.clock())
+        actions += self._read_joins()
         with self._lock:
             hung, self._hung = self._hung, []
             ended, self._ended = self._ended, []
@@ -172,6 +176,32 @@ class RendezvousHost:
             self._act(a)
         if m.finished and not store.check([protocol.RDZV_FINISH]):
             store.set(protocol.RDZV_FINISH, "1")
+
+    def _read_joins(self) -> List[object]:
+        """The survivors' joins for the next generation (``join/<G>``, appended one line a
+        rank): what was added since the last read, as membership reports."""
+        m, store = self.membership, self.store
+        if m.plan is None:
+            return []
+        gen = m.gen + 1
+        key = protocol.rdzv_key("join", gen)
+        if not store.check([key]):
+            return []
+        raw = store.get(key)
+        seen = self._joins_read.get(gen, 0)
+        end = raw.rfind(b"\n") + 1          # only whole lines (each append is one)
+        if end <= seen:
+            return []
+        self._joins_read[gen] = end
+        if self._uid_of[0] != m.gen:        # rank -> uid of the plan the joins leave
+            self._uid_of = (m.gen, {r: u for u, r in m.plan.ranks.items()})
+        uid_of = self._uid_of[1]
+        out: List[object] = []
+        now = self.clock()
+        for rank, step in protocol.parse_rdzv_joins(raw[seen:end].decode(errors="replace")):
+            if rank in uid_of:
+                out += m.handle(Report("join", uid_of[rank], {"gen": gen, "rank": rank, "step": step}), now)
+        return out
 
     def _act(self, a: object) -> None:
         if isinstance(a, Publish):
