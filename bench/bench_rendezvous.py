@@ -3,7 +3,7 @@
 standby a node) of simulated clients against the real rendezvous host
 (clusterops.supervisor.rendezvous: torch's TCPStore, the Membership decisions).
 
-    python bench/bench_rendezvous.py [--nodes 2048] [--ppn 8] [--threads 16] [--reps 3]
+    python bench/bench_rendezvous.py [--nodes 2048] [--ppn 8] [--threads 16] [--reps 3] [--compare]
 
 Per repetition: a fresh host; the clients (one other process, --threads store connections,
 each reporting for its share of the 18,432 processes) say hello and fetch generation 0's
@@ -13,6 +13,9 @@ rejoin, all at once; figure: the dead report -> generation 1's plan readable by 
 (this process: the host only; the clients run in another) are reported. Simulated clients
 share a connection per thread: each real rank would hold its own and fetch the plan itself,
 so the fetch figure is the store's time to serve it --threads times, not 16k times.
+The survivors join as the ranks do (clusterops.recover.send_join: one append to join/<G>,
+one round trip); --old-protocol sends each join as a report (rep/n: two round trips, the
+protocol before join/<G>), --compare runs both, alternating, side by side.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def clients(addr: str, nodes: int, ppn: int, spn: int, threads: int, go_file: str) -> None:
+def clients(addr: str, nodes: int, ppn: int, spn: int, threads: int, go_file: str, old_protocol: bool = False) -> None:
     import datetime
 
     import torch.distributed as dist
 
     from clusterops import protocol
+    from clusterops.recover import send_join, send_report
 
     host, port, token = protocol.parse_rdzv_addr(addr)
     procs = [(f"node{i}", local, i * (ppn + spn) + local) for i in range(nodes) for local in range(ppn + spn)]
@@ -43,9 +47,12 @@ def clients(addr: str, nodes: int, ppn: int, spn: int, threads: int, go_file: st
                                                     timeout=datetime.timedelta(seconds=120)))
               for _ in range(threads)]
 
-    def report(st, kind, uid, **d):
-        n = st.add(protocol.RDZV_REPORTS, 1)
-        st.set(protocol.rdzv_key("rep", n), json.dumps({"kind": kind, "uid": uid, **d}))
+    report = send_report      # the ranks' own protocol (clusterops.recover)
+    if old_protocol:          # --old-protocol: every report, joins too, through rep/n (two round trips)
+        def join(st, gen, rank, step):
+            send_report(st, uid_of[rank], "join", gen=gen, rank=rank, step=step)
+    else:
+        join = send_join
 
     def each(fn):
         ts = [threading.Thread(target=fn, args=(k,)) for k in range(threads)]
@@ -54,7 +61,7 @@ def clients(addr: str, nodes: int, ppn: int, spn: int, threads: int, go_file: st
         for t in ts:
             t.join()
 
-    each(lambda k: [report(stores[k], "hello", f"{n}:{1000 + local}", node=n, local=local, task=task)
+    each(lambda k: [report(stores[k], f"{n}:{1000 + local}", "hello", node=n, local=local, task=task)
                     for n, local, task in procs[k::threads]])
     seen = {}
 
@@ -70,16 +77,17 @@ def clients(addr: str, nodes: int, ppn: int, spn: int, threads: int, go_file: st
         time.sleep(0.01)
     victim = next(u for u, r in plan0["ranks"].items() if r == 5)
     t_dead = time.time()
-    report(stores[0], "dead", f"node0:{1000 + ppn}", dead=victim)
+    report(stores[0], f"node0:{1000 + ppn}", "dead", dead=victim)
     survivors = sorted((u, r) for u, r in plan0["ranks"].items() if r != 5)
-    each(lambda k: [report(stores[k], "join", u, gen=1, rank=r, step=100) for u, r in survivors[k::threads]])
+    uid_of = {r: u for u, r in survivors}
+    each(lambda k: [join(stores[k], 1, r, 100) for u, r in survivors[k::threads]])
     t_joined = time.time()
     each(lambda k: fetch(k, 1))
     print(json.dumps({"t_dead": t_dead, "t_joined": t_joined, "t_plan1_first": min(seen[1]),
                       "t_plan1_all": max(seen[1])}), flush=True)
 
 
-def one(args, rep: int) -> dict:
+def one(args, rep: int, old_protocol: bool = False) -> dict:
     import tempfile
 
     from clusterops.runner import Runner
@@ -92,7 +100,8 @@ def one(args, rep: int) -> dict:
     go = Path(tempfile.mkdtemp()) / "go"
     out = Path(tempfile.mkdtemp()) / "clients.log"
     p = Runner().spawn([sys.executable, __file__, "--clients", h.addr, "--nodes", str(args.nodes), "--ppn",
-                        str(args.ppn), "--threads", str(args.threads), "--go", str(go)], log_path=str(out))
+                        str(args.ppn), "--threads", str(args.threads), "--go", str(go)]
+                       + (["--old-protocol"] if old_protocol else []), log_path=str(out))
     while m.plan is None:
         time.sleep(0.05)
     time.sleep(1.0)
@@ -122,21 +131,29 @@ def main(argv=None) -> int:
     ap.add_argument("--ppn", type=int, default=8)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--old-protocol", action="store_true",
+                    help="the joins as two-round-trip reports (rep/n), as before join/<G>: the before figure")
+    ap.add_argument("--compare", action="store_true", help="both protocols, alternating, side by side")
     ap.add_argument("--clients", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--go", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.clients:
-        clients(args.clients, args.nodes, args.ppn, 1, args.threads, args.go)
+        clients(args.clients, args.nodes, args.ppn, 1, args.threads, args.go, args.old_protocol)
         return 0
-    runs = []
+    kinds = ["join/<G>", "rep/n"] if args.compare else (["rep/n"] if args.old_protocol else ["join/<G>"])
+    runs = {k: [] for k in kinds}
     for rep in range(args.reps):
-        runs.append(one(args, rep))
-        print(f"[bench] run {rep}: {runs[-1]}", flush=True)
+        order = kinds if rep % 2 == 0 else kinds[::-1]      # alternating, when both are run
+        for kind in order:
+            runs[kind].append(one(args, rep, old_protocol=kind == "rep/n"))
+            print(f"[bench] run {rep} ({kind} joins): {runs[kind][-1]}", flush=True)
     print()
     print(f"{args.nodes} nodes x {args.ppn} ranks (+1 standby a node), one rank lost, medians of {args.reps}:")
+    print(f"  {'':28} " + " ".join(f"{k + ' joins':>15}" for k in kinds))
     for k, target in (("dead_to_plan_s", "<= 1 s"), ("dead_to_all_fetched_s", ""), ("clients_report_s", ""),
                       ("host_wait_s", ""), ("host_cpu_s", ""), ("host_peak_rss_mb", "")):
-        print(f"  {k:28} {statistics.median(r[k] for r in runs):9.3f}  {target}")
+        vals = " ".join(f"{statistics.median(r[k] for r in runs[kind]):15.3f}" for kind in kinds)
+        print(f"  {k:28} {vals}  {target}")
     return 0
 
 

@@ -79,7 +79,7 @@ CATALOGUE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "clusterops_job_wall_seconds": ("Wall time from the first launch to the last timeline record.", ("job",)),
     "clusterops_job_productive_seconds": ("Wall time in which the step advanced past every step reached before.",
                                           ("job",)),
-    "clusterops_job_lost_seconds": ("Wall time lost, by cause (startup, restart, requeue_wait, recomputed, "
+    "clusterops_job_lost_seconds": ("Wall time lost, by cause (startup, restart, inprocess, requeue_wait, recomputed, "
                                     "checkpoint_stall, stalled, other).", ("job", "cause")),
     "clusterops_job_mttr_seconds": ("Mean time from a fault to the first step after it (absent before a "
                                     "recovery).", ("job",)),

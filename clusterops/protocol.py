@@ -72,7 +72,7 @@ import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 # ------------------------------------------------------------------------ environment
 
@@ -141,6 +141,10 @@ class ResumeHint:
 # clusterops.recover is the ranks' side; clusterops.supervisor.membership decides):
 #   rep/n            a counter; a process adds 1 and writes its report as rep/<n> (JSON
 #                    {"kind", "uid", ...}: the kinds are membership.Report's)
+#   join/<G>         survivors asking for generation G: each appends "RANK STEP\n" (one
+#                    round trip; the host reads the key from where it had read it)
+#   failn/<G>        a counter of the ranks whose collective failed in generation G: only
+#                    the first (the add returns 1) sends its report (rep/n, with the error)
 #   plan/<G>         generation G (JSON, membership.Plan.to_json), written once
 #   pg/<G>/...       generation G's process group (a PrefixStore for init_process_group)
 #   kill/<uid>       the standbys of the process's node SIGKILL it (a hung rank)
@@ -152,6 +156,21 @@ RDZV_FINISH = "finish"
 def rdzv_key(kind: str, *parts: object) -> str:
     """A key of the rendezvous store: ``rdzv_key("plan", 3)`` is ``plan/3``."""
     return "/".join([kind, *map(str, parts)])
+
+
+def rdzv_join_line(rank: int, step: int) -> str:
+    """A survivor's join (``join/<G>``): ``"RANK STEP\n"``."""
+    return f"{int(rank)} {int(step)}\n"
+
+
+def parse_rdzv_joins(text: str) -> List[Tuple[int, int]]:
+    """The (rank, step) pairs of ``join/<G>``'s complete lines (a line cut short is left out)."""
+    out = []
+    for line in text.split("\n")[:-1]:
+        rank, _, step = line.partition(" ")
+        if rank.isdigit() and step.isdigit():
+            out.append((int(rank), int(step)))
+    return out
 
 
 def parse_rdzv_addr(value: str) -> Tuple[str, int, str]:

@@ -88,6 +88,17 @@ def seed_step(seed: int, rank: int, step: int) -> None:
         pass
 
 
+def send_report(store: Any, uid: str, kind: str, **data: Any) -> None:
+    """A report to the rendezvous (:mod:`clusterops.protocol`'s ``rep/n``): two round trips."""
+    n = store.add(protocol.RDZV_REPORTS, 1)
+    store.set(protocol.rdzv_key("rep", n), json.dumps({"kind": kind, "uid": uid, **data}))
+
+
+def send_join(store: Any, gen: int, rank: int, step: int) -> None:
+    """A survivor asks for generation ``gen`` holding ``step``: one round trip (``join/<gen>``)."""
+    store.append(protocol.rdzv_key("join", gen), protocol.rdzv_join_line(rank, step))
+
+
 class _Client:
     def __init__(self, addr: str, timeout_s: float):
         import datetime
@@ -102,8 +113,16 @@ class _Client:
         self.uid = f"{self.node}:{os.getpid()}"
 
     def report(self, kind: str, **data: Any) -> None:
-        n = self.store.add(protocol.RDZV_REPORTS, 1)
-        self.store.set(protocol.rdzv_key("rep", n), json.dumps({"kind": kind, "uid": self.uid, **data}))
+        send_report(self.store, self.uid, kind, **data)
+
+    def fail(self, gen: int, rank: int, step: int, error: str) -> None:
+        """This rank's collective failed in ``gen``: only the first rank to say so sends the
+        report (one round trip for the others; each of them joins next anyway)."""
+        if self.store.add(protocol.rdzv_key("failn", gen), 1) == 1:
+            self.report("fail", gen=gen, rank=rank, step=step, error=error)
+
+    def join(self, gen: int, rank: int, step: int) -> None:
+        send_join(self.store, gen, rank, step)
 
     def finished(self) -> Optional[str]:
         if self.store.check([protocol.RDZV_FINISH]):
@@ -265,10 +284,10 @@ def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo"
             # this rank fail at once instead of at their timeout.
             log.warning("generation %d, rank %d: a collective failed (%s); waiting for generation %d",
                         gen, rank, failed, gen + 1)
-            client.report("fail", gen=gen, rank=rank, step=int(state.step), error=failed[:200])
+            client.fail(gen, rank, int(state.step), failed[:200])
             sdk._set_step_hook(None)
             _teardown()
-            client.report("join", gen=gen + 1, rank=rank, step=int(state.step))
+            client.join(gen + 1, rank, int(state.step))
             plan = client.plan(gen + 1, wait=True)
             continue
         sdk._set_step_hook(None)

@@ -534,6 +534,9 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
                 "else the step is relaunched", 30.0),
         seconds("unresponsive_s", "a rank that neither rejoins nor dies this long after a fault is killed by "
                 "its node's standby", 10.0),
+        _f("refill", "bool", "once a standby has taken a lost rank's place and the new generation trains, start "
+           "a new standby on that node (`srun --overlap`, a step of its own) while the node answers, so a second "
+           "fault there heals in-process too", default=True),
     )),
     # A script without the SDK (docs/supervisor.md, "Scripts without the SDK").
     _f("progress", "map", "no SDK: read progress from the ranks' output instead of heartbeat files; a hang is "

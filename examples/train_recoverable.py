@@ -13,7 +13,8 @@ Output lines (rank 0): ``resume step=N path=P``, ``ckpt step=N path=P``, ``gener
 rank=R step=N restored=1`` (each process, when it starts a generation), ``done step=N
 out=F sha256=H``. Fault flags: --crash-at-step N --crash-rank R (SIGKILL itself once: only
 while --crash-marker FILE does not exist), --hang-at-step N (SIGSTOP itself once, with the
-same marker), --second-crash-at-step N (SIGKILL again, marker --second-crash-marker).
+same marker), --second-crash-at-step N (SIGKILL again, marker --second-crash-marker; rank
+--second-crash-rank, default the same).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--second-crash-at-step", type=int, default=None,
                    help="the same rank SIGKILLs itself again here (once: --second-crash-marker)")
     p.add_argument("--second-crash-marker", type=Path, default=None)
+    p.add_argument("--second-crash-rank", type=int, default=None,
+                   help="the rank of the second SIGKILL (default: --crash-rank)")
     return p.parse_args(argv)
 
 
@@ -113,12 +116,11 @@ def params_sha256(model: nn.Module) -> str:
 def fault_once(args, step: int, rank: int) -> None:
     """--crash-at-step / --hang-at-step / --second-crash-at-step: each once per run (its marker
     file says it happened)."""
-    if rank != args.crash_rank:
-        return
-    for at, sig, marker in ((args.crash_at_step, signal.SIGKILL, args.crash_marker),
-                            (args.hang_at_step, signal.SIGSTOP, args.crash_marker),
-                            (args.second_crash_at_step, signal.SIGKILL, args.second_crash_marker)):
-        if at is None or step != at or marker is None or marker.exists():
+    second = args.crash_rank if args.second_crash_rank is None else args.second_crash_rank
+    for at, sig, marker, who in ((args.crash_at_step, signal.SIGKILL, args.crash_marker, args.crash_rank),
+                                 (args.hang_at_step, signal.SIGSTOP, args.crash_marker, args.crash_rank),
+                                 (args.second_crash_at_step, signal.SIGKILL, args.second_crash_marker, second)):
+        if rank != who or at is None or step != at or marker is None or marker.exists():
             continue
         marker.write_text(f"{sig.name} at step {step}\n")
         print(f"fault step={step} rank={rank} signal={sig.name}", flush=True)

@@ -141,3 +141,67 @@ def test_job_metrics_count_inprocess_recoveries_and_fallbacks():
     assert 'clusterops_job_inprocess_recoveries{job="j"} 1.0' in out
     assert 'clusterops_job_inprocess_fallbacks{job="j"} 1.0' in out
     assert 'clusterops_job_inprocess_recovery_seconds{job="j"} 0.7' in out
+
+
+def test_recovery_notes_carry_when_each_phase_ended():
+    """The goodput report's in-process phases come from these times (the rendezvous's clock,
+    not the moment the supervisor's loop wrote the record)."""
+    m, _ = started()
+    out = m.handle(Report("dead", "node3:101", {"dead": "node3:100"}), 10.0)
+    assert out[0].data["at"] == 10.0
+    out = []
+    for t, (node, rank) in zip((10.25, 10.3, 10.5), (("node1", 0), ("node2", 1), ("node4", 3))):
+        out += m.handle(Report("join", f"{node}:100", {"gen": 1, "rank": rank, "step": 9}), t)
+    note = [a for a in out if isinstance(a, Note) and a.kind == "inproc_rendezvous"][0]
+    assert note.data["abort_s"] == 0.25 and note.data["wait_s"] == 0.5 and note.data["at"] == 10.5
+    st = m.handle(Report("state", "node1:100", {"gen": 1, "seconds": 0.01, "src": 0}), 10.7)
+    assert st[0].kind == "inproc_state" and st[0].data["at"] == 10.7 and st[0].data["seconds"] == 0.01
+
+
+def heal(m, dead_uid, survivors, step, t):
+    """A rank lost, the survivors (uid -> rank) rejoin, the new generation's first step."""
+    out = m.handle(Report("dead", "x", {"dead": dead_uid}), t)
+    for uid, rank in survivors.items():
+        out += m.handle(Report("join", uid, {"gen": m.gen + 1, "rank": rank, "step": step}), t + 0.1)
+    plan = [a for a in out if isinstance(a, Publish)][0].plan
+    out += m.handle(Report("step", "x", {"gen": plan.gen, "step": step + 1}), t + 0.5)
+    return plan, out
+
+
+def test_a_used_standby_is_refilled_on_its_node_and_the_next_fault_there_heals_in_process():
+    from clusterops.supervisor.membership import StartStandby
+
+    m, _ = started(ppn=2, spn=1, refill=True)       # node3: ranks 4 (node3:100), 5 (node3:101), standby node3:102
+    others = {"node1:100": 0, "node1:101": 1, "node2:100": 2, "node2:101": 3, "node4:100": 6, "node4:101": 7}
+    plan, out = heal(m, "node3:100", {**others, "node3:101": 5}, 10, 1.0)
+    assert plan.ranks["node3:102"] == 4
+    assert [a for a in out if isinstance(a, StartStandby)] == [StartStandby("node3", "node3:102")]
+    assert m.refills == 1
+    # The new standby (a Slurm step of its own: SLURM_PROCID 0 there) says hello after the first plan.
+    hello = m.handle(Report("hello", "node3:200", {"node": "node3", "local": 0, "task": 0}), 3.0)
+    assert kinds(hello) == ["inproc_standby"] and hello[0].data["node"] == "node3"
+    assert m.procs["node3:200"].task == -1 and "node3:200" in m.plan.standby
+    # Another rank of node3: it takes the refilled standby there, not node1's (another node).
+    plan, out = heal(m, "node3:101", {**others, "node3:102": 4}, 20, 5.0)
+    assert plan.ranks["node3:200"] == 5 and "node1:102" in plan.standby
+    assert not [a for a in out if isinstance(a, Fallback)] and m.recoveries == 2
+    assert [a for a in out if isinstance(a, StartStandby)] == [StartStandby("node3", "node3:200")]
+
+
+def test_a_late_standby_is_not_taken_for_the_training_steps_task_of_the_same_number():
+    m, _ = started(refill=True)
+    m.handle(Report("hello", "node3:200", {"node": "node3", "local": 0, "task": 0}), 1.0)
+    m.handle(Report("dead", "srun", {"task": 0, "node": "node1", "reason": "Killed"}), 2.0)
+    assert m.recovery is not None and m.recovery.dead == {0}      # node1:100, task 0 of the training step
+    assert m.procs["node3:200"].alive
+
+
+def test_no_refill_unless_asked_and_a_hello_said_twice_counts_once():
+    from clusterops.supervisor.membership import StartStandby
+
+    m, _ = started()
+    _, out = heal(m, "node3:100", {"node1:100": 0, "node2:100": 1, "node4:100": 3}, 10, 1.0)
+    assert not [a for a in out if isinstance(a, StartStandby)] and m.refills == 0
+    m.handle(Report("hello", "node3:200", {"node": "node3", "local": 0}), 3.0)
+    assert m.handle(Report("hello", "node3:200", {"node": "node3", "local": 0}), 3.1) == []
+    assert m.plan.standby.count("node3:200") == 1

@@ -1,6 +1,6 @@
 """The srun/sbatch argv builders (pure): what the supervisor's steps and a submission run."""
 
-from clusterops.slurm.steps import sbatch_argv, srun_argv
+from clusterops.slurm.steps import sbatch_argv, srun_argv, standby_step_argv
 
 
 def test_training_step_argv():
@@ -24,6 +24,14 @@ def test_check_and_capture_steps():
     # Nothing asked, nothing added (no --wait=0, no --label).
     assert srun_argv(["true"]) == ["srun", "true"]
     assert srun_argv(["true"], wait_s=0) == ["srun", "--wait=0", "true"]
+
+
+def test_standby_step_argv_one_task_overlapping_the_training_step():
+    argv = standby_step_argv(["python", "train.py"], "node3", job_name="clusterops-train-1-standby-1", jobid="7",
+                             cpus_per_task=2, extra=["--overcommit"])
+    assert argv == ["srun", "--job-name=clusterops-train-1-standby-1", "--jobid=7", "--overlap", "--nodes=1",
+                    "--nodelist=node3", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=2",
+                    "--kill-on-bad-exit=0", "--label", "--overcommit", "python", "train.py"]
 
 
 def test_sbatch_argv():

@@ -59,6 +59,15 @@ def srun_argv(command: Sequence[str], *, job_name: Optional[str] = None,
     return argv + list(command)
 
 
+def standby_step_argv(command: Sequence[str], node: str, *, job_name: str, jobid: Optional[str] = None,
+                      cpus_per_task: Optional[int] = None, extra: Sequence[str] = ()) -> List[str]:
+    """One task on ``node`` in a step of its own inside the running job, sharing the
+    resources of the training step already there (``--overlap``): a warm standby started in
+    a used one's place (in-process recovery). Its own failure ends nothing else."""
+    return srun_argv(command, job_name=job_name, jobid=jobid, nodes=[node], ntasks=1, ntasks_per_node=1,
+                     cpus_per_task=cpus_per_task, overlap=True, kill_on_bad_exit=False, label=True, extra=extra)
+
+
 def sbatch_argv(script: str, args: Sequence[str] = (), *, parsable: bool = True) -> List[str]:
     """``sbatch [--parsable] [args...] script``: what a submission runs."""
     return ["sbatch"] + (["--parsable"] if parsable else []) + list(args) + [script]

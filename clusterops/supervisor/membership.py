@@ -16,7 +16,8 @@ Reports (``Report.kind``):
 
 ===========  ====================================================================
 ``hello``    a process of the step started: ``uid``, ``node``, ``local`` (SLURM_LOCALID),
-             ``task`` (SLURM_PROCID)
+             ``task`` (SLURM_PROCID); after the first plan: a standby started in a used
+             one's place (:class:`StartStandby`, a Slurm step of its own), added to the pool
 ``fail``     a rank's collective failed in generation ``gen`` (``rank``, ``step``)
 ``join``     a survivor waits for generation ``gen`` (``rank``, ``step`` it holds)
 ``dead``     a standby saw a process of its node vanish (``dead``: its uid), or srun said a
@@ -30,7 +31,7 @@ Reports (``Report.kind``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 
@@ -73,6 +74,16 @@ class KillProcess:
 
 
 @dataclass(frozen=True)
+class StartStandby:
+    """Start a new warm standby on ``node``: the one there (``used``, its uid) took a lost
+    rank's place and the new generation trains, so a second fault on the node can heal
+    in-process too."""
+
+    node: str
+    used: str
+
+
+@dataclass(frozen=True)
 class Fallback:
     """Give the in-process path up: the supervisor relaunches the whole step."""
 
@@ -105,19 +116,23 @@ class _Recovery:
     joined: Dict[int, int] = field(default_factory=dict)   # rank -> step, survivors waiting
     kill_sent: Set[str] = field(default_factory=set)
     published_at: Optional[float] = None
+    moves: List[dict] = field(default_factory=list)   # who replaced whom (the plan's note)
+    first_join_at: Optional[float] = None   # the first survivor had destroyed its group (the abort's end)
 
 
 class Membership:
     """The generations of one training step (one attempt)."""
 
     def __init__(self, nodes: Sequence[str], ranks_per_node: int, standbys_per_node: int, *,
-                 timeout_s: float = 30.0, unresponsive_s: float = 3.0):
+                 timeout_s: float = 30.0, unresponsive_s: float = 3.0, refill: bool = False):
         self.nodes = list(nodes)
         self.ppn = int(ranks_per_node)
         self.spn = int(standbys_per_node)
         self.world = len(self.nodes) * self.ppn
         self.timeout_s = float(timeout_s)
         self.unresponsive_s = float(unresponsive_s)
+        self.refill = bool(refill)
+        self.refills = 0          # standbys asked for in a used one's place
         self.procs: Dict[str, _Proc] = {}
         self.plan: Optional[Plan] = None
         self.recovery: Optional[_Recovery] = None
@@ -163,10 +178,23 @@ class Membership:
 
     def _on_hello(self, rep: Report, now: float) -> List[object]:
         d = rep.data
+        if self.plan is not None:
+            return self._late_hello(rep, now)
         self.procs[rep.uid] = _Proc(rep.uid, str(d.get("node", "")), int(d.get("local", 0)), task=int(d.get("task", -1)))
-        if self.plan is None and len(self.procs) >= self.expected_procs:
+        if len(self.procs) >= self.expected_procs:
             return [Publish(self._first_plan())]
         return []
+
+    def _late_hello(self, rep: Report, now: float) -> List[object]:
+        """A process that says hello after the first plan: a standby started in a used one's
+        place (its own Slurm step, so its task number is not the training step's: -1). It
+        joins the pool the next plan draws from."""
+        if rep.uid in self.procs:
+            return []
+        node = str(rep.data.get("node", ""))
+        self.procs[rep.uid] = _Proc(rep.uid, node, int(rep.data.get("local", 0)), task=-1)
+        self.plan = replace(self.plan, standby=self.plan.standby + (rep.uid,))
+        return [Note("inproc_standby", {"node": node, "uid": rep.uid, "at": round(now, 3)})]
 
     def _first_plan(self) -> Plan:
         ranks: Dict[str, int] = {}
@@ -190,7 +218,7 @@ class Membership:
     def _open(self, now: float, first: str, out: List[object]) -> _Recovery:
         if self.recovery is None:
             self.recovery = _Recovery(gen=self.gen + 1, since=now, first=first)
-            out.append(Note("inproc_fault", {"gen": self.gen, "first": first}))
+            out.append(Note("inproc_fault", {"gen": self.gen, "first": first, "at": round(now, 3)}))
         return self.recovery
 
     def _lost(self, rank: int, now: float, out: List[object]) -> bool:
@@ -226,6 +254,8 @@ class Membership:
         if int(rep.data.get("gen", -1)) != rec.gen or rec.published_at is not None:
             return out
         rec.joined[self.plan.ranks[rep.uid]] = int(rep.data.get("step", 0))
+        if rec.first_join_at is None:
+            rec.first_join_at = now
         return out + self._try_publish(now)
 
     def _on_dead(self, rep: Report, now: float) -> List[object]:
@@ -259,7 +289,7 @@ class Membership:
         return self.hung([rank], now)
 
     def _on_state(self, rep: Report, now: float) -> List[object]:
-        return [Note("inproc_state", dict(rep.data))]
+        return [Note("inproc_state", dict(rep.data, at=round(now, 3)))]
 
     def _on_step(self, rep: Report, now: float) -> List[object]:
         rec = self.recovery
@@ -267,9 +297,21 @@ class Membership:
             return []
         self.recovery = None
         self.recoveries += 1
-        return [Note("inproc_first_step", {"gen": rec.gen, "step": rep.data.get("step"),
+        out: List[object] = []
+        if self.refill:
+            for mv in rec.moves:
+                if self._healthy(mv["to"]):
+                    self.refills += 1
+                    out.append(StartStandby(mv["to"], mv["uid"]))
+        return out + [Note("inproc_first_step", {"gen": rec.gen, "step": rep.data.get("step"),
                                            "fault_to_step_s": round(now - rec.since, 3), "at": round(now, 3),
                                            "lost": sorted(rec.dead), "first": rec.first})]
+
+    def _healthy(self, node: str) -> bool:
+        """The node answers: a rank of the current plan lives there (the standby that took
+        the lost rank's place, at least). A node lost whole has no live process left."""
+        ranks = self.plan.ranks if self.plan is not None else {}
+        return any(p.alive and p.node == node and u in ranks for u, p in self.procs.items())
 
     def _on_done(self, rep: Report, now: float) -> List[object]:
         if self.plan is not None and rep.uid in self.plan.ranks:
@@ -303,8 +345,11 @@ class Membership:
         src = min(r for r, s in rec.joined.items() if s == top)
         self.plan = Plan(rec.gen, plan.world, ranks, tuple(free), src=src, step=top)
         rec.published_at = now
-        return [Note("inproc_rendezvous", {"gen": rec.gen, "wait_s": round(now - rec.since, 3), "src": src,
-                                           "step": top, "replaced": moves}),
+        rec.moves = moves
+        abort = (rec.first_join_at if rec.first_join_at is not None else now) - rec.since
+        return [Note("inproc_rendezvous", {"gen": rec.gen, "wait_s": round(now - rec.since, 3),
+                                           "abort_s": round(abort, 3), "src": src, "step": top,
+                                           "replaced": moves, "at": round(now, 3)}),
                 Publish(self.plan)]
 
     def tick(self, now: float) -> List[object]:

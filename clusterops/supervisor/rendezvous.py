@@ -7,11 +7,13 @@ Every key sits under a fresh random token (the address the ranks get is
 ``HOST:PORT/TOKEN``, :data:`clusterops.protocol.ENV_RDZV_ADDR`): anyone on the network can
 connect to the port, nobody without the token can name, read or forge a key of the job.
 
-A thread reads the processes' reports (:mod:`clusterops.protocol`'s ``rep/<n>`` keys) as
+A thread reads the processes' reports (:mod:`clusterops.protocol`'s ``rep/<n>`` keys, and
+the survivors' joins, one line each appended to ``join/<G>``: one round trip a rank) as
 they come, feeds them to :class:`clusterops.supervisor.membership.Membership` (every
 decision is made there) and carries its actions out: a generation's plan is written to
 ``plan/<G>``, a hung rank is SIGKILLed by the standbys of its node (``kill/<uid>``), a
-fallback is left for the supervisor's loop (:attr:`RendezvousHost.fallback`), and the
+fallback is left for the supervisor's loop (:attr:`RendezvousHost.fallback`), so is a
+standby to start in a used one's place (:meth:`RendezvousHost.drain_refills`), and the
 timeline records wait in :meth:`RendezvousHost.drain_notes` for the loop to write (the
 timeline has one writer). torch is imported here only when a host starts (``import
 clusterops`` and the CLI never import it).
@@ -25,10 +27,10 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from clusterops import protocol
-from clusterops.supervisor.membership import Fallback, KillProcess, Membership, Note, Publish, Report
+from clusterops.supervisor.membership import Fallback, KillProcess, Membership, Note, Publish, Report, StartStandby
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class InprocessSettings:
     standbys_per_node: int = 1
     timeout_s: float = 30.0
     unresponsive_s: float = 10.0
+    refill: bool = True
 
 
 class RendezvousHost:
@@ -63,10 +66,13 @@ class RendezvousHost:
         self._notes: List[Note] = []
         self._hung: List[Sequence[int]] = []
         self._ended: List[Report] = []
+        self._refills: List[StartStandby] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._next = 1
+        self._joins_read: Dict[int, int] = {}    # generation -> bytes of join/<G> read
+        self._uid_of: tuple = (None, {})
         self.error: Optional[str] = None
 
     @classmethod
@@ -74,7 +80,7 @@ class RendezvousHost:
                     advertise_host: str, *, clock: Callable[[], float] = time.time) -> "RendezvousHost":
         """A started host for one training step on ``nodes``."""
         m = Membership(nodes, ranks_per_node, settings.standbys_per_node, timeout_s=settings.timeout_s,
-                       unresponsive_s=settings.unresponsive_s)
+                       unresponsive_s=settings.unresponsive_s, refill=settings.refill)
         return cls(m, advertise_host=advertise_host, clock=clock).start()
 
     @property
@@ -117,6 +123,12 @@ class RendezvousHost:
         with self._lock:
             self._ended.append(Report("dead", "srun", {"task": int(task), "node": node, "reason": reason}))
 
+    def drain_refills(self) -> List[StartStandby]:
+        """Standbys to start in used ones' places (the supervisor starts them: a Slurm step)."""
+        with self._lock:
+            out, self._refills = self._refills, []
+        return out
+
     def drain_notes(self) -> List[Note]:
         with self._lock:
             out, self._notes = self._notes, []
@@ -151,6 +163,7 @@ class RendezvousHost:
                 actions.append(Note("warning", {"what": f"rendezvous: unreadable report {raw[:80]!r}"}))
                 continue
             actions += m.handle(rep, self.clock())
+        actions += self._read_joins()
         with self._lock:
             hung, self._hung = self._hung, []
             ended, self._ended = self._ended, []
@@ -164,6 +177,32 @@ class RendezvousHost:
         if m.finished and not store.check([protocol.RDZV_FINISH]):
             store.set(protocol.RDZV_FINISH, "1")
 
+    def _read_joins(self) -> List[object]:
+        """The survivors' joins for the next generation (``join/<G>``, appended one line a
+        rank): what was added since the last read, as membership reports."""
+        m, store = self.membership, self.store
+        if m.plan is None:
+            return []
+        gen = m.gen + 1
+        key = protocol.rdzv_key("join", gen)
+        if not store.check([key]):
+            return []
+        raw = store.get(key)
+        seen = self._joins_read.get(gen, 0)
+        end = raw.rfind(b"\n") + 1          # only whole lines (each append is one)
+        if end <= seen:
+            return []
+        self._joins_read[gen] = end
+        if self._uid_of[0] != m.gen:        # rank -> uid of the plan the joins leave
+            self._uid_of = (m.gen, {r: u for u, r in m.plan.ranks.items()})
+        uid_of = self._uid_of[1]
+        out: List[object] = []
+        now = self.clock()
+        for rank, step in protocol.parse_rdzv_joins(raw[seen:end].decode(errors="replace")):
+            if rank in uid_of:
+                out += m.handle(Report("join", uid_of[rank], {"gen": gen, "rank": rank, "step": step}), now)
+        return out
+
     def _act(self, a: object) -> None:
         if isinstance(a, Publish):
             self.store.set(protocol.rdzv_key("plan", a.plan.gen), json.dumps(a.plan.to_json()))
@@ -175,6 +214,9 @@ class RendezvousHost:
             self.store.set(protocol.RDZV_FINISH, "fallback")
             with self._lock:
                 self._notes.append(Note("inproc_fallback", {"reason": a.reason}))
+        elif isinstance(a, StartStandby):
+            with self._lock:
+                self._refills.append(a)
         elif isinstance(a, Note):
             with self._lock:
                 self._notes.append(a)

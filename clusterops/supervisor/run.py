@@ -46,7 +46,7 @@ from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Process, Runner, current_user, free_port, kill_group, wait_exit
 from clusterops.slurm.api import Backoff, SlurmAPI
 from clusterops.slurm.parse import parse_srun_failures
-from clusterops.slurm.steps import srun_argv
+from clusterops.slurm.steps import srun_argv, standby_step_argv
 from clusterops.supervisor import channel as hbchannel
 from clusterops.supervisor.rendezvous import InprocessSettings, RendezvousHost
 from clusterops.supervisor.stability import StabilityConfig
@@ -422,6 +422,8 @@ class SupervisorRun:
         self.progress_reader: Optional[ProgressReader] = None
         self.rdzv: Optional[RendezvousHost] = None   # this attempt's in-process rendezvous
         self.rdzv_log_at = 0     # how far the step log was read for srun's task failures
+        self.rdzv_launch: Optional[Tuple[List[str], Dict[str, str]]] = None   # the step's command and env
+        self.standby_steps: List[Process] = []   # standbys started in used ones' places (their own steps)
         # One handler per action class, spelled out so that grep finds them.
         self._handlers: Dict[type, Callable[[sv.Action], None]] = {
             sv.Record: self._act_record,
@@ -814,6 +816,7 @@ class SupervisorRun:
             command = rank_env_command(command, len(nodes) * ppn, ppn)
         else:   # ranks and standbys; the rendezvous gives the ranks; the step outlives a lost task
             tasks_per_node += cfg.inprocess.standbys_per_node
+            self.rdzv_launch = (list(command), dict(env))
         argv = srun_argv(command, job_name=self.step_name, nodes=nodes, ntasks_per_node=tasks_per_node,
                          cpus_per_task=cfg.cpus_per_task, kill_on_bad_exit=self.rdzv is None,
                          wait_s=cfg.step_wait_s if self.rdzv is None else None, label=True, extra=cfg.srun_args)
@@ -872,14 +875,44 @@ class SupervisorRun:
                 self.rdzv.task_ended(t.rank, t.node, t.reason)
         for note in self.rdzv.drain_notes():
             self._record(E(note.kind) if note.kind in E._value2member_map_ else E.WARNING, note.data)
+        for want in self.rdzv.drain_refills():
+            self._start_standby(want.node, want.used)
         if self.rdzv.fallback and not self.rdzv.fallback_acted and self.train is not None:
             self.rdzv.fallback_acted = True
             self._act_kill_step(sv.KillStep(f"in-process recovery fell back: {self.rdzv.fallback}"))
+
+    def _start_standby(self, node: str, used: str) -> None:
+        """A new warm standby on ``node`` in the used one's place: the training step's command
+        and environment, as one task of a step of its own that overlaps the training step
+        (the training step's task count is fixed once it runs). It says hello to the
+        rendezvous like any standby and joins the pool; it ends when the training does."""
+        if self.rdzv_launch is None or self.attempt_dir is None or node not in self.sup.active:
+            return
+        command, env = self.rdzv_launch
+        k = len(self.standby_steps) + 1
+        argv = standby_step_argv(command, node, job_name=f"{self.step_name}-standby-{k}", jobid=self.cfg.job_id,
+                                 cpus_per_task=self.cfg.cpus_per_task, extra=self.cfg.srun_args)
+        log_path = self.attempt_dir / f"standby-{k}.log"
+        try:
+            self.standby_steps.append(self.runner.spawn(argv, log_path=str(log_path), env=env, cwd=self.cfg.workdir,
+                                                        unset=TORCHRUN_VARS))
+        except ClusteropsError as e:
+            self._record(E.WARNING, {"what": f"in-process: no new standby on {node}: {e}"})
+            return
+        self._record(E.INPROC_REFILL, {"node": node, "used": used, "step_name": f"{self.step_name}-standby-{k}",
+                                       "log": log_path.name})
 
     def _close_rdzv(self) -> None:
         if self.rdzv is not None:
             self.rdzv.close()
             self.rdzv = None
+        # The standbys of their own steps see the training end (or the store go) and exit;
+        # one that has not is ended with its srun.
+        for p in self.standby_steps:
+            if p.poll() is None:
+                kill_group(p, signal.SIGTERM)
+        self.standby_steps = []
+        self.rdzv_launch = None
 
     def _external_stop(self, step_log: str) -> Optional[str]:
         """Did the ranks stop on a request that did not come through us?

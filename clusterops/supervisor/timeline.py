@@ -77,6 +77,8 @@ class EventKind(str, Enum):
     INPROC_STATE = "inproc_state"              # the state broadcast from a survivor, received
     INPROC_FIRST_STEP = "inproc_first_step"    # the new generation's first step: healed in-process
     INPROC_FALLBACK = "inproc_fallback"        # in-process gave up: the step is relaunched
+    INPROC_REFILL = "inproc_refill"            # a new standby started on a node whose standby was used
+    INPROC_STANDBY = "inproc_standby"          # that new standby is warm (said hello): in the pool
 
     def __str__(self) -> str:
         return self.value
@@ -322,7 +324,67 @@ def summary(records: Iterable[Mapping]) -> dict:
     return out
 
 
-LOST_CAUSES = ("startup", "restart", "requeue_wait", "recomputed", "checkpoint_stall", "stalled", "other")
+LOST_CAUSES = ("startup", "restart", "inprocess", "requeue_wait", "recomputed", "checkpoint_stall", "stalled",
+               "other")
+# The phases of an in-process recovery, in order (see :func:`inprocess_windows`).
+INPROC_PHASES = ("abort", "rendezvous", "state", "first_step")
+
+
+def _at(r: Mapping) -> Optional[float]:
+    """When an ``inproc_*`` record happened (its ``at``, the rendezvous's clock), else its ``t``
+    (when the supervisor's loop wrote it, up to one poll later)."""
+    v = _finite(r.get("at"))
+    return v if v is not None else _finite(r.get("t"))
+
+
+def inprocess_windows(records: Iterable[Mapping]) -> List[dict]:
+    """The faults healed in-process, from the ``inproc_*`` records: for each, ``start`` (the
+    fault heard), ``end`` (rank 0 finished the new generation's first step), ``gen``, and
+    ``phases``, four contiguous (name, from, to) spans that sum to the whole:
+
+    - ``abort``: the fault heard -> the first survivor had destroyed its group and asked for
+      the next generation;
+    - ``rendezvous``: -> the new generation's plan published (every old rank rejoined or known lost);
+    - ``state``: -> rank 0 received the state a survivor broadcast (the new group formed, then
+      the broadcast itself);
+    - ``first_step``: -> rank 0 finished the first step of the new generation.
+
+    A fault followed by ``inproc_fallback`` (or a launch or step exit before its first step)
+    was not healed in-process and is not here: the relaunch's time is ``restart``'s."""
+    out: List[dict] = []
+    cur: Optional[dict] = None
+    for r in sorted((r for r in records if _finite(r.get("t")) is not None), key=lambda r: r["t"]):
+        e = r.get("event")
+        if e == E.INPROC_FAULT:
+            if cur is None:
+                cur = {"start": _at(r), "gen": None, "rdzv": None, "abort_s": None, "state": None, "fault": r}
+        elif cur is None:
+            continue
+        elif e == E.INPROC_RENDEZVOUS:
+            cur["rdzv"], cur["gen"], cur["abort_s"] = _at(r), r.get("gen"), _finite(r.get("abort_s"))
+        elif e == E.INPROC_STATE:
+            cur["state"] = _at(r)
+        elif e == E.INPROC_FIRST_STEP:
+            end = _at(r)
+            start = cur["start"]
+            took = _finite(r.get("fault_to_step_s"))
+            if took is not None and _finite(r.get("at")) is not None:
+                start = end - took          # the rendezvous's own measure of the same span
+            bounds = [start, None if cur["abort_s"] is None else start + cur["abort_s"], cur["rdzv"], cur["state"], end]
+            # A missing or out-of-order bound gives its phase no time (the next phase takes it).
+            for k in range(1, 4):
+                b = bounds[k]
+                bounds[k] = bounds[k - 1] if b is None else min(max(b, bounds[k - 1]), end)
+            out.append({"start": start, "end": end, "gen": r.get("gen", cur["gen"]), "fault": cur["fault"],
+                        "phases": [(name, bounds[k], bounds[k + 1]) for k, name in enumerate(INPROC_PHASES)]})
+            cur = None
+        elif e in (E.INPROC_FALLBACK, E.LAUNCH, E.STEP_EXIT, E.RESTART, E.REQUEUE, E.GIVE_UP, E.DONE):
+            cur = None
+    return out
+
+
+def _overlap(a: float, b: float, windows: List[dict]) -> float:
+    return sum(max(0.0, min(b, w["end"]) - max(a, w["start"])) for w in windows)
 
 
 def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
@@ -340,6 +402,9 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
     - ``restart``: from a fault or a restart decision (and the silent time before a fault
       since the last progress) to the first progress of the next launch, requeue wait
       excluded;
+    - ``inprocess``: a fault healed in-process (:func:`inprocess_windows`), from the fault
+      heard to the new generation's first step; the launch goes on, so the steps done
+      before the fault and after that first step stay productive;
     - ``requeue_wait``: from a requeue decision to the next launch;
     - ``startup``: from the first launch to its first progress;
     - ``stalled``: time without progress that no fault or checkpoint explains;
@@ -347,7 +412,9 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
 
     ``restarts`` counts restart and requeue decisions; ``mttr_s`` is the mean time from
     a fault (or a restart/requeue decision with no fault before it) to the first advancing
-    progress after it, over the recoveries that completed.
+    progress after it, over the recoveries that completed (a fault healed in-process: to
+    its first step). ``inprocess`` has the in-process recoveries' count and the seconds
+    of each phase, summed.
     """
     recs = sorted((r for r in records if _finite(r.get("t")) is not None), key=lambda r: r["t"])
     first = next((i for i, r in enumerate(recs) if r.get("event") == E.LAUNCH), None)
@@ -356,11 +423,18 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
     recs = recs[first:]
     t0, t1 = recs[0]["t"], recs[-1]["t"]
     lost = dict.fromkeys(LOST_CAUSES, 0.0)
-    intervals = _advancing_intervals(recs)
-    productive, spp = _productive_time(recs, intervals, lost)
-    recoveries = _lost_gaps(recs, intervals, lost)
+    windows = inprocess_windows(recs)
+    healed = {id(w["fault"]) for w in windows}
+    intervals = _advancing_intervals(recs, healed)
+    productive, spp = _productive_time(recs, intervals, lost, windows)
+    recoveries = _lost_gaps(recs, intervals, lost, healed, windows)
+    recoveries += [w["end"] - w["start"] for w in windows]
     wall = t1 - t0
     s = summary(recs)
+    phases = dict.fromkeys(INPROC_PHASES, 0.0)
+    for w in windows:
+        for name, a, b in w["phases"]:
+            phases[name] += b - a
     return {
         "wall_s": round(wall, 3),
         "productive_s": round(productive, 3),
@@ -370,12 +444,14 @@ def goodput_report(records: Iterable[Mapping]) -> Optional[dict]:
         "recoveries": len(recoveries),
         "mttr_s": round(sum(recoveries) / len(recoveries), 3) if recoveries else None,
         "seconds_per_step": round(spp, 6) if spp is not None else None,
+        "inprocess": {"recoveries": len(windows), "phases_s": {k: round(v, 3) for k, v in phases.items()}},
     }
 
 
-def _advancing_intervals(recs: List[Mapping]) -> List[Tuple[int, int, float, float, bool]]:
+def _advancing_intervals(recs: List[Mapping], healed=frozenset()) -> List[Tuple[int, int, float, float, bool]]:
     """Pass 1 of :func:`goodput_report`: the advancing intervals, each (i_start, i_end,
-    new_steps, recomputed_steps, has_checkpoint), over records sorted by time."""
+    new_steps, recomputed_steps, has_checkpoint), over records sorted by time. A fault healed
+    in-process (its record's id in ``healed``) does not break the launch's progress."""
     intervals = []
     last: Optional[Tuple[int, float]] = None   # (record index, step) of the last progress of this launch
     hwm = None
@@ -396,19 +472,24 @@ def _advancing_intervals(recs: List[Mapping]) -> List[Tuple[int, int, float, flo
             ckpt_since_last = False
         elif e == E.CHECKPOINT:
             ckpt_since_last = True
-        elif e in FAULT_KINDS or e in (E.RESTART, E.REQUEUE, E.GIVE_UP):
+        elif (e in FAULT_KINDS and id(r) not in healed) or e in (E.RESTART, E.REQUEUE, E.GIVE_UP):
             last = None
     return intervals
 
 
-def _productive_time(recs: List[Mapping], intervals, lost: Dict[str, float]) -> Tuple[float, Optional[float]]:
+def _productive_time(recs: List[Mapping], intervals, lost: Dict[str, float],
+                     windows: List[dict] = ()) -> Tuple[float, Optional[float]]:
     """The productive seconds of the advancing intervals and the median seconds per step;
-    their recomputed and checkpoint-stall shares are added to ``lost``."""
-    rates = sorted((recs[b]["t"] - recs[a]["t"]) / new for a, b, new, rec, ck in intervals if new > 0 and not ck)
+    their recomputed, checkpoint-stall and in-process shares are added to ``lost``."""
+    spans = [(recs[a]["t"], recs[b]["t"]) for a, b, _, _, _ in intervals]
+    inproc = [_overlap(ta, tb, list(windows)) for ta, tb in spans]
+    rates = sorted((tb - ta) / new for (ta, tb), (a, b, new, rec, ck), ip in zip(spans, intervals, inproc)
+                   if new > 0 and not ck and ip == 0)
     spp = rates[len(rates) // 2] if rates else None
     productive = 0.0
-    for a, b, new, rec, has_ck in intervals:
-        d = recs[b]["t"] - recs[a]["t"]
+    for (ta, tb), (a, b, new, rec, has_ck), ip in zip(spans, intervals, inproc):
+        d = tb - ta - ip
+        lost["inprocess"] += ip
         d_rec = d * rec / (new + rec)
         d_new = d - d_rec
         lost["recomputed"] += d_rec
@@ -419,9 +500,12 @@ def _productive_time(recs: List[Mapping], intervals, lost: Dict[str, float]) -> 
     return productive, spp
 
 
-def _lost_gaps(recs: List[Mapping], intervals, lost: Dict[str, float]) -> List[float]:
+def _lost_gaps(recs: List[Mapping], intervals, lost: Dict[str, float], healed=frozenset(),
+               windows: List[dict] = ()) -> List[float]:
     """Pass 2 of :func:`goodput_report`: every gap between two records outside the advancing
-    intervals, added to ``lost`` by the state it is in; returns the recovery times (MTTR)."""
+    intervals, added to ``lost`` by the state it is in (its part inside a fault healed
+    in-process to ``inprocess``); returns the recovery times (MTTR) of the relaunches."""
+    windows = list(windows)
     covered = set()
     for a, b, _, _, _ in intervals:
         covered.update(range(a, b))
@@ -432,7 +516,7 @@ def _lost_gaps(recs: List[Mapping], intervals, lost: Dict[str, float]) -> List[f
     adv_ends = {b for _, b, _, _, _ in intervals}
     for i, r in enumerate(recs):
         e = r.get("event")
-        if e in FAULT_KINDS or e in (E.RESTART, E.REQUEUE):
+        if (e in FAULT_KINDS and id(r) not in healed) or e in (E.RESTART, E.REQUEUE):
             lost["restart"] += sum(pending)
             pending = []
             if mode != "ended":
@@ -456,6 +540,10 @@ def _lost_gaps(recs: List[Mapping], intervals, lost: Dict[str, float]) -> List[f
         if i + 1 >= len(recs) or i in covered:
             continue
         gap = recs[i + 1]["t"] - r["t"]
+        if windows and mode == "running":
+            ip = min(gap, _overlap(r["t"], recs[i + 1]["t"], windows))
+            lost["inprocess"] += ip
+            gap -= ip
         nxt = recs[i + 1].get("event")
         if mode == "running":
             if e == E.CHECKPOINT or nxt == E.CHECKPOINT:
@@ -475,7 +563,9 @@ def format_goodput(rep: Mapping) -> str:
     lost = ", ".join(f"{k} {v:.1f}s" for k, v in rep["lost_s"].items() if v > 0) or "none"
     mttr = f"{rep['mttr_s']:.1f}s" if rep.get("mttr_s") is not None else "-"
     return (f"-- goodput {rep['goodput']:.1%} ({rep['productive_s']:.1f}s productive of {rep['wall_s']:.1f}s wall); "
-            f"lost: {lost}; restarts {rep['restarts']}, MTTR {mttr}")
+            f"lost: {lost}; restarts {rep['restarts']}, "
+            + (f"healed in-process {rep['inprocess']['recoveries']}, " if rep.get("inprocess", {}).get("recoveries")
+               else "") + f"MTTR {mttr}")
 
 
 def goodput(records: Iterable[Mapping]) -> Optional[float]:
@@ -577,9 +667,12 @@ def render_svg(records: Iterable[Mapping], *, width: int = 900, height: int = 36
     if not recs:
         return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="60"><text x="10" y="30">empty timeline</text></svg>'
     f = _Frame(recs, width, height)
-    parts = (_svg_axes(f, title) + _svg_steps(f, recs) + _svg_loss(f, recs) + _svg_checkpoints(f, recs)
-             + _svg_markers(f, recs))
+    windows = inprocess_windows(recs)
+    parts = (_svg_axes(f, title) + _svg_inprocess(f, windows) + _svg_steps(f, recs) + _svg_loss(f, recs)
+             + _svg_checkpoints(f, recs) + _svg_markers(f, recs))
     parts.append(_svg_legend(f, any(r.get("event") in FINDING_KINDS for r in recs)))
+    if windows:
+        parts.append(_svg_phase_legend(f))
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -693,6 +786,33 @@ def _svg_markers(f: _Frame, recs: List[Mapping]) -> List[str]:
     return parts
 
 
+PHASE_COLORS = {"abort": "#f4a6a6", "rendezvous": "#f6d58e", "state": "#9fd3f0", "first_step": "#a9e4b4"}
+
+
+def _svg_inprocess(f: _Frame, windows: List[dict]) -> List[str]:
+    """Each fault healed in-process as four bands across the plot, one per phase
+    (:func:`inprocess_windows`), at least a pixel wide: a sub-second healing in a long run
+    is still seen."""
+    parts = []
+    for w in windows:
+        for name, a, b in w["phases"]:
+            x0, x1 = f.x(a), f.x(b)
+            parts.append(f'<rect class="inproc-phase" data-phase="{name}" x="{x0:.2f}" y="{f.pad_t}" '
+                         f'width="{max(x1 - x0, 1.0):.2f}" height="{f.h}" fill="{PHASE_COLORS[name]}" '
+                         f'fill-opacity="0.8"><title>in-process recovery to generation {html_text(w["gen"])}: '
+                         f'{name.replace("_", " ")} {b - a:.3f} s</title></rect>')
+    return parts
+
+
+def _svg_phase_legend(f: _Frame) -> str:
+    items = []
+    for k, (name, color) in enumerate(PHASE_COLORS.items()):
+        items.append(f'<rect x="{k * 90}" y="-5" width="10" height="10" fill="{color}"/>'
+                     f'<text x="{k * 90 + 14}" y="4">{name.replace("_", " ")}</text>')
+    return (f'<g class="inproc-legend" transform="translate({f.pad_l},{f.pad_t + f.h + 84})">'
+            '<text x="-55" y="4">in-process:</text>' + "".join(items) + "</g>")
+
+
 def _svg_legend(f: _Frame, findings: bool) -> str:
     return (f'<g transform="translate({f.pad_l + f.w - (320 if findings else 250)},{f.pad_t - 14})">'
             '<line x1="0" y1="0" x2="16" y2="0" stroke="#2a7" stroke-width="2"/><text x="20" y="4">step</text>'
@@ -723,6 +843,11 @@ def _goodput_html(recs: List[dict]) -> str:
         return ""
     rows = "".join(f"<tr><td>lost: {html_text(k)}</td><td>{v:.1f} s</td></tr>" for k, v in rep["lost_s"].items())
     mttr = f"{rep['mttr_s']:.1f} s" if rep["mttr_s"] is not None else "-"
+    ip = rep["inprocess"]
+    if ip["recoveries"]:
+        rows += (f"<tr><td>in-process recoveries</td><td>{ip['recoveries']}</td></tr>"
+                 + "".join(f"<tr><td>in-process: {html_text(k.replace('_', ' '))}</td><td>{v:.3f} s</td></tr>"
+                           for k, v in ip["phases_s"].items()))
     return (f"<table class='goodput'><tr><td>goodput</td><td>{rep['goodput']:.1%}</td></tr>"
             f"<tr><td>productive</td><td>{rep['productive_s']:.1f} s</td></tr>"
             f"<tr><td>wall</td><td>{rep['wall_s']:.1f} s</td></tr>{rows}"

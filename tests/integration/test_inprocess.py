@@ -9,6 +9,9 @@ per node, real faults (a rank SIGKILLs or SIGSTOPs itself mid-run).
   same in-process path heals it.
 - the same rank lost a second time: the rendezvous falls back, the supervisor relaunches the
   step (resume from the last checkpoint) and the run still ends bitwise equal.
+- a used standby refilled: 2 nodes x 2 ranks, rank 2 then rank 3 (both on node2) SIGKILLed;
+  after the first heal the supervisor starts a new standby on node2 (a step of its own,
+  ``srun --overlap``), which takes the second lost rank: both heal in-process, bitwise.
 - a node lost (slurmd and its processes killed) with a spare: not healed in-process yet; the
   relaunch on the spare heals it, bitwise.
 """
@@ -42,12 +45,12 @@ def reference(tmp_path_factory):
     return out
 
 
-def run_job(tmp_path, name, train_args, inprocess=None):
+def run_job(tmp_path, name, train_args, inprocess=None, nodes=4, step_sleep=0.1, spec_extra=None):
     from clusterops.slurm.factory import connect
 
-    job = fk.TrainJob(root=tmp_path / name, name=name, nodes=4, steps=STEPS, ckpt_every=CKPT_EVERY,
-                      step_sleep=0.1, script=SCRIPT, train_args=train_args,
-                      supervise={"inprocess": inprocess or {"standbys_per_node": 1}})
+    job = fk.TrainJob(root=tmp_path / name, name=name, nodes=nodes, steps=STEPS, ckpt_every=CKPT_EVERY,
+                      step_sleep=step_sleep, script=SCRIPT, train_args=train_args,
+                      supervise={"inprocess": inprocess or {"standbys_per_node": 1}}, spec_extra=spec_extra or {})
     job.submit()
     info = job.wait_end(connect(), timeout_s=400)
     story = tl.format_text(job.timeline())
@@ -99,6 +102,40 @@ def test_same_rank_lost_twice_falls_back_to_relaunch_bitwise(cluster, tmp_path, 
     assert len(events(job, "launch")) == 2 and events(job, "restart"), story
     resumes = events(job, "resume")
     assert resumes and resumes[-1]["step"] == 20, story               # the relaunch resumed from disk
+    assert fk.same_weights(job.out, reference), f"final weights differ from an uninterrupted run\n{story}"
+
+
+@pytest.mark.timeout(600)
+def test_refilled_standby_heals_a_second_fault_on_the_same_node_bitwise(cluster, tmp_path, reference):
+    """2 nodes x 2 ranks + 1 standby a node (3 tasks on the dev cluster's 2-CPU nodes: the
+    allocation asks one task a node with --overcommit, the steps --overcommit), world 4 as the
+    reference. Rank 2 (node2) SIGKILLs itself at step 15: node2's
+    standby takes it, and once the new generation trains the supervisor starts a new standby
+    on node2. Rank 3 (node2 too) SIGKILLs itself at step 45: the new standby takes it (node1's
+    standby stays unused). Two heals in one launch, no relaunch, bitwise equal."""
+    job, story = run_job(tmp_path, "ipr", ["--crash-at-step", "15", "--crash-rank", "2",
+                                            "--crash-marker", str(tmp_path / "c1"),
+                                            "--second-crash-at-step", "45", "--second-crash-rank", "3",
+                                            "--second-crash-marker", str(tmp_path / "c2")],
+                         nodes=2, step_sleep=0.5,
+                         spec_extra={"nproc_per_node": 2, "srun_args": ["--overcommit"],
+                                     # after the launcher's --ntasks-per-node=3, which 2 CPUs refuse
+                                     "sbatch_args": ["--overcommit", "--ntasks-per-node=1"]})
+    assert (tmp_path / "c1").exists() and (tmp_path / "c2").exists(), story
+    assert len(events(job, "launch")) == 1 and not events(job, "restart"), story
+    assert not events(job, "inproc_fallback"), story
+    rdzv = events(job, "inproc_rendezvous")
+    assert [r["step"] for r in rdzv] == [15, 45], story
+    assert [[(m["rank"], m["from"], m["to"]) for m in r["replaced"]] for r in rdzv] == [
+        [(2, "node2", "node2")], [(3, "node2", "node2")]], story
+    refill, warm = events(job, "inproc_refill"), events(job, "inproc_standby")
+    assert refill and refill[0]["node"] == "node2" and warm and warm[0]["node"] == "node2", story
+    # The second fault's replacement is the standby started after the first (not a step task).
+    assert rdzv[1]["replaced"][0]["uid"] == warm[0]["uid"] and warm[0]["t"] < rdzv[1]["t"], story
+    assert len(events(job, "inproc_first_step")) == 2 and events(job, "done"), story
+    rep = tl.goodput_report(job.timeline())
+    assert rep["inprocess"]["recoveries"] == 2 and rep["lost_s"]["inprocess"] > 0, story
+    assert rep["restarts"] == 0, story
     assert fk.same_weights(job.out, reference), f"final weights differ from an uninterrupted run\n{story}"
 
 

@@ -1,0 +1,84 @@
+"""The rendezvous host (clusterops.supervisor.rendezvous) on a real torch TCPStore, with the
+ranks' own protocol (clusterops.recover): joins appended to join/<G>, one round trip each;
+a failed collective reported by the first rank only."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from clusterops import protocol
+
+
+def wait_until(fn, timeout_s=10.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.01)
+    raise AssertionError("not within the time")
+
+
+@pytest.fixture
+def host():
+    from clusterops.supervisor.membership import Membership
+    from clusterops.supervisor.rendezvous import RendezvousHost
+
+    h = RendezvousHost(Membership(["n1", "n2", "n3"], 1, 1, timeout_s=60, unresponsive_s=60),
+                       bind_host="127.0.0.1").start()
+    yield h
+    h.close()
+
+
+def client_store(h):
+    import datetime
+
+    import torch.distributed as torch_dist
+
+    hostname, port, token = protocol.parse_rdzv_addr(h.addr)
+    tcp = torch_dist.TCPStore(hostname, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=10))
+    return torch_dist.PrefixStore(token, tcp)
+
+
+def test_joins_appended_one_line_a_rank_form_the_next_generation(host):
+    from clusterops.recover import send_join, send_report
+
+    st = client_store(host)
+    for i, node in enumerate(["n1", "n2", "n3"]):
+        for local in (0, 1):
+            send_report(st, f"{node}:{local}", "hello", node=node, local=local, task=2 * i + local)
+    plan0 = json.loads(wait_until(lambda: st.check(["plan/0"]) and st.get("plan/0")))
+    assert plan0["ranks"] == {"n1:0": 0, "n2:0": 1, "n3:0": 2}
+    send_report(st, "n2:1", "dead", dead="n2:0")
+    send_join(st, 1, 0, 41)
+    assert not st.check(["plan/1"])
+    st.append("join/1", "2 4")          # a line cut short (no newline) is not read yet
+    time.sleep(0.1)
+    assert not st.check(["plan/1"]) and host.membership.recovery.joined == {0: 41}
+    st.append("join/1", "2\n")          # now it is whole: rank 2 at step 42
+    plan1 = json.loads(wait_until(lambda: st.check(["plan/1"]) and st.get("plan/1")))
+    assert plan1["ranks"] == {"n1:0": 0, "n2:1": 1, "n3:0": 2} and plan1["src"] == 2 and plan1["step"] == 42
+    note = next(n for n in wait_until(host.drain_notes) if n.kind == "inproc_rendezvous")
+    assert note.data["replaced"][0]["uid"] == "n2:1"
+
+
+def test_only_the_first_failed_rank_sends_its_report(host, monkeypatch):
+    from clusterops import recover
+
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    a, b = recover._Client(host.addr, 10), recover._Client(host.addr, 10)
+    a.fail(0, 0, 7, "RuntimeError: Connection closed by peer")
+    b.fail(0, 1, 7, "RuntimeError: Connection closed by peer")
+    a.fail(1, 0, 9, "RuntimeError: again, in the next generation")
+    assert a.store.add(protocol.RDZV_REPORTS, 0) == 2          # one report each generation, not one a rank
+    first = json.loads(a.store.get("rep/1"))
+    assert first["kind"] == "fail" and first["rank"] == 0 and first["gen"] == 0
+
+
+def test_parse_joins_skips_what_is_not_a_whole_line():
+    assert protocol.parse_rdzv_joins("0 5\n12 5\nx y\n3 4") == [(0, 5), (12, 5)]
+    assert protocol.rdzv_join_line(3, 17) == "3 17\n"
