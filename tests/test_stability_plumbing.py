@@ -138,11 +138,7 @@ def test_prune_keeps_a_held_checkpoint_and_list_shows_why(tmp_path):
     from clusterops import checkpoint as ck
     from clusterops.cli import cli
 
-    for step in (10, 20, 30, 40):
-        p = ck.PendingCheckpoint(tmp_path, step)
-        (p.path / "w.bin").write_bytes(b"x" * step)
-        p.record_file("w.bin")
-        p.commit(world_size=1)
+    _four_checkpoints(tmp_path)
     ck.hold(tmp_path, 20, "stability: newest checkpoint before the nan")
     plan = ck.prune(tmp_path, keep_last=1)
     assert sorted(p.name for p in plan.keep) == ["step_00000020", "step_00000040"]
