@@ -220,6 +220,30 @@ def test_holds_written_at_once_by_several_processes_are_all_kept(tmp_path):
     assert len(held) == 160 and held["step_00002039"] == "by 2000"
 
 
+def test_a_holds_lock_held_elsewhere_bounds_the_wait_and_changes_nothing(tmp_path):
+    """Whoever keeps the holds lock (a stuck process) cannot stall the supervisor's hold: the
+    wait ends with an OSError, which the supervisor records, and the file is unchanged."""
+    import fcntl
+    import os
+    import stat
+
+    from clusterops.checkpoint import retention
+
+    _four_checkpoints(tmp_path)
+    retention.hold(tmp_path, 10, "before")
+    lock = tmp_path / retention.HOLDS_LOCK
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o600          # other users cannot open it to block it
+    fd = os.open(lock, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(OSError, match="held by another process"):
+            with retention._holds_locked(tmp_path, wait_s=0.3):
+                pass
+    finally:
+        os.close(fd)
+    assert retention.holds(tmp_path) == {"step_00000010": "before"}
+
+
 def test_the_callbacks_lr_factor_and_data_skip_hold_through_a_schedule():
     """What both framework callbacks apply on a rollback (clusterops.integrations): the LR
     factor survives the schedule's next step and a save/load of optimizer and schedule; the

@@ -96,14 +96,29 @@ def holds(root: os.PathLike) -> Dict[str, str]:
         return {}
 
 
+HOLDS_LOCK_WAIT_S = 30.0
+
+
 @contextlib.contextmanager
-def _holds_locked(root: os.PathLike):
-    """The holds file's writers one at a time (the supervisor holding while a person releases)."""
+def _holds_locked(root: os.PathLike, wait_s: float = HOLDS_LOCK_WAIT_S):
+    """The holds file's writers one at a time (the supervisor holding while a person releases).
+    The lock file is the owner's alone (0600), and the wait is bounded: a lock held longer
+    raises TimeoutError (an OSError, which the supervisor records as a warning) rather than
+    stall the supervisor."""
     import fcntl
 
-    fd = os.open(os.path.join(root, HOLDS_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(os.path.join(root, HOLDS_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{os.path.join(root, HOLDS_LOCK)}: held by another process for "
+                                       f"{wait_s:g} s") from None
+                time.sleep(0.05)
         yield
     finally:
         os.close(fd)

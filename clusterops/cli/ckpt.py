@@ -155,7 +155,10 @@ def release_cmd(root: str, steps, release_all: bool, as_json: bool) -> None:
 
     if bool(steps) == release_all:
         raise InputError("give the STEPS to release or --all (not both)")
-    gone = ck.release(_root_arg(root), None if release_all else list(steps))
+    try:
+        gone = ck.release(_root_arg(root), None if release_all else list(steps))
+    except OSError as e:
+        raise ck.CheckpointError(f"{root}: holds not released: {e}") from None
     if as_json:
         echo_json({"root": str(root), "released": gone})
         return
