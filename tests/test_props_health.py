@@ -87,6 +87,12 @@ def _settle(doc: Dict[str, Any]) -> Dict[str, Any]:
         nv = probes.get("nvml")
         if isinstance(nv, dict):
             nv["temperature_warn_c"], nv["temperature_fail_c"] = 80, 90
+        ib = probes.get("ibbw")
+        if isinstance(ib, dict):
+            ib["warn_fraction"], ib["fail_fraction"] = 0.95, 0.9
+            for fl in (ib.get("floors") or {}).values():
+                if isinstance(fl, dict):
+                    fl["warn"], fl["fail"] = 200, 100
         xid = probes.get("xid")
         if isinstance(xid, dict) and xid.get("source") == "file":
             xid["log_file"] = "/var/log/kern.log"
