@@ -148,9 +148,14 @@ class ResumeHint:
 #   plan/<G>         generation G (JSON, membership.Plan.to_json), written once
 #   pg/<G>/...       generation G's process group (a PrefixStore for init_process_group)
 #   kill/<uid>       the standbys of the process's node SIGKILL it (a hung rank)
+#   beat/<node>      a counter every process of the node creates at hello and its standbys
+#                    add 1 to every RDZV_BEAT_S while they wait: a node whose counter stops
+#                    during a recovery is lost whole (the host's RDZV_SILENT_S)
 #   finish           the training finished: the standbys exit
 RDZV_REPORTS = "rep/n"
 RDZV_FINISH = "finish"
+RDZV_BEAT_S = 0.25
+RDZV_SILENT_S = 3.0
 
 
 def rdzv_key(kind: str, *parts: object) -> str:

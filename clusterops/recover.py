@@ -112,6 +112,10 @@ class _Client:
         self.node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.uid = f"{self.node}:{os.getpid()}"
 
+    def beat(self, n: int = 1) -> None:
+        """This node lives (``beat/<node>``; n=0 only creates the counter)."""
+        self.store.add(protocol.rdzv_key("beat", self.node), n)
+
     def report(self, kind: str, **data: Any) -> None:
         send_report(self.store, self.uid, kind, **data)
 
@@ -158,7 +162,11 @@ def _standby(client: _Client, plan: dict) -> Optional[dict]:
     """Wait as a warm standby: watch this node's ranks (report a death, carry out a kill)
     until a plan gives this process a rank, or the training ends (None)."""
     reported, killed, stop_said, stopped_since = set(), set(), set(), {}
+    beat_at = 0.0
     while True:
+        if time.monotonic() - beat_at >= protocol.RDZV_BEAT_S:
+            beat_at = time.monotonic()
+            client.beat()
         nxt = client.plan(plan["gen"] + 1, wait=False)
         if nxt is not None:
             plan = nxt
@@ -247,6 +255,7 @@ def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo"
         return train(Generation(0, d.rank, d.world_size, restored=False, step=None))
     sdk.install_stop_handlers()
     client = _Client(addr, timeout_s)
+    client.beat(0)
     client.report("hello", node=client.node, local=int(os.environ.get("SLURM_LOCALID") or 0),
                   task=int(os.environ.get("SLURM_PROCID") or -1))
     plan = client.plan(0, wait=True)

@@ -205,3 +205,74 @@ def test_no_refill_unless_asked_and_a_hello_said_twice_counts_once():
     m.handle(Report("hello", "node3:200", {"node": "node3", "local": 0}), 3.0)
     assert m.handle(Report("hello", "node3:200", {"node": "node3", "local": 0}), 3.1) == []
     assert m.plan.standby.count("node3:200") == 1
+
+
+def with_spare(spn=1):
+    """NODES[:3] train (one rank each, ``spn`` standbys); node4 is a spare running standbys only,
+    whose hello comes first (its own step) and does not count toward the first plan."""
+    m = Membership(NODES[:3], 1, spn, spares=["node4"], unresponsive_s=10.0)
+    out = m.handle(Report("hello", "node4:900", {"node": "node4", "local": 0, "task": 0}), 0.0)
+    task = 0
+    for node in NODES[:3]:
+        for local in range(1 + spn):
+            out += m.handle(Report("hello", f"{node}:{100 + local}", {"node": node, "local": local, "task": task}), 0.0)
+            task += 1
+    return m, out
+
+
+def test_a_spares_standbys_join_the_pool_without_holding_up_the_first_plan():
+    m = Membership(NODES[:3], 1, 1, spares=["node4"])
+    m.handle(Report("hello", "node4:900", {"node": "node4", "local": 0, "task": 5}), 0.0)
+    for node in NODES[:3]:
+        m.handle(Report("hello", f"{node}:100", {"node": node, "local": 0, "task": 0}), 0.0)
+    assert m.plan is None          # 1 of 3 standbys of the training nodes still to come
+    m2, out = with_spare()
+    plan = [a for a in out if isinstance(a, Publish)][0].plan
+    assert plan.world == 3 and "node4:900" in plan.standby and "node4:900" not in plan.ranks
+    assert m2.procs["node4:900"].task == -1     # not a task of the training step
+
+
+def test_a_node_lost_whole_is_declared_by_its_silence_and_its_rank_goes_to_the_spare():
+    m, _ = with_spare()
+    out = m.handle(Report("join", "node1:100", {"gen": 1, "rank": 0, "step": 23}), 10.0)
+    out += m.handle(Report("join", "node2:100", {"gen": 1, "rank": 1, "step": 23}), 10.1)
+    assert kinds(out) == ["inproc_fault"]       # rank 2 neither joined nor died: no plan yet
+    assert m.watch_nodes() == ["node3"]         # its node's standby is the one to listen to
+    out = m.handle(Report("silent", "host", {"node": "node3", "seconds": 3.0}), 13.1)
+    assert kinds(out)[:1] == ["inproc_node_lost"] and out[0].data["procs"] == 2
+    pub = [a for a in out if isinstance(a, Publish)][0].plan
+    assert pub.ranks["node4:900"] == 2 and pub.src == 0 and pub.step == 23
+    assert not m.procs["node3:101"].alive and "node3:101" not in pub.standby   # the dead standby is not picked
+    note = [a for a in out if isinstance(a, Note) and a.kind == "inproc_rendezvous"][0]
+    assert note.data["replaced"] == [{"rank": 2, "from": "node3", "to": "node4", "uid": "node4:900"}]
+    assert m.lost_nodes == {"node3"} and m.watch_nodes() == []
+    # srun's later word about the node's tasks changes nothing; the task numbers are healed ones.
+    assert m.handle(Report("dead", "srun", {"task": 4}), 20.0) == []
+    assert {4, 5} <= m.lost_tasks()
+
+
+def test_a_lost_rank_of_a_node_that_lives_stays_on_it_and_otherwise_prefers_the_emptiest_node():
+    m, _ = with_spare()
+    out = m.handle(Report("dead", "node1:101", {"dead": "node2:100"}), 5.0)
+    for rank, uid in ((0, "node1:100"), (2, "node3:100")):
+        out += m.handle(Report("join", uid, {"gen": 1, "rank": rank, "step": 7}), 5.1)
+    pub = [a for a in out if isinstance(a, Publish)][0].plan
+    assert pub.ranks["node2:101"] == 1          # node2 lives (its standby answered): same node
+    # Its own standby gone too: node4 (no rank) is chosen over node1's and node3's standbys.
+    m, _ = with_spare()
+    m.handle(Report("dead", "node1:101", {"dead": "node2:101"}), 4.0)
+    out = m.handle(Report("dead", "node1:101", {"dead": "node2:100"}), 5.0)
+    for rank, uid in ((0, "node1:100"), (2, "node3:100")):
+        out += m.handle(Report("join", uid, {"gen": 1, "rank": rank, "step": 7}), 5.1)
+    pub = [a for a in out if isinstance(a, Publish)][0].plan
+    assert pub.ranks["node4:900"] == 1
+
+
+def test_a_node_falling_silent_after_the_plan_that_holds_a_new_rank_falls_back():
+    m, _ = with_spare()
+    m.handle(Report("dead", "node1:101", {"dead": "node3:100"}), 5.0)
+    for rank, uid in ((0, "node1:100"), (1, "node2:100")):
+        m.handle(Report("join", uid, {"gen": 1, "rank": rank, "step": 7}), 5.1)
+    assert m.plan.gen == 1 and m.plan.ranks["node3:101"] == 2     # node3 lives: its standby took it
+    out = m.handle(Report("silent", "host", {"node": "node3", "seconds": 3.0}), 6.0)
+    assert [type(a).__name__ for a in out][-1] == "Fallback" and "node node3 lost during" in out[-1].reason

@@ -12,6 +12,13 @@ def test_training_step_argv():
                     "--wait=60", "--label", "--mpi=none", "python", "train.py", "--lr", "0.1"]
 
 
+def test_inprocess_training_step_outlives_a_lost_node():
+    argv = srun_argv(["python", "t.py"], nodes=["n1", "n2"], ntasks_per_node=2, kill_on_bad_exit=False, no_kill=True)
+    assert argv == ["srun", "--nodes=2", "--nodelist=n1,n2", "--ntasks=4", "--ntasks-per-node=2",
+                    "--kill-on-bad-exit=0", "--no-kill", "python", "t.py"]
+    assert "--no-kill" not in srun_argv(["python", "t.py"], nodes=["n1"], ntasks_per_node=1)
+
+
 def test_check_and_capture_steps():
     live = srun_argv(["printenv", "SLURMD_NODENAME"], job_name="clusterops-liveness", nodes=["n1"],
                      ntasks_per_node=1, kill_on_bad_exit=False, output="/d/%t.out", error="/d/%t.err",

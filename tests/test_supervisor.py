@@ -251,6 +251,31 @@ def test_node_down_uses_spare():
     assert not only(s.handle(NodesDown(1040.0, {"node3": "down"})), KillStep)
 
 
+def test_ranks_moved_in_process_to_the_spare_keep_the_step_when_slurm_reports_the_node():
+    s, _ = start(P(nodes=3, spare_nodes=1, preflight=None, drain_bad_nodes=True))
+    s.handle(StepLaunched(1001.0))
+    acts = s.handle(sv.RanksMoved(1020.0, ((2, "node3", "node4"),), ("node1", "node2", "node4")))
+    assert records(acts, "spare_used")[0].data == {"nodes": ["node4"], "replacing": "node3", "inprocess": True}
+    assert s.active == ["node1", "node2", "node4"] and s.spares == [] and s.rank_node(2) == "node4"
+    acts = s.handle(NodesDown(1030.0, {"node3": "down+NOT_RESPONDING"}))
+    assert not only(acts, KillStep) and s.state == "running"
+    assert only(acts, DrainNodes)[0].nodes == ("node3",)     # still a real node loss: drained
+    acts = s.handle(StepExited(1100.0, returncode=0, ckpt_step=60))
+    assert only(acts, Exit) == [Exit(0, "training finished")]
+    # A move to a node of the step (no spare): the lost node keeps its place for rank numbers,
+    # its loss does not end the step, and no later step uses it.
+    s, _ = start(P(nodes=3, preflight=None), nodes=["node1", "node2", "node3"])
+    s.handle(StepLaunched(1001.0))
+    s.handle(sv.RanksMoved(1020.0, ((2, "node3", "node1"),), ("node1", "node2")))
+    assert not only(s.handle(NodesDown(1030.0, {"node3": "down"})), KillStep)
+    assert s.active == ["node1", "node2", "node3"] and "node3" not in s._usable()
+    # A move that leaves ranks on the node changes nothing.
+    s, _ = start(P(nodes=3, spare_nodes=1, preflight=None))
+    s.handle(StepLaunched(1001.0))
+    assert s.handle(sv.RanksMoved(1020.0, ((2, "node3", "node4"),), ("node1", "node2", "node3", "node4"))) == []
+    assert only(s.handle(NodesDown(1030.0, {"node3": "down"})), KillStep)
+
+
 def test_node_down_without_spare_shrinks_when_allowed():
     s, _ = start(P(nodes=4, min_nodes=3, preflight=None))
     s.handle(NodesDown(1030.0, {"node4": "down"}))

@@ -21,11 +21,14 @@ def srun_argv(command: Sequence[str], *, job_name: Optional[str] = None,
               kill_on_bad_exit: Optional[bool] = None, output: Optional[str] = None,
               error: Optional[str] = None, exclude: Sequence[str] = (),
               extra: Sequence[str] = (), wait_s: Optional[int] = None,
-              label: bool = False) -> List[str]:
+              label: bool = False, no_kill: bool = False) -> List[str]:
     """``srun [options] command...``. ``nodes``: the exact nodes (``--nodes=N
     --nodelist=...``); ``ntasks`` defaults to nodes x ntasks_per_node when both are known.
     ``wait_s``: how long the other tasks may outlive the first to exit (``--wait``);
-    ``label``: prefix each output line with its task number (``--label``)."""
+    ``label``: prefix each output line with its task number (``--label``); ``no_kill``: the
+    step outlives a node of it that fails (``--no-kill``: seen on 22.05, a step without it is
+    ended on every node once slurmctld marks one of its nodes down; with it the tasks on the
+    other nodes run on)."""
     argv = ["srun"]
     if job_name:
         argv.append(f"--job-name={job_name}")
@@ -45,6 +48,8 @@ def srun_argv(command: Sequence[str], *, job_name: Optional[str] = None,
         argv.append(f"--cpus-per-task={int(cpus_per_task)}")
     if kill_on_bad_exit is not None:
         argv.append(f"--kill-on-bad-exit={1 if kill_on_bad_exit else 0}")
+    if no_kill:
+        argv.append("--no-kill")
     if wait_s is not None:
         argv.append(f"--wait={int(wait_s)}")
     if label:
@@ -60,11 +65,13 @@ def srun_argv(command: Sequence[str], *, job_name: Optional[str] = None,
 
 
 def standby_step_argv(command: Sequence[str], node: str, *, job_name: str, jobid: Optional[str] = None,
-                      cpus_per_task: Optional[int] = None, extra: Sequence[str] = ()) -> List[str]:
-    """One task on ``node`` in a step of its own inside the running job, sharing the
-    resources of the training step already there (``--overlap``): a warm standby started in
-    a used one's place (in-process recovery). Its own failure ends nothing else."""
-    return srun_argv(command, job_name=job_name, jobid=jobid, nodes=[node], ntasks=1, ntasks_per_node=1,
+                      cpus_per_task: Optional[int] = None, extra: Sequence[str] = (),
+                      ntasks: int = 1) -> List[str]:
+    """``ntasks`` tasks on ``node`` in a step of their own inside the running job, sharing the
+    resources of the training step already there (``--overlap``): warm standbys of in-process
+    recovery, started in a used one's place or on a spare node. Their own failure ends
+    nothing else."""
+    return srun_argv(command, job_name=job_name, jobid=jobid, nodes=[node], ntasks=ntasks, ntasks_per_node=ntasks,
                      cpus_per_task=cpus_per_task, overlap=True, kill_on_bad_exit=False, label=True, extra=extra)
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "Event",
     "PreflightDone",
     "StepLaunched",
+    "RanksMoved",
     "RankFailure",
     "StepExited",
     "Heartbeats",
@@ -194,6 +195,17 @@ class Heartbeats(Event):
 @dataclass(frozen=True)
 class NodesDown(Event):
     nodes: Mapping[str, str] = field(default_factory=dict)   # node -> state text
+
+
+@dataclass(frozen=True)
+class RanksMoved(Event):
+    """In-process recovery moved ranks between nodes inside the running step: ``moves`` are
+    (rank, from node, to node); ``holding`` the nodes that hold ranks now. A node left with
+    no rank (lost whole, its ranks taken over by a spare's standbys) no longer ends the step
+    when Slurm reports it down, and no later step uses it."""
+
+    moves: Tuple[Tuple[int, str, str], ...] = ()
+    holding: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -404,6 +416,7 @@ class Supervisor:
         self.bad: Dict[str, str] = {}             # node -> why (this incarnation)
         self.blame: Dict[str, int] = {}           # node -> failures blamed on it
         self.down_seen: Set[str] = set()
+        self.left_inprocess: Set[str] = set()    # nodes whose ranks moved away in-process (RanksMoved)
         self.active: List[str] = []               # nodes of the current/next step
         self.spares: List[str] = []
         self.restarts_here = 0
@@ -440,7 +453,7 @@ class Supervisor:
         self.state = state
 
     def _usable(self) -> List[str]:
-        return [n for n in self.allocation if n not in self.bad]
+        return [n for n in self.allocation if n not in self.bad and n not in self.left_inprocess]
 
     def _mark_bad(self, node: str, why: str, now: float, out: List[Action], *, drain: bool = True,
                   reason: Optional[str] = None) -> None:
@@ -775,8 +788,23 @@ class Supervisor:
             self._mark_bad(node, f"node {st}", ev.now, out)
             if node in self.spares:
                 self.spares.remove(node)
-        if any(n in self.active for n in fresh) and self.state == RUNNING:
+        if any(n in self.active and n not in self.left_inprocess for n in fresh) and self.state == RUNNING:
             out += self._kill(ev.now, KillCause.NODE_DOWN)
+        return out
+
+    def _on_ranks_moved(self, ev: RanksMoved) -> List[Action]:
+        out: List[Action] = []
+        for rank, src, dst in ev.moves:
+            if src == dst or src in ev.holding or src not in self.active:
+                continue
+            self.left_inprocess.add(src)
+            i = self.active.index(src)
+            if dst in self.spares and dst not in self.active:
+                self.active[i] = dst       # rank // ranks_per_node is dst's now
+                self.spares.remove(dst)
+                out.append(Record(E.SPARE_USED, {"nodes": [dst], "replacing": src, "inprocess": True}))
+            # else its ranks went to standbys on nodes of the step: it keeps its place in
+            # ``active`` (rank // ranks_per_node), and its loss no longer ends the step.
         return out
 
     def _on_stop_requested(self, ev: StopRequested) -> List[Action]:
@@ -842,7 +870,7 @@ class Supervisor:
         ``kind``, in clusterops.slurm.parse)."""
         if self.kill_cause == KillCause.HANG:
             return Cause.HANG, sorted({self.rank_node(r) for r in self.hang_culprits if self.rank_node(r)})
-        lost = sorted(set(ev.node_failure) | (self.down_seen & set(self.active)))
+        lost = sorted((set(ev.node_failure) | (self.down_seen & set(self.active))) - self.left_inprocess)
         if lost or self.kill_cause == KillCause.NODE_DOWN:
             return Cause.NODE_LOST, lost
         if ev.failures:
@@ -971,6 +999,7 @@ class Supervisor:
         StepLaunched: _on_step_launched,
         Heartbeats: _on_heartbeats,
         NodesDown: _on_nodes_down,
+        RanksMoved: _on_ranks_moved,
         StopRequested: _on_stop_requested,
         CheckpointCommitted: _on_checkpoint_committed,
         Tick: _on_tick,

@@ -9,7 +9,9 @@ generation G+1, which standby takes a lost rank's place (on the same node first,
 another node: a spare), which survivor's state the newcomers receive, when to kill a rank
 that neither answers nor dies (a hang), and when to give the in-process path up for the
 supervisor's full relaunch (a timeout, the same rank failing twice, a fault during a
-recovery, no standby left). Plain values in, plain values out, the clock passed in;
+recovery, no standby left). A lost rank goes to a standby on its own node when the node
+lives, else to one on a spare node (a node of the job that holds no rank: its standbys
+run as a step of their own), else to any standby left. Plain values in, plain values out, the clock passed in;
 nothing here touches a process or a socket.
 
 Reports (``Report.kind``):
@@ -23,6 +25,10 @@ Reports (``Report.kind``):
 ``dead``     a standby saw a process of its node vanish (``dead``: its uid), or srun said a
              task ended (uid ``srun``, ``task``: its SLURM_PROCID)
 ``stopped``  a standby saw a rank of its node stopped (``dead``: its uid; SIGSTOP)
+``silent``   the host saw a node go quiet during a recovery (``node``, ``seconds``): its
+             standbys beat the store (``beat/<node>``) while they wait and stopped, so the
+             node is lost whole (a power cut, a dead slurmd with its tasks): every process
+             of it counts dead
 ``state``    rank 0 of ``gen`` received the state (``seconds``, ``src``)
 ``step``     rank 0 of ``gen`` finished its first training step there (``step``)
 ``done``     a rank finished the training (``rank``, ``step``)
@@ -124,8 +130,10 @@ class Membership:
     """The generations of one training step (one attempt)."""
 
     def __init__(self, nodes: Sequence[str], ranks_per_node: int, standbys_per_node: int, *,
-                 timeout_s: float = 30.0, unresponsive_s: float = 3.0, refill: bool = False):
+                 timeout_s: float = 30.0, unresponsive_s: float = 3.0, refill: bool = False,
+                 spares: Sequence[str] = ()):
         self.nodes = list(nodes)
+        self.spares = [n for n in spares if n not in self.nodes]   # standbys only (steps of their own)
         self.ppn = int(ranks_per_node)
         self.spn = int(standbys_per_node)
         self.world = len(self.nodes) * self.ppn
@@ -141,6 +149,7 @@ class Membership:
         self.finished = False
         self.done_ranks: Set[int] = set()
         self.recoveries = 0
+        self.lost_nodes: Set[str] = set()        # nodes gone whole (``silent``)
 
     def lost_tasks(self) -> Set[int]:
         """srun task numbers of the processes that died while the step went on (healed, or
@@ -180,8 +189,12 @@ class Membership:
         d = rep.data
         if self.plan is not None:
             return self._late_hello(rep, now)
-        self.procs[rep.uid] = _Proc(rep.uid, str(d.get("node", "")), int(d.get("local", 0)), task=int(d.get("task", -1)))
-        if len(self.procs) >= self.expected_procs:
+        node = str(d.get("node", ""))
+        # A spare node's standbys run as a step of their own: no task of the training step,
+        # and not waited for (the first plan takes them when they are there).
+        task = -1 if node in self.spares else int(d.get("task", -1))
+        self.procs[rep.uid] = _Proc(rep.uid, node, int(d.get("local", 0)), task=task)
+        if sum(1 for p in self.procs.values() if p.node not in self.spares) >= self.expected_procs:
             return [Publish(self._first_plan())]
         return []
 
@@ -335,7 +348,7 @@ class Membership:
         moves = []
         for rank in sorted(rec.dead):
             node = self.rank_node(rank)
-            pick = next((u for u in free if self.procs[u].node == node), None) or (free[0] if free else None)
+            pick = self._pick(free, node, ranks)
             if pick is None:
                 return [self._fallback(f"no standby left for rank {rank}")]
             free.remove(pick)
@@ -351,6 +364,57 @@ class Membership:
                                            "abort_s": round(abort, 3), "src": src, "step": top,
                                            "replaced": moves, "at": round(now, 3)}),
                 Publish(self.plan)]
+
+    def _pick(self, free: List[str], node: str, ranks: Dict[str, int]) -> Optional[str]:
+        """The standby for a rank lost on ``node``: one of the node itself (it lives: the
+        lost process's devices are free there), else one on the node holding the fewest ranks
+        of the new plan (a spare holds none), first in the pool on a tie."""
+        same = next((u for u in free if self.procs[u].node == node and node not in self.lost_nodes), None)
+        if same is not None or not free:
+            return same
+        load: Dict[str, int] = {}
+        for u in ranks:
+            if u in self.procs:
+                load[self.procs[u].node] = load.get(self.procs[u].node, 0) + 1
+        return min(free, key=lambda u: (self.procs[u].node == node, load.get(self.procs[u].node, 0), free.index(u)))
+
+    def watch_nodes(self) -> List[str]:
+        """Nodes whose standbys' beats decide, during a recovery, whether the node lives: those
+        of the old generation's ranks that neither rejoined nor are known lost, where a
+        standby lives to beat (a node without one is decided by ``unresponsive_s``)."""
+        rec, plan = self.recovery, self.plan
+        if rec is None or plan is None or rec.published_at is not None:
+            return []
+        nodes = set()
+        for uid, rank in plan.ranks.items():
+            if rank in rec.joined or rank in rec.dead:
+                continue
+            p = self.procs.get(uid)
+            if p is not None and p.node not in self.lost_nodes:
+                nodes.add(p.node)
+        with_standby = {p.node for u, p in self.procs.items() if p.alive and u in plan.standby}
+        return sorted(nodes & with_standby)
+
+    def _on_silent(self, rep: Report, now: float) -> List[object]:
+        node = str(rep.data.get("node", ""))
+        if self.plan is None or node in self.lost_nodes:
+            return []
+        self.lost_nodes.add(node)
+        out: List[object] = []
+        rec = self._open(now, f"node {node} lost", out)
+        gone = sorted((u for u, p in self.procs.items() if p.node == node and p.alive),
+                      key=lambda u: self.plan.ranks.get(u, self.world))
+        out.append(Note("inproc_node_lost", {"node": node, "silent_s": rep.data.get("seconds"),
+                                             "procs": len(gone), "at": round(now, 3)}))
+        if rec.published_at is not None and any(u in self.plan.ranks for u in gone):
+            out.append(self._fallback(f"node {node} lost during the recovery to generation {rec.gen}"))
+            return out
+        for uid in gone:
+            self.procs[uid].alive = False
+            rank = self.plan.ranks.get(uid)
+            if rank is not None and not self._lost(rank, now, out):
+                return out
+        return out + self._try_publish(now)
 
     def tick(self, now: float) -> List[object]:
         """Timeouts: kill a rank that neither joined nor died; fall back past ``timeout_s``."""

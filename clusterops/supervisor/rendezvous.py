@@ -73,14 +73,19 @@ class RendezvousHost:
         self._next = 1
         self._joins_read: Dict[int, int] = {}    # generation -> bytes of join/<G> read
         self._uid_of: tuple = (None, {})
+        self._beats: Dict[str, tuple] = {}      # node -> (its beat counter, when it last moved)
+        self._beats_for: Optional[int] = None   # the generation being formed they were read for
+        self._beats_at = 0.0
         self.error: Optional[str] = None
 
     @classmethod
     def for_attempt(cls, settings: InprocessSettings, nodes: Sequence[str], ranks_per_node: int,
-                    advertise_host: str, *, clock: Callable[[], float] = time.time) -> "RendezvousHost":
-        """A started host for one training step on ``nodes``."""
+                    advertise_host: str, *, clock: Callable[[], float] = time.time,
+                    spares: Sequence[str] = ()) -> "RendezvousHost":
+        """A started host for one training step on ``nodes`` (``spares``: nodes of the job
+        that run standbys only)."""
         m = Membership(nodes, ranks_per_node, settings.standbys_per_node, timeout_s=settings.timeout_s,
-                       unresponsive_s=settings.unresponsive_s, refill=settings.refill)
+                       unresponsive_s=settings.unresponsive_s, refill=settings.refill, spares=spares)
         return cls(m, advertise_host=advertise_host, clock=clock).start()
 
     @property
@@ -171,11 +176,37 @@ class RendezvousHost:
             actions += m.handle(rep, self.clock())
         for ranks in hung:
             actions += m.hung(ranks, self.clock())
+        actions += self._read_beats()
         actions += m.tick(self.clock())
         for a in actions:
             self._act(a)
         if m.finished and not store.check([protocol.RDZV_FINISH]):
             store.set(protocol.RDZV_FINISH, "1")
+
+    def _read_beats(self) -> List[object]:
+        """During a recovery, the beats of the nodes whose ranks have not rejoined: a node
+        whose standbys' counter has not moved for RDZV_SILENT_S is lost whole (``silent``).
+        One check and one multi_get every RDZV_BEAT_S, for those nodes only."""
+        m, now = self.membership, self.clock()
+        rec = m.recovery
+        if rec is None or now - self._beats_at < protocol.RDZV_BEAT_S:
+            return []
+        self._beats_at = now
+        if self._beats_for != rec.gen:          # a new recovery: every node starts afresh
+            self._beats, self._beats_for = {}, rec.gen
+        nodes = m.watch_nodes()
+        keys = [protocol.rdzv_key("beat", n) for n in nodes]
+        if not nodes or not self.store.check(keys):
+            return []
+        out: List[object] = []
+        for node, raw in zip(nodes, self.store.multi_get(keys)):
+            value = int(raw)
+            seen = self._beats.get(node)
+            if seen is None or seen[0] != value:
+                self._beats[node] = (value, now)
+            elif now - seen[1] >= protocol.RDZV_SILENT_S:
+                out += m.handle(Report("silent", "host", {"node": node, "seconds": round(now - seen[1], 2)}), now)
+        return out
 
     def _read_joins(self) -> List[object]:
         """The survivors' joins for the next generation (``join/<G>``, appended one line a

@@ -256,6 +256,8 @@ class RunConfig:
 
 
 # ------------------------------------------------------------------------------ torchrun
+FINISHED_STEP_GRACE_S = 3.0   # in-process: srun's own end, after every rank finished, a node lost
+
 # One torchrun agent per node (srun task), static rendezvous on the step's first node
 # (MASTER_ADDR/MASTER_PORT, set per launch), node rank = the task's index in the step.
 # The agent ignores the lead-time USR1 and the supervisor's USR2 (it would die of
@@ -422,6 +424,8 @@ class SupervisorRun:
         self.progress_reader: Optional[ProgressReader] = None
         self.rdzv: Optional[RendezvousHost] = None   # this attempt's in-process rendezvous
         self.rdzv_log_at = 0     # how far the step log was read for srun's task failures
+        self.rdzv_done_at: Optional[float] = None   # when every rank had finished, a node being lost
+        self.rdzv_ended = False  # the step ended by us: its tasks on a lost node never end
         self.rdzv_launch: Optional[Tuple[List[str], Dict[str, str]]] = None   # the step's command and env
         self.standby_steps: List[Process] = []   # standbys started in used ones' places (their own steps)
         # One handler per action class, spelled out so that grep finds them.
@@ -802,10 +806,12 @@ class SupervisorRun:
             env.pop(var, None)
         self._close_rdzv()
         if cfg.inprocess is not None and cfg.launcher != "torchrun":
+            spares = [n for n in self.sup.spares if n not in nodes] if cfg.inprocess.standbys_per_node else []
             self.rdzv = RendezvousHost.for_attempt(cfg.inprocess, nodes, ppn, self.slurm.node_address(nodes[0]),
-                                                   clock=self.clock)
+                                                   clock=self.clock, spares=spares)
             env[protocol.ENV_RDZV_ADDR] = self.rdzv.addr
             self.rdzv_log_at = 0
+            self.rdzv_done_at, self.rdzv_ended = None, False
         self.step_name = f"clusterops-train-{a.attempt}"
         self.step_id = None
         command = list(cfg.command) + cfg.plain.resume_argv(resume, hint)
@@ -817,9 +823,12 @@ class SupervisorRun:
         else:   # ranks and standbys; the rendezvous gives the ranks; the step outlives a lost task
             tasks_per_node += cfg.inprocess.standbys_per_node
             self.rdzv_launch = (list(command), dict(env))
+        # In-process, the step outlives a lost task (no --kill-on-bad-exit, no --wait) and a lost
+        # node (--no-kill: else Slurm ends it everywhere once it marks the node down).
         argv = srun_argv(command, job_name=self.step_name, nodes=nodes, ntasks_per_node=tasks_per_node,
                          cpus_per_task=cfg.cpus_per_task, kill_on_bad_exit=self.rdzv is None,
-                         wait_s=cfg.step_wait_s if self.rdzv is None else None, label=True, extra=cfg.srun_args)
+                         wait_s=cfg.step_wait_s if self.rdzv is None else None, label=True, extra=cfg.srun_args,
+                         no_kill=self.rdzv is not None)
         self.train_log = d / "step.log"
         self.progress_reader = (ProgressReader(cfg.plain.progress_regex, self.train_log, d / "heartbeat",
                                                len(nodes) * ppn, cfg.plain.loss_regex)
@@ -827,6 +836,8 @@ class SupervisorRun:
         self.train = self.runner.spawn(argv, log_path=str(self.train_log), env=env, cwd=cfg.workdir,
                                        unset=TORCHRUN_VARS)
         self.launched_at = self.clock()
+        if self.rdzv is not None:
+            self._start_spare_standbys(self.rdzv.membership.spares)
         save_memory(cfg.job_dir, self.sup.memory)   # attempts survive even a lost batch host
         # Mode 0600: the heartbeat address in it carries the attempt's token.
         protocol.write_private(d / "command.txt", (shlex.join(argv) + "\n" + "".join(
@@ -844,9 +855,12 @@ class SupervisorRun:
         if self.rdzv is not None:
             self._poll_rdzv()
             healed = self.rdzv.membership.lost_tasks()
-            if self.rdzv.finished and not lost and all(f.rank in healed for f in failures):
-                # Every rank finished; the only tasks that failed were lost on the way and healed.
-                rc, failures = 0, []
+            gone = self.rdzv.membership.lost_nodes    # nodes lost whole, their ranks healed in-process
+            if self.rdzv.finished and (self.rdzv_ended or set(lost) <= gone and all(
+                    f.rank in healed or f.node in gone for f in failures)):
+                # Every rank finished; the only tasks (or nodes) that failed were lost on the
+                # way and healed.
+                rc, failures, lost = 0, [], []
             self._close_rdzv()
         self.train = None
         self.step_id = None
@@ -875,8 +889,15 @@ class SupervisorRun:
                 self.rdzv.task_ended(t.rank, t.node, t.reason)
         for note in self.rdzv.drain_notes():
             self._record(E(note.kind) if note.kind in E._value2member_map_ else E.WARNING, note.data)
+            moved = tuple((int(m["rank"]), str(m["from"]), str(m["to"])) for m in note.data.get("replaced", ())
+                          if note.kind == E.INPROC_RENDEZVOUS and m["from"] != m["to"])
+            if moved:   # ranks went to other nodes: the state machine's picture of the step follows
+                plan = self.rdzv.membership.plan
+                holding = sorted({self.rdzv.membership.procs[u].node for u in plan.ranks} if plan else ())
+                self._do(self.sup.handle(sv.RanksMoved(self.clock(), moved, tuple(holding))))
         for want in self.rdzv.drain_refills():
             self._start_standby(want.node, want.used)
+        self._end_finished_step()
         if self.rdzv.fallback and not self.rdzv.fallback_acted and self.train is not None:
             self.rdzv.fallback_acted = True
             self._act_kill_step(sv.KillStep(f"in-process recovery fell back: {self.rdzv.fallback}"))
@@ -901,6 +922,45 @@ class SupervisorRun:
             return
         self._record(E.INPROC_REFILL, {"node": node, "used": used, "step_name": f"{self.step_name}-standby-{k}",
                                        "log": log_path.name})
+
+    def _end_finished_step(self) -> None:
+        """Every rank finished, but a node of the step was lost whole: srun (``--no-kill``)
+        waits for that node's tasks, which never end. Give it FINISHED_STEP_GRACE_S to end by
+        itself, then end it; the step reads as finished (``_step_exited``)."""
+        m = self.rdzv.membership
+        if not m.finished or not m.lost_nodes or self.train is None or self.rdzv_ended:
+            return
+        now = self.clock()
+        if self.rdzv_done_at is None:
+            self.rdzv_done_at = now
+        elif now - self.rdzv_done_at >= FINISHED_STEP_GRACE_S and self.train.poll() is None:
+            self.rdzv_ended = True
+            self._record(E.WARNING, {"what": f"in-process: every rank finished; the step's tasks on lost "
+                                             f"node(s) {', '.join(sorted(m.lost_nodes))} never end (srun "
+                                             f"--no-kill): step ended"})
+            kill_group(self.train, signal.SIGTERM)
+
+    def _start_spare_standbys(self, spares: Sequence[str]) -> None:
+        """Warm standbys on the spare nodes (``standbys_per_node`` each, a step a node): a rank
+        lost with its node goes to one of them in-process."""
+        if not spares or self.rdzv_launch is None or self.attempt_dir is None:
+            return
+        command, env = self.rdzv_launch
+        started = []
+        for node in spares:
+            name = f"{self.step_name}-spare-{node}"
+            argv = standby_step_argv(command, node, job_name=name, jobid=self.cfg.job_id,
+                                     cpus_per_task=self.cfg.cpus_per_task, extra=self.cfg.srun_args,
+                                     ntasks=self.cfg.inprocess.standbys_per_node)
+            try:
+                self.standby_steps.append(self.runner.spawn(argv, log_path=str(self.attempt_dir / f"spare-{node}.log"),
+                                                            env=env, cwd=self.cfg.workdir, unset=TORCHRUN_VARS))
+            except ClusteropsError as e:
+                self._record(E.WARNING, {"what": f"in-process: no standby on spare {node}: {e}"})
+                continue
+            started.append(node)
+        if started:
+            self._record(E.INPROC_SPARES, {"nodes": started, "per_node": self.cfg.inprocess.standbys_per_node})
 
     def _close_rdzv(self) -> None:
         if self.rdzv is not None:

@@ -79,6 +79,8 @@ class EventKind(str, Enum):
     INPROC_FALLBACK = "inproc_fallback"        # in-process gave up: the step is relaunched
     INPROC_REFILL = "inproc_refill"            # a new standby started on a node whose standby was used
     INPROC_STANDBY = "inproc_standby"          # that new standby is warm (said hello): in the pool
+    INPROC_NODE_LOST = "inproc_node_lost"      # a node's standbys stopped beating: lost whole
+    INPROC_SPARES = "inproc_spares"            # standbys started on the spare nodes (a step each)
 
     def __str__(self) -> str:
         return self.value

@@ -12,13 +12,14 @@ per node, real faults (a rank SIGKILLs or SIGSTOPs itself mid-run).
 - a used standby refilled: 2 nodes x 2 ranks, rank 2 then rank 3 (both on node2) SIGKILLed;
   after the first heal the supervisor starts a new standby on node2 (a step of its own,
   ``srun --overlap``), which takes the second lost rank: both heal in-process, bitwise.
-- a node lost (slurmd and its processes killed) with a spare: not healed in-process yet; the
-  relaunch on the spare heals it, bitwise.
+- a node lost as a power cut loses it, with a spare: the spare's warm standby takes its rank
+  in-process (the node counted lost when its standby stops beating), 0 steps lost, and Slurm
+  marking the node down later ends nothing (the step runs with ``--no-kill``), bitwise.
 """
 
 from __future__ import annotations
 
-import json
+import time
 
 import pytest
 
@@ -140,14 +141,13 @@ def test_refilled_standby_heals_a_second_fault_on_the_same_node_bitwise(cluster,
 
 
 @pytest.mark.timeout(600)
-def test_node_lost_falls_back_to_relaunch_on_the_spare_bitwise(cluster, tmp_path):
-    """A node's slurmd and every process of it killed (the dev cluster's node kill) with a spare
-    present. Which right outcome comes depends on timing: the lost rank goes to another node's
-    standby and the step finishes before Slurm marks the node down (healed in-process, one
-    launch), or, usually, the step is ended first (Slurm marks the node down, or the survivors
-    block in a collective with the dead peer until the hang detection fires; the node's own
-    standby died with it and cannot report) and relaunched on the spare from the last
-    checkpoint. Either way it ends bitwise equal."""
+def test_node_lost_with_a_spare_heals_in_process_on_the_spare_bitwise(cluster, tmp_path):
+    """node3 taken away as a power cut does it (its slurmd, slurmstepds and processes SIGKILLed
+    at once) with a spare present. The spare runs a warm standby (a step of its own); node3's
+    standby stops beating, so the rendezvous counts the node lost whole within seconds and
+    gives rank 2 to the spare's standby, with the state of a survivor: one launch, 0 steps
+    lost. The training step runs with --no-kill, so when Slurm marks node3 down (SlurmdTimeout
+    later) the step goes on and the supervisor only records (and drains) the node."""
     from clusterops.slurm.factory import connect
 
     ref = tmp_path / "ref3"
@@ -155,18 +155,30 @@ def test_node_lost_falls_back_to_relaunch_on_the_spare_bitwise(cluster, tmp_path
     fk.run_local(3, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--out", str(out_ref)], workdir=ref,
                  script=SCRIPT)
     job = fk.TrainJob(root=tmp_path / "ipn", name="ipn", nodes=3, steps=STEPS, ckpt_every=CKPT_EVERY,
-                      step_sleep=0.2, script=SCRIPT, supervise={"inprocess": {"standbys_per_node": 1},
+                      step_sleep=0.8, script=SCRIPT, supervise={"inprocess": {"standbys_per_node": 1},
                                                                 "spare_nodes": 1})
     job.submit()
     job.wait_step(20, timeout_s=300)
-    cluster.kill_node("node3")
+    assert [r["nodes"] for r in events(job, "inproc_spares")] == [["node4"]], tl.format_text(job.timeline())
+    killed_at = time.time()
+    cluster.kill_node("node3", power_cut=True)
     info = job.wait_end(connect(), timeout_s=400)
     story = tl.format_text(job.timeline())
     assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state}\n{story}\n{job.batch_log()[-3000:]}"
-    if events(job, "inproc_first_step") and len(events(job, "launch")) == 1:
-        plans = [r for r in events(job, "inproc_rendezvous") if r.get("replaced")]
-        assert plans and "node3" in json.dumps(plans[-1]["replaced"]), story   # node3's rank moved
-    else:
-        assert events(job, "spare_used")[0]["nodes"] == ["node4"], story
-        assert events(job, "launch")[-1]["nodes"] == ["node1", "node2", "node4"], story
+    assert len(events(job, "launch")) == 1 and not events(job, "restart"), story
+    assert not events(job, "inproc_fallback"), story
+    lost = events(job, "inproc_node_lost")
+    assert len(lost) == 1 and lost[0]["node"] == "node3", story
+    rdzv = events(job, "inproc_rendezvous")
+    assert len(rdzv) == 1 and [(m["rank"], m["from"], m["to"]) for m in rdzv[0]["replaced"]] == [
+        (2, "node3", "node4")], story
+    first = events(job, "inproc_first_step")
+    # 0 steps lost: the new generation goes on from the survivors' step at the fault.
+    assert len(first) == 1 and first[0]["step"] == rdzv[0]["step"] + 1, story
+    assert events(job, "spare_used")[0]["nodes"] == ["node4"], story
+    # Slurm's own word came later and ended nothing (the SlurmdTimeout, excluded from the heal).
+    down = events(job, "node_down")
+    assert down and down[0]["node"] == "node3", story
+    print(f"kill -> healed (first step) {first[0]['at'] - killed_at:.2f} s; "
+          f"kill -> Slurm's node_down {down[0]['t'] - killed_at:.1f} s; fault_to_step_s {first[0]['fault_to_step_s']}")
     assert fk.same_weights(job.out, out_ref), f"final weights differ from an uninterrupted run\n{story}"
