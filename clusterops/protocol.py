@@ -148,6 +148,9 @@ class ResumeHint:
 #   plan/<G>         generation G (JSON, membership.Plan.to_json), written once
 #   pg/<G>/...       generation G's process group (a PrefixStore for init_process_group)
 #   kill/<uid>       the standbys of the process's node SIGKILL it (a hung rank)
+#   abort/<G>        set by the host when generation G begins to be formed (a fault heard):
+#                    on NCCL every rank's watcher thread aborts its process group, so a
+#                    collective blocked on a lost peer (a hung kernel) returns
 #   beat/<node>      a counter every process of the node creates at hello and its standbys
 #                    add 1 to every RDZV_BEAT_S while they wait: a node whose counter stops
 #                    during a recovery is lost whole (the host's RDZV_SILENT_S)

@@ -27,11 +27,18 @@ same, with no interpreter start and no checkpoint read. Per-rank randomness is n
 peer holds: derive it from ``(seed, rank, step)`` (:func:`seed_step`), so a rank that takes
 over draws what the lost one would have drawn.
 
+On NCCL a collective blocked on a lost peer never returns by itself (the kernel waits on
+the GPU): a watcher thread of each rank (:class:`AbortWatch`, its own store connection)
+waits for the host's ``abort/<G+1>``, set as soon as a fault opens the next generation, and
+aborts the process group (``torch.distributed.distributed_c10d._abort_process_group``), so
+the blocked collective raises and the rank goes the survivors' way. gloo needs no watcher
+(a dead peer's socket fails the collective); the watcher is started for NCCL only
+(``abort_watch=`` forces it either way). It has not run on a GPU here: the wait, the key and
+the call are tested with a real store and a stand-in for the abort.
+
 Without the rendezvous address (a plain ``torchrun`` or ``srun``, or no ``inprocess:``)
 :func:`run` is ``sdk.init_distributed()`` plus one call of ``train``: the same script runs
-unsupervised and under the relaunch path. gloo only: on NCCL the abort would be
-``ProcessGroupNCCL.abort()`` from a watcher thread (a hung kernel never returns by itself),
-which is not built here.
+unsupervised and under the relaunch path.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import os
 import random
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -111,6 +119,18 @@ class _Client:
         self.store = dist.PrefixStore(token, self.tcp)
         self.node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.uid = f"{self.node}:{os.getpid()}"
+        self._addr = (host, port, token)
+        self._watch_store = None
+
+    def watch_store(self) -> Any:
+        """A second connection to the store, for :class:`AbortWatch` (its wait blocks one)."""
+        if self._watch_store is None:
+            import torch.distributed as dist
+
+            host, port, token = self._addr
+            tcp = dist.TCPStore(host, port, is_master=False, timeout=self.timeout, wait_for_workers=False)
+            self._watch_store = dist.PrefixStore(token, tcp)
+        return self._watch_store
 
     def beat(self, n: int = 1) -> None:
         """This node lives (``beat/<node>``; n=0 only creates the counter)."""
@@ -144,6 +164,55 @@ class _Client:
                                         f"before generation {gen}")
             time.sleep(STANDBY_POLL_S)
         return json.loads(self.store.get(key))
+
+
+def _abort_world() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+
+
+class AbortWatch:
+    """A thread that aborts this rank's process group when the host says generation ``gen``
+    is being formed (``abort/<gen>``): a collective blocked on a lost peer then raises.
+    ``store``: a store connection of the watcher's own (a blocking ``wait`` holds it);
+    ``abort``: what to call (the whole process group's abort by default)."""
+
+    WAIT_S = 1.0
+
+    def __init__(self, store: Any, gen: int, abort: Callable[[], None] = _abort_world):
+        self.store, self.key, self.abort = store, protocol.rdzv_key("abort", gen), abort
+        self.fired = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"clusterops-abort-{gen}", daemon=True)
+
+    def start(self) -> "AbortWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """No abort from now on (the generation ended on its own); returns at once."""
+        self._stop.set()
+
+    def _loop(self) -> None:
+        import datetime
+
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.store.wait([self.key], datetime.timedelta(seconds=self.WAIT_S))
+            except Exception:    # the wait timed out (or the store is gone: do not spin)
+                if time.monotonic() - t0 < self.WAIT_S / 2:
+                    self._stop.wait(self.WAIT_S)
+                continue
+            if not self._stop.is_set():
+                self.fired = True
+                try:
+                    self.abort()
+                except Exception as e:   # the group may be half torn down already: it is going
+                    log.warning("abort of the process group: %s", e)
+            return
 
 
 STOPPED_S = 1.0
@@ -245,10 +314,12 @@ def _is_peer_failure(e: BaseException) -> bool:
 
 
 def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo",
-        timeout_s: float = PG_TIMEOUT_S) -> Any:
+        timeout_s: float = PG_TIMEOUT_S, abort_watch: Optional[bool] = None) -> Any:
     """Run ``train`` under in-process recovery (see the module); its result on a rank, None on a
     standby that was never given one. ``state``: ``.step`` (int), ``state_dict()``,
-    ``load_state_dict(d)``."""
+    ``load_state_dict(d)``. ``abort_watch``: run the NCCL abort watcher (default: for
+    ``backend="nccl"`` only)."""
+    watch_on = backend == "nccl" if abort_watch is None else bool(abort_watch)
     addr = os.environ.get(protocol.ENV_RDZV_ADDR)
     if not addr:
         d = sdk.init_distributed(backend)
@@ -266,6 +337,7 @@ def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo"
                 return None
         rank, gen = int(plan["ranks"][client.uid]), int(plan["gen"])
         _form(client, plan, rank, backend)
+        watch = AbortWatch(client.watch_store(), gen + 1).start() if watch_on else None
         restored = plan["src"] is not None
         try:
             if restored:
@@ -282,11 +354,15 @@ def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo"
             sdk._set_step_hook(on_step)
             result = train(Generation(gen, rank, int(plan["world"]), restored=restored, step=plan["step"]))
         except Exception as e:
-            if not _is_peer_failure(e):
+            # After our own abort any collective fails, in whatever words: it is the fault's.
+            if not _is_peer_failure(e) and not (watch is not None and watch.fired):
                 raise
             failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         else:
             failed = None
+        finally:
+            if watch is not None:
+                watch.stop()
         if failed is not None:
             # Out of the except clause: the exception's traceback no longer holds the broken
             # group, so destroying it closes its sockets now, and the peers still blocked on

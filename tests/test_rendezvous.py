@@ -82,3 +82,42 @@ def test_only_the_first_failed_rank_sends_its_report(host, monkeypatch):
 def test_parse_joins_skips_what_is_not_a_whole_line():
     assert protocol.parse_rdzv_joins("0 5\n12 5\nx y\n3 4") == [(0, 5), (12, 5)]
     assert protocol.rdzv_join_line(3, 17) == "3 17\n"
+
+
+def test_a_fault_sets_the_next_generations_abort_key_for_the_ranks_watchers(host):
+    from clusterops.recover import send_report
+
+    st = client_store(host)
+    for i, node in enumerate(["n1", "n2", "n3"]):
+        for local in (0, 1):
+            send_report(st, f"{node}:{local}", "hello", node=node, local=local, task=2 * i + local)
+    wait_until(lambda: st.check(["plan/0"]))
+    assert not st.check(["abort/1"])
+    send_report(st, "n2:1", "dead", dead="n2:0")
+    wait_until(lambda: st.check(["abort/1"]))
+    assert b"rank 1 lost" in st.get("abort/1")
+
+
+def test_abort_watch_aborts_once_when_its_generation_is_opened_and_never_after_stop(host):
+    import threading
+
+    from clusterops.recover import AbortWatch
+
+    fired = threading.Event()
+    calls = []
+
+    def abort():
+        calls.append(time.monotonic())
+        fired.set()
+
+    w = AbortWatch(client_store(host), 5, abort=abort).start()
+    quiet = AbortWatch(client_store(host), 6, abort=abort).start()
+    time.sleep(1.5)              # past one wait's timeout: it waits again, nothing fired
+    assert not fired.is_set() and not w.fired
+    quiet.stop()
+    st = client_store(host)
+    st.set("abort/5", "rank 2 lost")
+    st.set("abort/6", "rank 2 lost")
+    assert fired.wait(5.0) and w.fired
+    time.sleep(1.5)              # the stopped watcher sees its key only after stop: no call
+    assert len(calls) == 1 and not quiet.fired

@@ -11,7 +11,8 @@ A thread reads the processes' reports (:mod:`clusterops.protocol`'s ``rep/<n>`` 
 the survivors' joins, one line each appended to ``join/<G>``: one round trip a rank) as
 they come, feeds them to :class:`clusterops.supervisor.membership.Membership` (every
 decision is made there) and carries its actions out: a generation's plan is written to
-``plan/<G>``, a hung rank is SIGKILLed by the standbys of its node (``kill/<uid>``), a
+``plan/<G>`` (and ``abort/<G>`` as soon as a fault opens generation G, for the ranks'
+NCCL abort watchers), a hung rank is SIGKILLed by the standbys of its node (``kill/<uid>``), a
 fallback is left for the supervisor's loop (:attr:`RendezvousHost.fallback`), so is a
 standby to start in a used one's place (:meth:`RendezvousHost.drain_refills`), and the
 timeline records wait in :meth:`RendezvousHost.drain_notes` for the loop to write (the
@@ -249,5 +250,7 @@ class RendezvousHost:
             with self._lock:
                 self._refills.append(a)
         elif isinstance(a, Note):
+            if a.kind == "inproc_fault":   # the ranks' abort watchers (NCCL) unblock their collectives
+                self.store.set(protocol.rdzv_key("abort", int(a.data.get("gen", -1)) + 1), str(a.data.get("first", "")))
             with self._lock:
                 self._notes.append(a)
