@@ -2,6 +2,7 @@
 """In-process recovery against torchrun's elastic restart, side by side, on a real dev cluster.
 
     python bench/bench_inprocess.py [--reps 3] [--json FILE]
+    python bench/bench_inprocess.py --node-lost [--reps 3]
 
 Starts its own 4-node dev cluster (2 CPUs a node), runs 4 nodes x 1 rank and, per repetition,
 in alternating order:
@@ -21,6 +22,13 @@ torchrun: fault -> the restarted rank 0's `resume step=N` line, read every 0.05 
 bound of torchrun's figure (the step itself comes after), so the ratio favours torchrun;
 steps lost (crash step minus the step training went on from); clusterops' final weights
 against an uninterrupted run's (bitwise). Targets: <= 3 s, <= 0.5x torchrun, 0 steps lost.
+
+--node-lost: 3 nodes x 1 rank + a spare (node4), one standby a node, node3 taken away at step
+20 as a power cut takes it (slurmd, slurmstepds, processes; the dev cluster's
+``kill_node(power_cut=True)``), node3 brought back and resumed between runs. Figures: kill ->
+the new generation's first step (the node counted lost when its standby's beat stops:
+RDZV_SILENT_S of it), kill -> Slurm's ``node_down`` (SlurmdTimeout: excluded from the heal,
+reported), steps lost, launches, bitwise against an uninterrupted 3-rank run.
 """
 
 from __future__ import annotations
@@ -71,6 +79,63 @@ def run_clusterops(root: Path, slurm, rep: int, reference: Path) -> dict:
             "bitwise": fk.same_weights(job.out, reference)}
 
 
+def run_node_lost(root: Path, slurm, dc, rep: int, reference: Path) -> dict:
+    from clusterops.runner import Runner
+
+    job = fk.TrainJob(root=root / f"nl-{rep}", name=f"nl{rep}", nodes=3, steps=STEPS, ckpt_every=CKPT_EVERY,
+                      step_sleep=0.8, script=RECOVERABLE,
+                      supervise={"inprocess": {"standbys_per_node": 1}, "spare_nodes": 1})
+    job.submit()
+    job.wait_step(20, timeout_s=300)
+    killed_at = time.time()
+    dc.kill_node("node3", power_cut=True)
+    info = job.wait_end(slurm, timeout_s=600)
+    tl = job.timeline()
+    first = [r for r in tl if r["event"] == "inproc_first_step"]
+    rdzv = [r for r in tl if r["event"] == "inproc_rendezvous"]
+    down = [r for r in tl if r["event"] == "node_down"]
+    lost = [r for r in tl if r["event"] == "inproc_node_lost"]
+    if info.state != "COMPLETED" or not first or not rdzv:
+        raise RuntimeError(f"node-lost run {rep}: {info.state}, first steps {first}")
+    dc.start_node("node3")
+    run = Runner(env=dc.env()).run
+    deadline = time.monotonic() + 120
+    while dc.node_states().get("node3") != "idle" and time.monotonic() < deadline:
+        run(["scontrol", "update", "NodeName=node3", "State=RESUME"], timeout_s=30, check=False)
+        time.sleep(1)
+    return {"kill_to_first_step_s": round(first[0]["at"] - killed_at, 3),
+            "kill_to_node_lost_s": round(lost[0]["at"] - killed_at, 3) if lost else None,
+            "kill_to_slurm_node_down_s": round(down[0]["t"] - killed_at, 1) if down else None,
+            "moved_to": [m["to"] for m in rdzv[0]["replaced"]],
+            "steps_lost": first[0]["step"] - 1 - rdzv[0]["step"],
+            "launches": sum(r["event"] == "launch" for r in tl), "bitwise": fk.same_weights(job.out, reference)}
+
+
+def main_node_lost(args, root: Path, slurm, dc) -> int:
+    reference = root / "ref3" / "final.pt"
+    fk.run_local(3, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--out", str(reference)],
+                 workdir=root / "ref3", script=RECOVERABLE)
+    raw = []
+    for rep in range(args.reps):
+        raw.append(run_node_lost(root, slurm, dc, rep, reference))
+        log(f"node-lost run {rep}: {raw[-1]}")
+    med = {k: statistics.median(r[k] for r in raw if r[k] is not None)
+           for k in ("kill_to_first_step_s", "kill_to_node_lost_s", "kill_to_slurm_node_down_s")}
+    print()
+    print(f"{'figure (medians of ' + str(args.reps) + ')':60} {'value':>9}")
+    print(f"{'node lost (power cut) -> first step on the spare (s)':60} {med['kill_to_first_step_s']:9.2f}")
+    print(f"{'  of which: -> the node counted lost (its silence) (s)':60} {med['kill_to_node_lost_s']:9.2f}")
+    print(f"{'node lost -> Slurm reports it down (SlurmdTimeout; excluded) (s)':60} "
+          f"{med['kill_to_slurm_node_down_s']:9.1f}")
+    print(f"{'steps lost (max) / launches (max)':60} {max(r['steps_lost'] for r in raw):5d} / "
+          f"{max(r['launches'] for r in raw)}")
+    print(f"{'rank moved to the spare, bitwise equal (all runs)':60} "
+          f"{str(all(r['moved_to'] == ['node4'] and r['bitwise'] for r in raw)):>9}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1))
+    return 0
+
+
 def run_torchrun(root: Path, slurm, rep: int) -> dict:
     from clusterops.runner import free_port
 
@@ -115,6 +180,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--node-lost", action="store_true", help="the node-lost case instead (see the docstring)")
     args = ap.parse_args(argv)
 
     from clusterops.devcluster import DevCluster, DevClusterConfig
@@ -127,6 +193,11 @@ def main(argv=None) -> int:
     dc.up(DevClusterConfig(nodes=4, cpus_per_node=2, port_base=pick_port_base(4)))
     os.environ["SLURM_CONF"] = str(dc.conf_path)
     slurm = Slurm.from_environment()
+    if args.node_lost:
+        try:
+            return main_node_lost(args, root, slurm, dc)
+        finally:
+            dc.down()
     reference = root / "ref" / "final.pt"
     fk.run_local(4, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--out", str(reference)],
                  workdir=root / "ref", script=RECOVERABLE)
