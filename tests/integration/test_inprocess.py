@@ -15,6 +15,8 @@ per node, real faults (a rank SIGKILLs or SIGSTOPs itself mid-run).
 - a node lost as a power cut loses it, with a spare: the spare's warm standby takes its rank
   in-process (the node counted lost when its standby stops beating), 0 steps lost, and Slurm
   marking the node down later ends nothing (the step runs with ``--no-kill``), bitwise.
+- the batch host lost as a power cut loses it (supervisor and rendezvous with it): a surviving
+  rank requeues the job, the next incarnation resumes from the latest checkpoint, bitwise.
 """
 
 from __future__ import annotations
@@ -181,4 +183,33 @@ def test_node_lost_with_a_spare_heals_in_process_on_the_spare_bitwise(cluster, t
     assert down and down[0]["node"] == "node3", story
     print(f"kill -> healed (first step) {first[0]['at'] - killed_at:.2f} s; "
           f"kill -> Slurm's node_down {down[0]['t'] - killed_at:.1f} s; fault_to_step_s {first[0]['fault_to_step_s']}")
+    assert fk.same_weights(job.out, out_ref), f"final weights differ from an uninterrupted run\n{story}"
+
+
+@pytest.mark.timeout(600)
+def test_batch_host_lost_in_process_ranks_requeue_resumed_bitwise(cluster, tmp_path):
+    """The batch host (node1: the supervisor and the rendezvous it hosts, rank 0, its standby)
+    taken away as a power cut takes it, under in-process recovery: no rendezvous is left to
+    heal in-process, so the surviving ranks and standbys must not die holding the job; a
+    surviving rank hears no beacon and requeues it, and the next incarnation resumes from
+    the latest checkpoint, bitwise."""
+    from clusterops.slurm.factory import connect
+
+    slurm = connect()
+    ref = tmp_path / "ref3"
+    out_ref = ref / "final.pt"
+    fk.run_local(3, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--out", str(out_ref)], workdir=ref,
+                 script=SCRIPT)
+    job = fk.TrainJob(root=tmp_path / "ipb", name="ipb", nodes=3, steps=STEPS, ckpt_every=CKPT_EVERY,
+                      step_sleep=0.2, script=SCRIPT, supervise={"inprocess": {"standbys_per_node": 1}})
+    job.submit(env={"CLUSTEROPS_SUPERVISOR_LOST_S": "3"})
+    job.wait_step(20, timeout_s=300)
+    assert slurm.job(job.job_id).batch_host == "node1"
+    cluster.kill_node("node1", power_cut=True)
+    info = job.wait_end(slurm, timeout_s=400)
+    story = tl.format_text(job.timeline())
+    assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state}\n{story}\n{job.batch_log()[-3000:]}"
+    assert events(job, "supervisor_lost") and info.restart_count == 1, story
+    resumed = [r for r in events(job, "resume") if r["incarnation"] == 1]
+    assert resumed and resumed[0]["step"] >= 20, story
     assert fk.same_weights(job.out, out_ref), f"final weights differ from an uninterrupted run\n{story}"
