@@ -50,7 +50,9 @@ when a collective failed, before the group is destroyed: drop the model and opti
 on this rank waits out its timeout instead of failing at once). Rank 0 reports what it
 loaded (``state``: ``source="checkpoint"``, the checkpoint's ``step``, the survivors'
 ``survivors_step``, ``recomputed`` = the difference, the seconds ``sdk.resume`` took) and
-its first step past the checkpoint (``step``), which ends the recovery. The in-memory path
+its first step past the checkpoint (``step``), which ends the recovery: ``train`` must call
+``sdk.resume()`` in such a generation (None without a checkpoint: it starts at step 0), or the
+recovery never ends and the supervisor falls back to its relaunch. The in-memory path
 (a survivor keeping its own shards, only the lost ranks' shards read from disk) is not built.
 
 Without the rendezvous address (a plain ``torchrun`` or ``srun``, or no ``inprocess:``)
@@ -273,7 +275,7 @@ class _Reporter:
         self.survivors = int(plan["step"] or 0)
         self.restored, self.from_ckpt = restored, from_ckpt
         # the step the new generation starts from: the survivors' (a broadcast) or, loaded from
-        # disk, the checkpoint's (known once sdk.resume returned; 0 if it never runs)
+        # disk, the checkpoint's (known once sdk.resume returned: 0 when there is none)
         self.base: Optional[int] = self.survivors if restored else None
         self.recomputed: Optional[int] = None
         self.pending = restored or from_ckpt
@@ -289,7 +291,9 @@ class _Reporter:
                                path=str(r.path) if r is not None else None)
 
     def on_step(self, step: int) -> None:
-        if not self.pending or self.rank != 0 or step <= (self.base if self.base is not None else 0):
+        # From the checkpoint, a beat before sdk.resume() returned is the old state's, not a step
+        # of this generation: the first step is counted from the step resumed.
+        if not self.pending or self.rank != 0 or self.base is None or step <= self.base:
             return
         self.pending = False
         extra = {"recomputed": self.recomputed, "from_step": self.base} if self.from_ckpt else {}

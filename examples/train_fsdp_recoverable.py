@@ -99,14 +99,14 @@ def main(argv=None) -> int:
         print(f"generation gen={gen.gen} rank={rank} from_checkpoint={int(gen.from_checkpoint)}", flush=True)
         state.model, state.opt = shard(args.seed, world)
         state.step = 0
-        if have_ckpt:
-            r = sdk.resume(template=sharded_state(state.model, state.opt), restore_rng=False)
-            if r is not None:
-                set_model_state_dict(state.model, r.state["model"])
-                set_optimizer_state_dict(state.model, state.opt, r.state["optim"])
-                state.step = r.step
-                if rank == 0:
-                    print(f"resume step={r.step} path={r.path}", flush=True)
+        # Always asked (None without a checkpoint): after a fault, the recovery's report comes from it.
+        r = sdk.resume(template=sharded_state(state.model, state.opt), restore_rng=False)
+        if r is not None:
+            set_model_state_dict(state.model, r.state["model"])
+            set_optimizer_state_dict(state.model, state.opt, r.state["optim"])
+            state.step = r.step
+            if rank == 0:
+                print(f"resume step={r.step} path={r.path}", flush=True)
         sdk.heartbeat(state.step, force=True)
         while state.step < args.steps:
             crash_once(args, state.step, rank)
