@@ -42,8 +42,9 @@ destroyed)::
 After a fault the survivors and the standbys that take the lost ranks form the new
 generation's group exactly as in the replicated case, then ``train`` is called with
 ``restored=False`` and ``from_checkpoint=True``: every rank, survivor or standby, rebuilds
-and resumes from the latest good checkpoint (the launch's ``CLUSTEROPS_RESUME_FROM`` no
-longer applies: it named where the launch started) and recomputes the steps since. Nothing
+and resumes from the latest good checkpoint (the launch's resume variable,
+``protocol.ENV_RESUME_FROM``, no longer applies: it named where the launch started) and
+recomputes the steps since. Nothing
 is broadcast and no interpreter starts. If ``state`` has a ``discard()`` method it is called
 when a collective failed, before the group is destroyed: drop the model and optimizer there
 (their DTensors hold the old group; while they live its sockets stay open and a peer blocked
