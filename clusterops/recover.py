@@ -36,6 +36,35 @@ the blocked collective raises and the rank goes the survivors' way. gloo needs n
 (``abort_watch=`` forces it either way). It has not run on a GPU here: the wait, the key and
 the call are tested with a real store and a stand-in for the abort.
 
+Sharded state (FSDP2): no survivor holds all of it, and the lost rank's shards died with it.
+``run(train, state, sharded=True)``: ``state`` needs only ``.step`` (the step this process
+has reached), and ``train`` builds the sharded model and optimizer itself, on the group it is
+called in (``fully_shard`` binds its mesh when it wraps; the old generation's group is
+destroyed)::
+
+    def train(gen):                          # gen.from_checkpoint after a fault
+        model, opt = build_and_shard()       # on this generation's default group
+        r = sdk.resume(template=...)         # the latest good checkpoint, every rank
+        ...
+    recover.run(train, state, sharded=True)
+
+After a fault the survivors and the standbys that take the lost ranks form the new
+generation's group exactly as in the replicated case, then ``train`` is called with
+``restored=False`` and ``from_checkpoint=True``: every rank, survivor or standby, rebuilds
+and resumes from the latest good checkpoint (the launch's resume variable,
+``protocol.ENV_RESUME_FROM``, no longer applies: it named where the launch started) and
+recomputes the steps since. Nothing
+is broadcast and no interpreter starts. If ``state`` has a ``discard()`` method it is called
+when a collective failed, before the group is destroyed: drop the model and optimizer there
+(their DTensors hold the old group; while they live its sockets stay open and a peer blocked
+on this rank waits out its timeout instead of failing at once). Rank 0 reports what it
+loaded (``state``: ``source="checkpoint"``, the checkpoint's ``step``, the survivors'
+``survivors_step``, ``recomputed`` = the difference, the seconds ``sdk.resume`` took) and
+its first step past the checkpoint (``step``), which ends the recovery: ``train`` must call
+``sdk.resume()`` in such a generation (None without a checkpoint: it starts at step 0), or the
+recovery never ends and the supervisor falls back to its relaunch. The in-memory path
+(a survivor keeping its own shards, only the lost ranks' shards read from disk) is not built.
+
 Without the rendezvous address (a plain ``torchrun`` or ``srun``, or no ``inprocess:``)
 :func:`run` is ``sdk.init_distributed()`` plus one call of ``train``: the same script runs
 unsupervised and under the relaunch path.
@@ -77,7 +106,10 @@ class Generation:
     rank: int
     world_size: int
     restored: bool           # the state came from a peer (no checkpoint to load)
-    step: Optional[int]      # the step that state holds (None in generation 0)
+    step: Optional[int]      # the step that state holds (None in generation 0): the survivors' step
+    #: sharded mode, after a fault: rebuild the model on this generation's group and resume
+    #: from the latest good checkpoint (the steps since are recomputed)
+    from_checkpoint: bool = False
 
 
 def seed_step(seed: int, rank: int, step: int) -> None:
@@ -313,11 +345,46 @@ def _is_peer_failure(e: BaseException) -> bool:
                                                                    "closed", "reset by peer", "Timed out")))
 
 
+class _Reporter:
+    """Rank 0's reports of one generation: where the state came from, and the first step."""
+
+    def __init__(self, client: "_Client", plan: dict, rank: int, restored: bool, from_ckpt: bool):
+        self.client, self.gen, self.rank = client, int(plan["gen"]), rank
+        self.survivors = int(plan["step"] or 0)
+        self.restored, self.from_ckpt = restored, from_ckpt
+        # the step the new generation starts from: the survivors' (a broadcast) or, loaded from
+        # disk, the checkpoint's (known once sdk.resume returned: 0 when there is none)
+        self.base: Optional[int] = self.survivors if restored else None
+        self.recomputed: Optional[int] = None
+        self.pending = restored or from_ckpt
+
+    def on_resume(self, r: Any, seconds: float) -> None:
+        if not self.from_ckpt or self.base is not None:
+            return
+        self.base = int(r.step) if r is not None else 0
+        self.recomputed = max(0, self.survivors - self.base)
+        if self.rank == 0:
+            self.client.report("state", gen=self.gen, seconds=round(seconds, 4), source="checkpoint",
+                               step=self.base, survivors_step=self.survivors, recomputed=self.recomputed,
+                               path=str(r.path) if r is not None else None)
+
+    def on_step(self, step: int) -> None:
+        # From the checkpoint, a beat before sdk.resume() returned is the old state's, not a step
+        # of this generation: the first step is counted from the step resumed.
+        if not self.pending or self.rank != 0 or self.base is None or step <= self.base:
+            return
+        self.pending = False
+        extra = {"recomputed": self.recomputed, "from_step": self.base} if self.from_ckpt else {}
+        self.client.report("step", gen=self.gen, step=int(step), **extra)
+
+
 def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo",
-        timeout_s: float = PG_TIMEOUT_S, abort_watch: Optional[bool] = None) -> Any:
+        timeout_s: float = PG_TIMEOUT_S, sharded: bool = False, abort_watch: Optional[bool] = None) -> Any:
     """Run ``train`` under in-process recovery (see the module); its result on a rank, None on a
     standby that was never given one. ``state``: ``.step`` (int), ``state_dict()``,
-    ``load_state_dict(d)``. ``abort_watch``: run the NCCL abort watcher (default: for
+    ``load_state_dict(d)``; with ``sharded=True`` only ``.step`` (and optionally ``discard()``):
+    after a fault every rank resumes from the latest good checkpoint instead of receiving a
+    survivor's state. ``abort_watch``: run the NCCL abort watcher (default: for
     ``backend="nccl"`` only)."""
     watch_on = backend == "nccl" if abort_watch is None else bool(abort_watch)
     addr = os.environ.get(protocol.ENV_RDZV_ADDR)
@@ -338,21 +405,22 @@ def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo"
         rank, gen = int(plan["ranks"][client.uid]), int(plan["gen"])
         _form(client, plan, rank, backend)
         watch = AbortWatch(client.watch_store(), gen + 1).start() if watch_on else None
-        restored = plan["src"] is not None
+        after_fault = plan["src"] is not None
+        restored, from_ckpt = after_fault and not sharded, after_fault and sharded
+        if from_ckpt:
+            # The launch's pinned checkpoint is where the launch started; the survivors have
+            # saved newer ones since: resume() takes the latest good one.
+            os.environ.pop(protocol.ENV_RESUME_FROM, None)
+        rep = _Reporter(client, plan, rank, restored, from_ckpt)
         try:
             if restored:
                 took = _transfer(state, int(plan["src"]), rank)
                 if rank == 0:
                     client.report("state", gen=gen, seconds=round(took, 4), src=int(plan["src"]), step=state.step)
-            first = [True]
-
-            def on_step(step: int) -> None:
-                if first[0] and restored and rank == 0 and step > (plan["step"] or 0):
-                    first[0] = False
-                    client.report("step", gen=gen, step=int(step))
-
-            sdk._set_step_hook(on_step)
-            result = train(Generation(gen, rank, int(plan["world"]), restored=restored, step=plan["step"]))
+            sdk._set_step_hook(rep.on_step)
+            sdk._set_resume_hook(rep.on_resume)
+            result = train(Generation(gen, rank, int(plan["world"]), restored=restored, step=plan["step"],
+                                      from_checkpoint=from_ckpt))
         except Exception as e:
             # After our own abort any collective fails, in whatever words: it is the fault's.
             if not _is_peer_failure(e) and not (watch is not None and watch.fired):
@@ -371,10 +439,14 @@ def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo"
                         gen, rank, failed, gen + 1)
             client.fail(gen, rank, int(state.step), failed[:200])
             sdk._set_step_hook(None)
+            sdk._set_resume_hook(None)
+            if sharded and callable(getattr(state, "discard", None)):
+                state.discard()      # the sharded model holds the old group: drop it first
             _teardown()
             client.join(gen + 1, rank, int(state.step))
             plan = client.plan(gen + 1, wait=True)
             continue
         sdk._set_step_hook(None)
+        sdk._set_resume_hook(None)
         client.report("done", rank=rank, step=int(state.step))
         return result

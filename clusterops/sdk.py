@@ -127,6 +127,7 @@ class _Runtime:
         self.signals_installed = False
         self.prev_handlers = {}
         self.step_hook = None   # clusterops.recover: told of every heartbeat's step
+        self.resume_hook = None  # clusterops.recover: told of every resume (what it loaded, seconds)
 
 
 _rt = _Runtime()
@@ -263,6 +264,11 @@ def _drop_group() -> None:
 
 def _set_step_hook(fn) -> None:
     _rt.step_hook = fn
+
+
+def _set_resume_hook(fn) -> None:
+    """clusterops.recover (sharded mode): ``fn(resumed_or_None, seconds)`` after every resume()."""
+    _rt.resume_hook = fn
 
 
 # ----------------------------------------------------------------------------- stop requests
@@ -799,6 +805,14 @@ def resume(*, root: Optional[os.PathLike] = None, template: Optional[dict] = Non
     a consistent manifest) is skipped like a bad one; with many ranks it raises
     ``CheckpointError`` on every rank.
     """
+    t0 = time.monotonic()
+    r = _resume(root, template, deep, restore_rng, weights_only)
+    if _rt.resume_hook is not None:
+        _rt.resume_hook(r, time.monotonic() - t0)
+    return r
+
+
+def _resume(root, template, deep: bool, restore_rng: bool, weights_only: bool) -> Optional[Resumed]:
     d = _ensure_runtime()
     if d.distributed:
         import torch.distributed as dist

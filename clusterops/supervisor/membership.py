@@ -29,8 +29,11 @@ Reports (``Report.kind``):
              standbys beat the store (``beat/<node>``) while they wait and stopped, so the
              node is lost whole (a power cut, a dead slurmd with its tasks): every process
              of it counts dead
-``state``    rank 0 of ``gen`` received the state (``seconds``, ``src``)
-``step``     rank 0 of ``gen`` finished its first training step there (``step``)
+``state``    rank 0 of ``gen`` received the state (``seconds``, ``src``); sharded:
+             loaded it from the checkpoint (``source="checkpoint"``, ``step`` the
+             checkpoint's, ``survivors_step``, ``recomputed``)
+``step``     rank 0 of ``gen`` finished its first training step there (``step``; sharded:
+             ``from_step``, ``recomputed``)
 ``done``     a rank finished the training (``rank``, ``step``)
 ===========  ====================================================================
 """
@@ -316,9 +319,11 @@ class Membership:
                 if self._healthy(mv["to"]):
                     self.refills += 1
                     out.append(StartStandby(mv["to"], mv["uid"]))
-        return out + [Note("inproc_first_step", {"gen": rec.gen, "step": rep.data.get("step"),
-                                           "fault_to_step_s": round(now - rec.since, 3), "at": round(now, 3),
-                                           "lost": sorted(rec.dead), "first": rec.first})]
+        note = {"gen": rec.gen, "step": rep.data.get("step"), "fault_to_step_s": round(now - rec.since, 3),
+                "at": round(now, 3), "lost": sorted(rec.dead), "first": rec.first}
+        # sharded (from the checkpoint): the step it resumed from and the steps recomputed
+        note.update({k: rep.data[k] for k in ("from_step", "recomputed") if k in rep.data})
+        return out + [Note("inproc_first_step", note)]
 
     def _healthy(self, node: str) -> bool:
         """The node answers: a rank of the current plan lives there (the standby that took

@@ -368,18 +368,25 @@ def nan_weights(path: Path) -> bool:
 
 
 def same_weights(a: Path, b: Path) -> bool:
-    """Bitwise equality of two saved state dicts (names, dtypes, shapes and bytes)."""
+    """Bitwise equality of two saved state dicts (names, dtypes, shapes and bytes); nested
+    ones too (fsdp_train.py's ``{"model": ..., "optim": ...}``: every tensor bitwise, every
+    other value equal)."""
     import torch
 
-    sa = torch.load(a, map_location="cpu", weights_only=True)
-    sb = torch.load(b, map_location="cpu", weights_only=True)
-    if sa.keys() != sb.keys():
-        return False
-    for k in sa:
-        x, y = sa[k], sb[k]
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        if x.contiguous().view(-1).numpy().tobytes() != y.contiguous().view(-1).numpy().tobytes():
-            return False
-    return True
+    return _same(torch.load(a, map_location="cpu", weights_only=True),
+                 torch.load(b, map_location="cpu", weights_only=True))
 
+
+def _same(x, y) -> bool:
+    import torch
+
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                and x.shape == y.shape
+                and x.contiguous().view(-1).numpy().tobytes() == y.contiguous().view(-1).numpy().tobytes())
+    if isinstance(x, dict) or isinstance(y, dict):
+        return isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)) or isinstance(y, (list, tuple)):
+        return (isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y)
+                and all(_same(u, v) for u, v in zip(x, y)))
+    return x == y
