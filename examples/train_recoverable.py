@@ -14,7 +14,11 @@ rank=R step=N restored=1`` (each process, when it starts a generation), ``done s
 out=F sha256=H``. Fault flags: --crash-at-step N --crash-rank R (SIGKILL itself once: only
 while --crash-marker FILE does not exist), --hang-at-step N (SIGSTOP itself once, with the
 same marker), --second-crash-at-step N (SIGKILL again, marker --second-crash-marker; rank
---second-crash-rank, default the same).
+--second-crash-rank, default the same; --second-crash-gate FILE: wait for FILE first),
+--crash-when-restored MARKER (the process that takes --crash-rank over SIGKILLs itself
+once the state reached it, before its first step). A stop request (SIGTERM, SIGUSR2, the
+stop file) saves the step reached, writes the stopped marker, prints ``stopped step=N
+path=P reason=R`` and exits 0 without the final output.
 """
 
 from __future__ import annotations
@@ -58,6 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--second-crash-marker", type=Path, default=None)
     p.add_argument("--second-crash-rank", type=int, default=None,
                    help="the rank of the second SIGKILL (default: --crash-rank)")
+    p.add_argument("--second-crash-gate", type=Path, default=None,
+                   help="before the second SIGKILL, wait (60 s at most) until this file exists")
+    p.add_argument("--crash-when-restored", type=Path, default=None, metavar="MARKER",
+                   help="the process that takes --crash-rank over SIGKILLs itself once it has received the "
+                        "state, before its first step (once: while MARKER does not exist)")
     return p.parse_args(argv)
 
 
@@ -123,8 +132,23 @@ def fault_once(args, step: int, rank: int) -> None:
         if rank != who or at is None or step != at or marker is None or marker.exists():
             continue
         marker.write_text(f"{sig.name} at step {step}\n")
+        if marker == args.second_crash_marker and args.second_crash_gate is not None:
+            deadline = time.monotonic() + 60
+            while not args.second_crash_gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
         print(f"fault step={step} rank={rank} signal={sig.name}", flush=True)
         os.kill(os.getpid(), sig)
+
+
+def crash_when_restored(args, gen: recover.Generation) -> None:
+    """--crash-when-restored: a fault during the recovery itself (the state received, no
+    step done yet)."""
+    marker = args.crash_when_restored
+    if marker is None or not gen.restored or gen.rank != args.crash_rank or marker.exists():
+        return
+    marker.write_text(f"SIGKILL when restored at step {gen.step}\n")
+    print(f"fault restored step={gen.step} rank={gen.rank} signal=SIGKILL", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv=None) -> int:
@@ -148,6 +172,11 @@ def main(argv=None) -> int:
             state.resumed_at = state.step
         per_rank = len(range(rank, args.samples, world))
         batches = per_rank // args.batch_size
+        if batches < 1:
+            print(f"error: --samples {args.samples} too small for {world} ranks x batch {args.batch_size}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(1)
+        crash_when_restored(args, gen)
         order = epoch_indices(args.seed, state.epoch, args.samples, rank, world)
         sdk.heartbeat(state.step, force=True)
         state.model.train()
@@ -180,6 +209,15 @@ def main(argv=None) -> int:
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
             sdk.heartbeat(state.step)
+            if state.step < args.steps and sdk.should_stop():
+                # A stop request (the time limit's lead, preemption, the supervisor): save the
+                # step reached, say so, end without the final output; the next run resumes here.
+                path = sdk.save(state.state_dict(), state.step) if have_ckpt else None
+                sdk.mark_stopped(state.step, path)
+                state.stopped = True
+                if rank == 0:
+                    print(protocol.stopped_line(state.step, path, sdk.stop_reason()), flush=True)
+                return rank
             if have_ckpt and args.ckpt_every and state.step % args.ckpt_every == 0 and state.step < args.steps:
                 try:
                     path = sdk.save(state.state_dict(), state.step)
@@ -194,6 +232,9 @@ def main(argv=None) -> int:
     rank = recover.run(train, state)
     if rank is None:
         return 0                               # a standby nobody needed
+    if getattr(state, "stopped", False):
+        sdk.shutdown()
+        return 0                               # stopped on request: saved, no final output
     if have_ckpt and args.ckpt_every and state.step > getattr(state, "resumed_at", 0):
         sdk.save(state.state_dict(), state.step)
     digest = params_sha256(state.model)

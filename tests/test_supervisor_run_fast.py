@@ -510,3 +510,57 @@ def test_node_poll_retries_once_on_its_own_schedule(world, tmp_path, monkeypatch
     assert run.next_node_poll == T0 + 20.0                          # node_poll_s * 2
     assert run._poll_nodes(T0 + 20.0) is None
     assert len(runner.calls) == 2 and run.next_node_poll == T0 + 20.0 + 40.0
+
+
+class _DoneRendezvous:
+    """The in-process rendezvous as the supervisor's loop sees it once every rank has told
+    it "done" (``finished``), or not yet (a step whose ranks went quiet without a word)."""
+
+    def __init__(self, finished: bool):
+        self.finished = finished
+        self.fallback = None
+        self.fallback_acted = False
+
+        class _M:
+            @staticmethod
+            def lost_tasks():
+                return set()
+
+        self.membership = _M()
+
+    def task_ended(self, task, node, reason):
+        pass
+
+    def drain_notes(self):
+        return []
+
+    def drain_refills(self):
+        return []
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("finished,exit_after_s,hang", [(True, 40, False), (False, 40, True), (True, 90, True)])
+def test_in_process_ranks_done_their_exit_is_not_a_hang(world, tmp_path, finished, exit_after_s, hang):
+    """Every rank said done to the rendezvous, then the step takes 40 s to exit (the
+    interpreters ending on a loaded node) with no heartbeat: within the grace it is waited
+    for (done, no hang); a step whose ranks went quiet without saying so, or one still there
+    after the grace, is a hang as before."""
+    run = make_run(world, tmp_path, preflight=None)
+    quiet = {}
+
+    def finish(proc, now, step):
+        if proc.attempt != 0:
+            return
+        if step == 30 and not quiet:
+            quiet["at"] = now
+            proc.frozen.update({r: now for r in range(proc.ranks)})
+            run.rdzv = _DoneRendezvous(finished)
+        if quiet and now - quiet["at"] >= exit_after_s:
+            proc._exit(0, "0: done step=30\n")
+    world.fault = finish
+    world.total_steps = 31       # never reached: the ranks go quiet at 30
+    assert run.run() == sv.EXIT_DONE
+    assert bool(events(tmp_path, "heartbeat_lost")) == hang
+    assert len(events(tmp_path, "launch")) == (2 if hang else 1)

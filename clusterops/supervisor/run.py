@@ -62,6 +62,11 @@ TIMING_RANKS_PER_S = 2048
 # job's env:); srun-native ranks get them from their own task's SLURM_* values instead, through
 # rank_env_command, and torchrun's workers from their agent.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# In-process: once every rank has told the rendezvous it is done (finished, or stopped on
+# request), its heartbeats stop by design; the step's exit (the ranks' and standbys'
+# interpreters ending: 15-27 s measured on this 2-core machine under load) is waited for
+# this long before the hang detection may see it again.
+RDZV_EXIT_GRACE_S = 60.0
 
 
 # ------------------------------------------------------------------------------ no SDK
@@ -428,6 +433,7 @@ class SupervisorRun:
         self.rdzv_ended = False  # the step ended by us: its tasks on a lost node never end
         self.rdzv_launch: Optional[Tuple[List[str], Dict[str, str]]] = None   # the step's command and env
         self.standby_steps: List[Process] = []   # standbys started in used ones' places (their own steps)
+        self.rdzv_done: Tuple[Optional[RendezvousHost], float] = (None, 0.0)   # (host, when all its ranks were done)
         # One handler per action class, spelled out so that grep finds them.
         self._handlers: Dict[type, Callable[[sv.Action], None]] = {
             sv.Record: self._act_record,
@@ -519,7 +525,7 @@ class SupervisorRun:
                 events.append(sv.CheckpointCommitted(now, step, self._ckpt_path(step)))
             if self.progress_reader is not None:
                 self.progress_reader.poll()   # a script without the SDK: its output is its heartbeat
-            if self.channel is not None:
+            if self.channel is not None and not self._ranks_done(now):
                 self._revive_receiver()
                 # Straggler samples at most once per TIMING_RANKS_PER_S ranks a second: the
                 # detector's pass over every rank stays a small share of a core at 16k ranks.
@@ -539,6 +545,17 @@ class SupervisorRun:
                 events.append(ev)
         events.append(sv.Tick(now))
         return events
+
+    def _ranks_done(self, now: float) -> bool:
+        """In-process: every rank reported done to the rendezvous (the training finished or
+        stopped) less than RDZV_EXIT_GRACE_S ago. Their silence since is no hang: no
+        heartbeats go to the state machine meanwhile (a step still there after the grace is
+        judged on its heartbeats again)."""
+        if self.rdzv is None or not self.rdzv.finished:
+            return False
+        if self.rdzv_done[0] is not self.rdzv:
+            self.rdzv_done = (self.rdzv, now)
+        return now - self.rdzv_done[1] < RDZV_EXIT_GRACE_S
 
     def _revive_receiver(self) -> None:
         """A receiver thread that ended (it should not: no datagram can end it) is an error
