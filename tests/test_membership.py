@@ -276,3 +276,31 @@ def test_a_node_falling_silent_after_the_plan_that_holds_a_new_rank_falls_back()
     assert m.plan.gen == 1 and m.plan.ranks["node3:101"] == 2     # node3 lives: its standby took it
     out = m.handle(Report("silent", "host", {"node": "node3", "seconds": 3.0}), 6.0)
     assert [type(a).__name__ for a in out][-1] == "Fallback" and "node node3 lost during" in out[-1].reason
+
+
+def test_with_confirm_alive_a_same_node_heal_waits_for_the_nodes_beat_or_its_silence():
+    def confirming():
+        m = Membership(NODES[:3], 1, 1, spares=["node4"], confirm_alive=True, unresponsive_s=10.0)
+        m.handle(Report("hello", "node4:900", {"node": "node4", "local": 0, "task": 0}), 0.0)
+        for i, node in enumerate(NODES[:3]):
+            for local in (0, 1):
+                m.handle(Report("hello", f"{node}:{100 + local}", {"node": node, "local": local, "task": 2 * i + local}), 0.0)
+        return m
+
+    # srun says rank 2's task ended; node3's standby may have died with it (a node lost whole).
+    m = confirming()
+    out = m.handle(Report("dead", "srun", {"task": 4}), 10.0)
+    for rank, uid in ((0, "node1:100"), (1, "node2:100")):
+        out += m.handle(Report("join", uid, {"gen": 1, "rank": rank, "step": 9}), 10.1)
+    assert not [a for a in out if isinstance(a, Publish)] and m.confirm_nodes() == ["node3"]
+    assert m.beat_seen("node1", 10.2) == []                 # another node's beat decides nothing
+    pub = [a for a in m.beat_seen("node3", 10.3) if isinstance(a, Publish)][0].plan
+    assert pub.ranks["node3:101"] == 2                      # node3 lives: its own standby
+    # Its beat never moves: the host reports it silent, and the spare takes the rank.
+    m = confirming()
+    m.handle(Report("dead", "srun", {"task": 4}), 10.0)
+    for rank, uid in ((0, "node1:100"), (1, "node2:100")):
+        m.handle(Report("join", uid, {"gen": 1, "rank": rank, "step": 9}), 10.1)
+    out = m.handle(Report("silent", "host", {"node": "node3", "seconds": 3.0}), 13.0)
+    pub = [a for a in out if isinstance(a, Publish)][0].plan
+    assert pub.ranks["node4:900"] == 2 and m.confirm_nodes() == []

@@ -522,11 +522,15 @@ class _DoneRendezvous:
         self.fallback_acted = False
 
         class _M:
+            lost_nodes: set = set()      # no node lost whole: nothing for _end_finished_step
+            plan = None
+
             @staticmethod
             def lost_tasks():
                 return set()
 
         self.membership = _M()
+        self.membership.finished = finished
 
     def task_ended(self, task, node, reason):
         pass

@@ -134,8 +134,15 @@ class Membership:
 
     def __init__(self, nodes: Sequence[str], ranks_per_node: int, standbys_per_node: int, *,
                  timeout_s: float = 30.0, unresponsive_s: float = 3.0, refill: bool = False,
-                 spares: Sequence[str] = ()):
+                 spares: Sequence[str] = (), confirm_alive: bool = False, silent_s: float = 3.0):
         self.nodes = list(nodes)
+        # confirm_alive: give a lost rank to a standby of its own node only once that node's
+        # beat has moved since the fault (beat_seen): a node lost whole may not be known so
+        # yet (its standby cannot say it died), and a plan naming a dead standby falls back.
+        # Unconfirmed for silent_s, the node is lost (the host reports it silent).
+        self.confirm_alive = bool(confirm_alive)
+        self.silent_s = float(silent_s)
+        self.alive_at: Dict[str, float] = {}     # node -> when its beat was last seen moving
         self.spares = [n for n in spares if n not in self.nodes]   # standbys only (steps of their own)
         self.ppn = int(ranks_per_node)
         self.spn = int(standbys_per_node)
@@ -348,6 +355,8 @@ class Membership:
             return []
         if not rec.joined:
             return [self._fallback("no survivor to take the state from")]
+        if self.confirm_nodes():       # a lost rank's node: alive (its own standby) or lost? wait
+            return []
         ranks = {u: r for u, r in plan.ranks.items() if r not in rec.dead}
         free = [u for u in plan.standby if self.procs.get(u) and self.procs[u].alive]
         moves = []
@@ -382,6 +391,26 @@ class Membership:
             if u in self.procs:
                 load[self.procs[u].node] = load.get(self.procs[u].node, 0) + 1
         return min(free, key=lambda u: (self.procs[u].node == node, load.get(self.procs[u].node, 0), free.index(u)))
+
+    def _free_standby_on(self, node: str) -> bool:
+        plan = self.plan
+        return plan is not None and any(self.procs.get(u) and self.procs[u].alive and self.procs[u].node == node
+                                        for u in plan.standby)
+
+    def confirm_nodes(self) -> List[str]:
+        """Nodes whose beat must move before a lost rank of theirs goes to their own standby
+        (``confirm_alive``): those of the ranks lost in the open recovery, not yet confirmed."""
+        rec = self.recovery
+        if not self.confirm_alive or rec is None or rec.published_at is not None:
+            return []
+        nodes = {self.rank_node(r) for r in rec.dead}
+        return sorted(n for n in nodes if n not in self.lost_nodes and self.alive_at.get(n, float("-inf")) < rec.since
+                      and self._free_standby_on(n))
+
+    def beat_seen(self, node: str, now: float) -> List[object]:
+        """The host saw ``node``'s beat move: the node lives."""
+        self.alive_at[node] = now
+        return self._try_publish(now) if self.recovery is not None else []
 
     def watch_nodes(self) -> List[str]:
         """Nodes whose standbys' beats decide, during a recovery, whether the node lives: those

@@ -86,7 +86,8 @@ class RendezvousHost:
         """A started host for one training step on ``nodes`` (``spares``: nodes of the job
         that run standbys only)."""
         m = Membership(nodes, ranks_per_node, settings.standbys_per_node, timeout_s=settings.timeout_s,
-                       unresponsive_s=settings.unresponsive_s, refill=settings.refill, spares=spares)
+                       unresponsive_s=settings.unresponsive_s, refill=settings.refill, spares=spares,
+                       confirm_alive=True, silent_s=protocol.RDZV_SILENT_S)
         return cls(m, advertise_host=advertise_host, clock=clock).start()
 
     @property
@@ -185,17 +186,22 @@ class RendezvousHost:
             store.set(protocol.RDZV_FINISH, "1")
 
     def _read_beats(self) -> List[object]:
-        """During a recovery, the beats of the nodes whose ranks have not rejoined: a node
-        whose standbys' counter has not moved for RDZV_SILENT_S is lost whole (``silent``).
-        One check and one multi_get every RDZV_BEAT_S, for those nodes only."""
+        """During a recovery, the beats of two kinds of node: those whose ranks have not
+        rejoined (every RDZV_BEAT_S) and those of the lost ranks, whose own standby may take
+        the rank only once their beat moves (every loop: a same-node heal waits one beat).
+        A node whose counter has not moved for RDZV_SILENT_S is lost whole (``silent``). One
+        check and one multi_get a read, for those nodes only."""
         m, now = self.membership, self.clock()
         rec = m.recovery
-        if rec is None or now - self._beats_at < protocol.RDZV_BEAT_S:
+        if rec is None or rec.published_at is not None:
             return []
-        self._beats_at = now
         if self._beats_for != rec.gen:          # a new recovery: every node starts afresh
             self._beats, self._beats_for = {}, rec.gen
-        nodes = m.watch_nodes()
+        nodes = set(m.confirm_nodes())
+        if now - self._beats_at >= protocol.RDZV_BEAT_S:
+            self._beats_at = now
+            nodes.update(m.watch_nodes())
+        nodes = sorted(nodes)
         keys = [protocol.rdzv_key("beat", n) for n in nodes]
         if not nodes or not self.store.check(keys):
             return []
@@ -203,8 +209,11 @@ class RendezvousHost:
         for node, raw in zip(nodes, self.store.multi_get(keys)):
             value = int(raw)
             seen = self._beats.get(node)
-            if seen is None or seen[0] != value:
+            if seen is None:
                 self._beats[node] = (value, now)
+            elif seen[0] != value:
+                self._beats[node] = (value, now)
+                out += m.beat_seen(node, now)
             elif now - seen[1] >= protocol.RDZV_SILENT_S:
                 out += m.handle(Report("silent", "host", {"node": node, "seconds": round(now - seen[1], 2)}), now)
         return out

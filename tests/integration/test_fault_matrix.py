@@ -80,19 +80,11 @@ def make_job(tmp_path, name, **kw) -> fk.TrainJob:
     return fk.TrainJob(root=tmp_path / name, name=name, **kw)
 
 
-def events(job, kind):
-    return [r for r in job.timeline() if r["event"] == kind]
+events = fk.events
 
 
 def assert_healed(job, slurm, reference, world, *, steps=STEPS, ignore_ckpts=()):
-    info = job.wait_end(slurm)
-    story = tl.format_text(job.timeline()) + job.failed_step_logs()
-    assert info.state == "COMPLETED" and info.exit_code == 0, f"{info.state} {info.exit_code}\n{story}\n{job.batch_log()[-3000:]}"
-    assert events(job, "done"), story
-    assert job.out.exists(), story
-    assert fk.same_weights(job.out, reference(world, steps)), f"final weights differ from an uninterrupted run\n{story}"
-    assert fk.damaged_checkpoints(job.ckpt_dir, ignore=ignore_ckpts) == []
-    return info, story
+    return fk.assert_healed(job, slurm, reference(world, steps), ignore_ckpts=ignore_ckpts)
 
 
 def first_progress_after(job, t):
@@ -224,24 +216,7 @@ def test_e_time_limit_stops_saves_requeues_zero_steps_lost(cluster, slurm, refer
     job = make_job(tmp_path, "fm-e", nodes=4, steps=steps, ckpt_every=100,
                    spec_extra={"time": "1", "signal_lead_s": 30}, supervise={"stop_timeout_s": 20})
     job.submit()
-    # Wait for the requeue, then give the second incarnation room to finish.
-    def requeued():
-        assert not events(job, "give_up"), tl.format_text(job.timeline())
-        return events(job, "requeue")
-
-    wait_for(requeued, 150, "the requeue", interval_s=1, detail=lambda: tl.format_text(job.timeline()))
-    slurm.update_job(job.job_id, TimeLimit="10")
-    info, story = assert_healed(job, slurm, reference, 4, steps=steps)
-    stop = events(job, "stop_requested")
-    assert stop and stop[0]["reason"] == "time_limit", story
-    stopped = events(job, "stopped")[0]
-    later = [r for r in events(job, "resume") if r["incarnation"] == 1]
-    # Zero steps lost: the stop saved the step the ranks had reached, and the next
-    # incarnation resumes exactly there.
-    assert stopped["ckpt_step"] is not None and later[0]["step"] == stopped["ckpt_step"], story
-    beats = [r["max_step"] for r in events(job, "progress") if r["incarnation"] == 0]
-    assert stopped["ckpt_step"] >= max(beats, default=0), story
-    assert info.restart_count == 1
+    fk.time_limit_requeue(job, slurm, reference(4, steps), requeue_within_s=150)
 
 
 # ----------------------------------------------------------------------------- (f) preemption

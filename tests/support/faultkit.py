@@ -390,3 +390,51 @@ def _same(x, y) -> bool:
         return (isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y)
                 and all(_same(u, v) for u, v in zip(x, y)))
     return x == y
+
+
+def events(job: TrainJob, kind: str) -> List[dict]:
+    """The job's timeline records of one kind, in order."""
+    return [r for r in job.timeline() if r["event"] == kind]
+
+
+def assert_healed(job: TrainJob, slurm, reference: Path, *, timeout_s: Optional[float] = None,
+                  ignore_ckpts: Sequence[Path] = ()):
+    """The job ended done (COMPLETED, exit 0), its final weights equal the uninterrupted
+    run's at ``reference`` bitwise, and no committed checkpoint is damaged; (info, story)."""
+    from clusterops.supervisor import timeline as tl
+
+    info = job.wait_end(slurm, **({"timeout_s": timeout_s} if timeout_s is not None else {}))
+    story = tl.format_text(job.timeline()) + job.failed_step_logs()
+    assert info.state == "COMPLETED" and info.exit_code == 0, \
+        f"{info.state} {info.exit_code}\n{story}\n{job.batch_log()[-3000:]}"
+    assert events(job, "done"), story
+    assert job.out.exists(), story
+    assert same_weights(job.out, reference), f"final weights differ from an uninterrupted run\n{story}"
+    assert damaged_checkpoints(job.ckpt_dir, ignore=ignore_ckpts) == [], story
+    return info, story
+
+
+def time_limit_requeue(job: TrainJob, slurm, reference: Path, *, requeue_within_s: float):
+    """Fault (e) on a submitted job: the time limit's lead signal stops the ranks, they save,
+    the job is requeued (then given room to finish), and the next incarnation resumes at
+    exactly the saved step: 0 steps lost, bitwise. Returns (info, story, the stopped record)."""
+    from clusterops.supervisor import timeline as tl
+
+    def requeued():
+        assert not events(job, "give_up"), tl.format_text(job.timeline())
+        return events(job, "requeue")
+
+    wait_for(requeued, requeue_within_s, "the requeue", interval_s=1, detail=lambda: tl.format_text(job.timeline()))
+    slurm.update_job(job.job_id, TimeLimit="10")
+    info, story = assert_healed(job, slurm, reference)
+    stop = events(job, "stop_requested")
+    assert stop and stop[0]["reason"] == "time_limit", story
+    stopped = events(job, "stopped")[0]
+    later = [r for r in events(job, "resume") if r["incarnation"] == 1]
+    # Zero steps lost: the stop saved the step the ranks had reached, and the next
+    # incarnation resumes exactly there.
+    assert stopped["ckpt_step"] is not None and later[0]["step"] == stopped["ckpt_step"], story
+    beats = [r["max_step"] for r in events(job, "progress") if r["incarnation"] == 0]
+    assert stopped["ckpt_step"] >= max(beats, default=0), story
+    assert info.restart_count == 1, story
+    return info, story, stopped
