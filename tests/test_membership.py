@@ -304,3 +304,14 @@ def test_with_confirm_alive_a_same_node_heal_waits_for_the_nodes_beat_or_its_sil
     out = m.handle(Report("silent", "host", {"node": "node3", "seconds": 3.0}), 13.0)
     pub = [a for a in out if isinstance(a, Publish)][0].plan
     assert pub.ranks["node4:900"] == 2 and m.confirm_nodes() == []
+
+
+def test_gone_nodes_are_those_with_no_process_left_however_each_was_heard_of():
+    m, _ = with_spare()
+    m.handle(Report("dead", "srun", {"task": 4}), 5.0)      # node3's rank (task 4)
+    assert m.gone_nodes() == set()                          # its standby lives
+    m.handle(Report("dead", "srun", {"task": 5}), 5.1)      # and its standby: node3 has nothing left
+    assert m.gone_nodes() == {"node3"}
+    m2, _ = with_spare()
+    m2.handle(Report("silent", "host", {"node": "node2", "seconds": 3.0}), 6.0)
+    assert m2.gone_nodes() == {"node2"}

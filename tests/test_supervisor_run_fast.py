@@ -529,6 +529,10 @@ class _DoneRendezvous:
             def lost_tasks():
                 return set()
 
+            @staticmethod
+            def gone_nodes():
+                return set()
+
         self.membership = _M()
         self.membership.finished = finished
 

@@ -166,6 +166,13 @@ class Membership:
         standbys): their failures in the step's output are not the step's."""
         return {p.task for p in self.procs.values() if not p.alive}
 
+    def gone_nodes(self) -> Set[str]:
+        """Nodes of which no process lives: lost whole (``silent``), or every process of it
+        reported dead one by one (srun's word for each task). Their ranks were healed or the
+        recovery fell back; either way the step's end need not wait for them."""
+        alive = {p.node for p in self.procs.values() if p.alive}
+        return self.lost_nodes | {p.node for p in self.procs.values() if p.node not in alive}
+
     @property
     def expected_procs(self) -> int:
         return len(self.nodes) * (self.ppn + self.spn)

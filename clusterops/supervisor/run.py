@@ -872,7 +872,7 @@ class SupervisorRun:
         if self.rdzv is not None:
             self._poll_rdzv()
             healed = self.rdzv.membership.lost_tasks()
-            gone = self.rdzv.membership.lost_nodes    # nodes lost whole, their ranks healed in-process
+            gone = self.rdzv.membership.gone_nodes()  # nodes with no process left, their ranks healed
             if self.rdzv.finished and (self.rdzv_ended or set(lost) <= gone and all(
                     f.rank in healed or f.node in gone for f in failures)):
                 # Every rank finished; the only tasks (or nodes) that failed were lost on the
@@ -945,7 +945,10 @@ class SupervisorRun:
         waits for that node's tasks, which never end. Give it FINISHED_STEP_GRACE_S to end by
         itself, then end it; the step reads as finished (``_step_exited``)."""
         m = self.rdzv.membership
-        if not m.finished or not m.lost_nodes or self.train is None or self.rdzv_ended:
+        if not m.finished or self.train is None or self.rdzv_ended:
+            return
+        gone = m.gone_nodes()
+        if not gone:
             return
         now = self.clock()
         if self.rdzv_done_at is None:
@@ -953,7 +956,7 @@ class SupervisorRun:
         elif now - self.rdzv_done_at >= FINISHED_STEP_GRACE_S and self.train.poll() is None:
             self.rdzv_ended = True
             self._record(E.WARNING, {"what": f"in-process: every rank finished; the step's tasks on lost "
-                                             f"node(s) {', '.join(sorted(m.lost_nodes))} never end (srun "
+                                             f"node(s) {', '.join(sorted(gone))} never end (srun "
                                              f"--no-kill): step ended"})
             kill_group(self.train, signal.SIGTERM)
 

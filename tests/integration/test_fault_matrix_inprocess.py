@@ -124,17 +124,19 @@ def test_d_lost_node_without_spare_in_process(cluster, slurm, reference, tmp_pat
 # ----------------------------------------------------------------------------- (e) time limit
 @pytest.mark.timeout(600)
 def test_e_time_limit_stops_saves_requeues_zero_steps_lost(cluster, slurm, reference, tmp_path):
-    # Slurm checks time limits periodically: USR1@30 of a 2-minute job arrives 90-110 s in.
+    # Slurm checks time limits periodically: USR1@90 of a 3-minute job arrives 90-110 s in.
     # A 1-minute job (the relaunch path's case) is too short here: the 8 processes took up
     # to 40 s to import torch on the loaded machine, so the lead signal came before the
     # ranks ran and the stop timed out. 900 steps of 0.1 s outlast the signal; the second
     # incarnation finishes the rest.
     steps = 900
     job = make_job(tmp_path, "ip-e", nodes=4, steps=steps, ckpt_every=100,
-                   spec_extra={"time": "2", "signal_lead_s": 30}, supervise={"stop_timeout_s": 60})
+                   spec_extra={"time": "3", "signal_lead_s": 90}, supervise={"stop_timeout_s": 60})
     job.submit()
-    # stop_timeout_s 60: the 8 interpreters' exit after the save took over 20 s in a full
-    # suite run (3 workers on 2 cores), and the step was ended by the stop timeout.
+    # stop_timeout_s 60 (shorter than the lead, as the spec requires): the 8 interpreters'
+    # exit after the save took over 20 s in a full suite run (3 workers on 2 cores), and the
+    # step was ended by the stop timeout. A 3-minute job with a 90 s lead: the signal still
+    # comes 90-110 s in, after the ranks run.
     info, story, stopped = fk.time_limit_requeue(job, slurm, reference(4, steps), requeue_within_s=240)
     # The first step ended by itself: the ranks stopped, the standbys left with them (rc 0).
     assert stopped["returncode"] == 0 and not [r for r in events(job, "step_exit") if r["incarnation"] == 0], story
