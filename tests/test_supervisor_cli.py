@@ -168,3 +168,61 @@ def test_supervise_spec_file_is_read_bounded_and_checked(tmp_path, monkeypatch, 
                     monkeypatch, env) == 2
     assert "$CLUSTEROPS_MAX_DRAINED_FRACTION: must be between 0 and 1" in capsys.readouterr().err
     assert not job_dir.exists()
+
+
+def test_supervise_holds_stop_signals_from_its_first_line(monkeypatch):
+    """`clusterops supervise` takes over what the batch script noted (and drops it from the
+    environment the ranks inherit) and keeps what comes next, before any heavy import."""
+    import signal
+
+    from clusterops.cli.supervise import EARLY_SIGNALS_ENV, hold_stop_signals
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    monkeypatch.setenv(EARLY_SIGNALS_ENV, "USR1,HUP,TERM")
+    try:
+        got = hold_stop_signals()
+        assert got == [signal.SIGUSR1, signal.SIGTERM]      # an unknown name is no stop
+        assert EARLY_SIGNALS_ENV not in os.environ
+        os.kill(os.getpid(), signal.SIGUSR1)                 # the process lives on
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert got == [signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM]
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_supervised_script_notes_early_signals_and_hands_them_on(tmp_path):
+    """The rendered batch script, run by bash for real up to its `exec`: a USR1 and a TERM
+    during the setup end nothing and reach the exec'd command in $CLUSTEROPS_EARLY_SIGNALS,
+    which starts with both ignored."""
+    import subprocess
+
+    from clusterops import launch
+
+    (tmp_path / "t.py").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # Stands in for the real command at the exec: says what it was handed, and what it ignores.
+    (bin_dir / "clusterops").write_text('#!/bin/bash\necho "early=$CLUSTEROPS_EARLY_SIGNALS"\n'
+                                        'grep -E "^SigIgn" /proc/self/status\n')
+    (bin_dir / "clusterops").chmod(0o755)
+    body = {"name": "early", "launcher": "srun", "nodes": 1, "time": "10", "script": str(tmp_path / "t.py"),
+            "log_dir": str(tmp_path / "logs"), "signal_lead_s": 30,
+            "setup": [f"export PATH={bin_dir}:$PATH", "kill -USR1 $$", "kill -TERM $$", "echo setup-done"],
+            "supervise": {"ckpt_dir": str(tmp_path / "ckpt")}}
+    import yaml
+
+    (tmp_path / "early.yaml").write_text(yaml.safe_dump(body))
+    script = launch.render(launch.load_spec(tmp_path / "early.yaml"))
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                       env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "1"})
+    assert p.returncode == 0, p.stderr
+    assert "setup-done" in p.stdout and "early=USR1,TERM" in p.stdout
+    ignored = int(p.stdout.split("SigIgn:")[1].split()[0], 16)
+    assert ignored & (1 << (signal_num("USR1") - 1)) and ignored & (1 << (signal_num("TERM") - 1))
+
+
+def signal_num(name: str) -> int:
+    import signal
+
+    return int(getattr(signal, "SIG" + name))

@@ -370,6 +370,72 @@ def test_time_limit_signal_stops_saves_and_requeues(world, tmp_path):
     assert kinds(tmp_path).index("stopped") < kinds(tmp_path).index("requeue")
 
 
+def test_stop_signal_before_the_run_requeues_before_any_step(world, tmp_path):
+    # The batch script noted a USR1 while its setup ran (or `clusterops supervise` caught one
+    # before the run existed): nothing trained in this incarnation, nothing to save.
+    cfg_run = make_run(world, tmp_path, preflight="quick")
+    cfg_run.early_signals = [signal.SIGUSR1]
+    with pytest.raises(EndedBySlurm):
+        cfg_run.run()
+    assert kinds(tmp_path)[:3] == ["start", "stop_requested", "requeue"]
+    stop = events(tmp_path, "stop_requested")[0]
+    assert stop["reason"] == "time_limit" and stop["state"] == "starting"
+    assert "before the first step" in events(tmp_path, "requeue")[0]["reason"]
+    assert world.runner.spawns == [] and ("requeue", JOB) in world.slurm.calls   # no preflight, no step
+
+
+def test_lead_signal_lost_before_the_handlers_is_made_up_by_the_end_time(world, tmp_path):
+    # USR1 came while the batch script ignored it (Python starting): Slurm sends it once. The
+    # end time says the lead has passed; the run requeues before launching anything.
+    world.slurm.end_time = T0 + 25
+    run = make_run(world, tmp_path, preflight=None)
+    run.cfg.signal_lead_s = 30
+    with pytest.raises(EndedBySlurm):
+        run.run()
+    assert [r["reason"] for r in events(tmp_path, "stop_requested")] == ["time_limit"]
+    warn = [r["what"] for r in events(tmp_path, "warning")]
+    assert any("no lead signal reached the supervisor" in w for w in warn), warn
+    assert train_spawns(world) == [] and ("requeue", JOB) in world.slurm.calls
+
+
+def test_lead_passed_while_training_stops_saves_once(world, tmp_path):
+    # The end time comes within the lead during training and no USR1 arrives: the node poll
+    # stops the ranks as the signal would have; a USR1 after that is no second stop.
+    world.slurm.end_time = T0 + 10_000
+    sent = []
+
+    def shorten(now):
+        if world.step is not None and min(world.step.steps.values()) >= 12 and world.slurm.end_time > now + 100:
+            world.slurm.end_time = now + 40      # an administrator cut the time limit
+        if events_ready() and not sent:
+            sent.append(now)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    def events_ready():
+        try:
+            return bool(events(tmp_path, "stop_requested"))
+        except Exception:
+            return False
+    world.hooks.append(shorten)
+    run = make_run(world, tmp_path, preflight=None)
+    run.cfg.signal_lead_s = 60
+    with pytest.raises(EndedBySlurm):
+        run.run()
+    assert [r["reason"] for r in events(tmp_path, "stop_requested")][:1] == ["time_limit"]
+    assert len([w for w in events(tmp_path, "warning") if "no lead signal" in w["what"]]) == 1
+    stopped = events(tmp_path, "stopped")[0]
+    assert stopped["reason"] == "time_limit" and stopped["ckpt_step"] >= 12
+    assert len(events(tmp_path, "requeue")) == 1
+
+
+def test_no_lead_asked_no_end_time_query_at_start(world, tmp_path):
+    world.slurm.end_time = T0 + 5      # the time limit is near, but no lead signal was asked for
+    run = make_run(world, tmp_path, preflight=None)
+    assert run.cfg.signal_lead_s == 0
+    run.run()
+    assert "stop_requested" not in kinds(tmp_path) and "done" in kinds(tmp_path)
+
+
 def test_requeue_budget_spent_gives_up_without_requeue(world, tmp_path):
     def preempt(proc, now, step):
         if step == 12:

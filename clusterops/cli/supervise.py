@@ -16,6 +16,28 @@ from clusterops.exitcodes import Supervise, epilog
 
 EXIT_HELP = epilog(Supervise)
 
+#: The stop signals the batch script noted while its setup ran (comma-separated names),
+#: written by templates/base.sh.j2 just before it execs this command.
+EARLY_SIGNALS_ENV = "CLUSTEROPS_EARLY_SIGNALS"
+
+
+def hold_stop_signals() -> list:
+    """Catch the lead-time SIGUSR1 and SIGTERM from here on, before the heavy imports.
+
+    The batch script ignores both from just before its ``exec`` (an ignored signal stays
+    ignored across exec), so one that comes while Python starts is lost, not fatal; from
+    here it is kept, with those the script noted (``$CLUSTEROPS_EARLY_SIGNALS``, taken out
+    of the environment so the ranks do not inherit it), for the run to take over
+    (``SupervisorRun.install_signals``). Returns the list the handlers append to."""
+    import os
+    import signal
+
+    names = {"USR1": signal.SIGUSR1, "TERM": signal.SIGTERM}
+    got = [names[n] for n in (os.environ.pop(EARLY_SIGNALS_ENV, "") or "").split(",") if n in names]
+    for sig in names.values():
+        signal.signal(sig, lambda signum, frame: got.append(signum))
+    return got
+
 
 def _setting_option(f: schema.Field):
     """The click option of one supervise key / Policy field, from the table."""
@@ -62,8 +84,9 @@ def supervise(spec_json, spec_file, command, **settings):
     handled as docs/supervisor.md describes; every decision goes to
     JOB_DIR/timeline.jsonl (`clusterops job timeline JOB_DIR`).
     """
+    early = hold_stop_signals()
     from clusterops.supervisor.config import load_resolved_spec, run_config
     from clusterops.supervisor.run import SupervisorRun
 
     cfg = run_config(load_resolved_spec(spec_json, spec_file), command, settings)
-    return SupervisorRun(cfg, echo=lambda s: click.echo(s)).run()
+    return SupervisorRun(cfg, echo=lambda s: click.echo(s), early_signals=early).run()

@@ -294,6 +294,8 @@ def run_config(spec: Mapping[str, Any], command: Sequence[str], settings: Mappin
     extra["notify_urls"] = list(spec.get("notify") or [])
     extra["plain"] = plain
     extra["stability"] = stability_config(sup)
+    if spec.get("signal_lead_s"):
+        extra["signal_lead_s"] = int(spec["signal_lead_s"])
     if spec.get("launcher") == "torchrun":
         extra["launcher"] = "torchrun"      # one agent per node; the other launchers: srun-native ranks
     return RunConfig.from_environment(cmd, jd, cd, policy, env=env, workdir=spec.get("workdir"),

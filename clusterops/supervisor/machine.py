@@ -493,7 +493,11 @@ class Supervisor:
         return out
 
     # -- entry -----------------------------------------------------------------------
-    def start(self, now: float) -> List[Action]:
+    def start(self, now: float, stop: Optional[str] = None) -> List[Action]:
+        """The first actions. ``stop``: a stop request (a ``StopReason``) that came before
+        the supervisor ran: the lead-time signal or a SIGTERM caught by the batch script
+        while its setup ran, or the time limit's lead already passed by Slurm's end time.
+        Nothing has trained in this incarnation, so nothing is saved: requeue at once."""
         out: List[Action] = []
         known = {n: w for n, w in self.memory.bad_nodes.items() if n in self.allocation}
         out.append(Record(E.START, {"nodes": list(self.allocation),
@@ -501,6 +505,10 @@ class Supervisor:
                                     "known_bad": sorted(known),
                                     "policy": {"nodes": self.policy.nodes, "spare_nodes": self.policy.spare_nodes,
                                                "min_nodes": self.policy.min_nodes}}))
+        if stop is not None:
+            self.stop_reason = self.pending_stop = stop
+            out.append(Record(E.STOP_REQUESTED, {"reason": stop, "state": "starting"}))
+            return self._requeue(f"stop requested ({stop}) before the first step", out)
         for node, why in known.items():
             # Slurm gave us a node an earlier incarnation judged bad (ExcNodeList cannot be
             # changed on a running job): keep it out of this allocation's steps.

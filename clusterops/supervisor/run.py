@@ -238,6 +238,9 @@ class RunConfig:
     stability: Optional[StabilityConfig] = None   # supervise: stability: (None: no guard)
     job_dir_mode: int = 0o700               # mode of a job directory the supervisor creates
     inprocess: Optional[InprocessSettings] = None   # supervise: inprocess: (rendezvous.py); None: off
+    # The spec's signal_lead_s (0: none asked): a lead signal lost before the handlers were
+    # in is made up for by Slurm's end time (``_lead_passed``).
+    signal_lead_s: int = 0
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -387,8 +390,11 @@ def save_memory(job_dir: Path, memory: sv.Memory) -> None:
 class SupervisorRun:
     def __init__(self, cfg: RunConfig, *, slurm: Optional[SlurmAPI] = None, runner: Optional[Runner] = None,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 echo: Callable[[str], None] = print):
+                 echo: Callable[[str], None] = print, early_signals: Optional[List[int]] = None):
         self.cfg = cfg
+        # Signal numbers caught before this run existed (``clusterops supervise``'s first
+        # handlers, and those the batch script noted): taken over by install_signals.
+        self.early_signals = early_signals if early_signals is not None else []
         self.runner = runner or Runner()
         if slurm is None:
             from clusterops.slurm.factory import connect
@@ -423,6 +429,7 @@ class SupervisorRun:
         self.node_poll_failures = 0
         self.launched_at: Optional[float] = None
         self.preempt_seen = False
+        self.lead_seen = False     # the time limit's stop was asked for (the signal, or Slurm's end time)
         self.guard: Optional[drains.GuardSettings] = None
         self.n_checks = 0
         self.notifier = None   # webhooks from the site config's notify: (made when first needed)
@@ -450,13 +457,21 @@ class SupervisorRun:
         }
 
     # -- signals ---------------------------------------------------------------------
+    def _stop_reason(self, signum: int) -> str:
+        if signum == signal.SIGUSR1:
+            self.lead_seen = True
+            return sv.StopReason.TIME_LIMIT
+        return sv.StopReason.PREEMPTION if signum == signal.SIGTERM else sv.StopReason.USER
+
     def install_signals(self) -> None:
         def on_signal(signum, frame):
-            self.signals.append({signal.SIGUSR1: sv.StopReason.TIME_LIMIT, signal.SIGTERM: sv.StopReason.PREEMPTION}.get(
-                signum, sv.StopReason.USER))
+            self.signals.append(self._stop_reason(signum))
 
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
+        # Only now: one that comes meanwhile lands in self.signals, after these.
+        early, self.early_signals = list(self.early_signals), []
+        self.signals[:0] = [self._stop_reason(s) for s in early]
 
     # -- main loop -------------------------------------------------------------------
     def run(self) -> int:
@@ -479,7 +494,11 @@ class SupervisorRun:
             for step in self._ckpt_steps():
                 self.sup.stability.checkpoint(step)
         try:
-            self._do(self.sup.start(self.clock()))
+            # A stop that came before this run (caught early, or the lead's moment already
+            # passed by Slurm's end time): requeue before launching anything.
+            if not self.signals and self.cfg.signal_lead_s and self._lead_passed(self._job_info(), self.clock()):
+                self.signals.append(self._missed_lead())
+            self._do(self.sup.start(self.clock(), stop=self.signals.pop(0) if self.signals else None))
             while self.exit_code is None:
                 self._wait(cfg.poll_s)
                 for ev in self._observe():
@@ -1002,19 +1021,35 @@ class SupervisorRun:
         such a job with a PreemptTime; the SDK's stopped marker (or, from a script without
         it, rank 0's "stopped" output line; see clusterops.protocol) is the training's own word.
         """
-        if self._preempt_time():
+        if getattr(self._job_info(), "preempt_time", None):
             return sv.StopReason.PREEMPTION
         if protocol.training_stopped(self.attempt_dir, step_log):
             return sv.StopReason.SIGNAL
         return None
 
-    def _preempt_time(self) -> Optional[float]:
+    def _job_info(self):
+        """Slurm's record of this job, or None (no job id, or the controller did not answer)."""
         if not self.cfg.job_id:
             return None
         try:
-            return self.slurm.job(self.cfg.job_id).preempt_time
+            return self.slurm.job(self.cfg.job_id)
         except ClusteropsError:
             return None
+
+    def _lead_passed(self, info, now: float) -> bool:
+        """The time limit is ``signal_lead_s`` or less away by Slurm's end time, and no lead
+        signal came. Slurm sends it once: one that came before any handler was in (while
+        ``clusterops supervise`` started, with the batch script's ignoring it meanwhile) is
+        lost, and without this the job would run into its time limit unsaved."""
+        end = getattr(info, "end_time", None)
+        lead = self.cfg.signal_lead_s
+        return bool(lead and not self.lead_seen and isinstance(end, (int, float)) and end - now <= lead)
+
+    def _missed_lead(self) -> str:
+        self.lead_seen = True
+        self._record(E.WARNING, {"what": f"the time limit is {self.cfg.signal_lead_s} s or less away by Slurm's "
+                                         "end time and no lead signal reached the supervisor: stopping as if it had"})
+        return sv.StopReason.TIME_LIMIT
 
     def _find_step_id(self) -> Optional[str]:
         if self.step_id or not self.cfg.job_id or not self.step_name:
@@ -1200,10 +1235,14 @@ class SupervisorRun:
             return None
         self.node_poll_failures = 0
         self.next_node_poll = now + self.cfg.node_poll_s
-        if self.train is not None and not self.preempt_seen and self._preempt_time():
-            # Selected for preemption: the ranks have SIGTERM already; make it our stop.
-            self.preempt_seen = True
-            self.signals.append("preemption")
+        if self.train is not None and not (self.preempt_seen and self.lead_seen):
+            info = self._job_info()
+            if not self.preempt_seen and getattr(info, "preempt_time", None):
+                # Selected for preemption: the ranks have SIGTERM already; make it our stop.
+                self.preempt_seen = True
+                self.signals.append("preemption")
+            if self._lead_passed(info, now):
+                self.signals.append(self._missed_lead())
         down = {n.name: (n.state + ("+" + "+".join(sorted(n.flags)) if n.flags else ""))
                 for n in infos if n.is_down}
         return sv.NodesDown(now, down) if down else None

@@ -16,6 +16,14 @@
 
 set -eo pipefail
 
+# ---- stop signals before the supervisor runs ---------------------------------------
+# The lead-time SIGUSR1 (a short job, a long setup, a busy node) or a SIGTERM can come
+# before the supervisor is there to act on it, and either would end this shell and the
+# job with it, unsaved and not requeued. They are noted here and handed to it below.
+CLUSTEROPS_EARLY_SIGNALS=
+trap 'CLUSTEROPS_EARLY_SIGNALS="${CLUSTEROPS_EARLY_SIGNALS:+$CLUSTEROPS_EARLY_SIGNALS,}USR1"' USR1
+trap 'CLUSTEROPS_EARLY_SIGNALS="${CLUSTEROPS_EARLY_SIGNALS:+$CLUSTEROPS_EARLY_SIGNALS,}TERM"' TERM
+
 # ---- environment ---------------------------------------------------------------
 # srun no longer inherits --cpus-per-task from sbatch (Slurm >= 22.05): hand it on.
 if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
@@ -31,5 +39,9 @@ source /shared/envs/llm/bin/activate
 
 # ---- hand over to the supervisor ---------------------------------------------------
 # exec: the supervisor becomes this shell, so the lead-time signal (--signal=B:USR1)
-# and SIGTERM reach it directly; it runs the training steps and heals them.
+# and SIGTERM reach it directly; it runs the training steps and heals them. Until its
+# handlers are in, both are ignored (a trap ends at exec, an ignored signal stays ignored);
+# one lost meanwhile is made up for by the job's end time, which the supervisor reads.
+trap '' USR1 TERM
+export CLUSTEROPS_EARLY_SIGNALS
 exec clusterops supervise --spec-json '{"account":null,"args":["--steps","100000"],"chain":1,"constraint":null,"container_image":null,"container_mounts":null,"cpus_per_task":null,"env":{},"exclude":null,"exclusive":false,"gpus_per_node":8,"launcher":"torchrun","launcher_args":[],"log_dir":"/shared/logs/resilient","master_port":null,"mem":null,"name":"resilient","nodelist":null,"nodes":4,"notify":[],"nproc_per_node":null,"partition":null,"python":"python3","qos":null,"requeue":true,"sbatch_args":[],"script":"/REPO/tests/golden/train.py","setup":["source /shared/envs/llm/bin/activate"],"signal_lead_s":600,"srun_args":[],"srun_wait_s":60,"supervise":{"ckpt_dir":"/shared/ckpt/resilient","hang_timeout_s":600,"min_nodes":3,"preflight":"deep","spare_nodes":1},"time":"1-00:00:00","workdir":"/REPO/tests/golden"}'

@@ -212,11 +212,72 @@ def test_m_batch_host_lost_ranks_requeue_resumed_bitwise(cluster, slurm, referen
 def test_e_time_limit_stops_saves_requeues_zero_steps_lost(cluster, slurm, reference, tmp_path):
     # Slurm checks time limits periodically: USR1@30 of a 1-minute job arrives 10-30 s
     # in. 250 steps of 0.1 s outlast that, and the second incarnation finishes the rest.
-    steps = 250
+    steps = 900
+    ref = reference(4, steps)
+    # USR1@80 of a 2-minute job arrives 40-70 s in (Slurm checks every 30 s), after the ranks
+    # run even on a loaded machine: with a 1-minute job and a 30 s lead it came 10-30 s in,
+    # and a full suite run once saw it before the supervisor itself had started. 900 steps of
+    # 0.1 s outlast it; the second incarnation finishes the rest.
     job = make_job(tmp_path, "fm-e", nodes=4, steps=steps, ckpt_every=100,
-                   spec_extra={"time": "1", "signal_lead_s": 30}, supervise={"stop_timeout_s": 20})
+                   spec_extra={"time": "2", "signal_lead_s": 80}, supervise={"stop_timeout_s": 40})
     job.submit()
-    fk.time_limit_requeue(job, slurm, reference(4, steps), requeue_within_s=150)
+    fk.time_limit_requeue(job, slurm, ref, requeue_within_s=150)
+
+
+def _setup(job: fk.TrainJob, *lines: str) -> list:
+    """The job's setup lines (the PATH line make_job writes) with ``lines`` after it."""
+    return [*job.spec()["setup"], *lines]
+
+
+@pytest.mark.timeout(300)
+def test_e_lead_signal_during_setup_requeues_before_any_step(cluster, slurm, reference, tmp_path):
+    # The lead-time USR1 reaches the batch shell while its setup runs (a short job, a slow
+    # setup): the script notes it instead of dying of it, the supervisor requeues before
+    # launching anything (nothing trained, nothing to save), and the next incarnation trains.
+    ref = reference(4, STEPS)
+    job = make_job(tmp_path, "fm-e-setup", nodes=4, supervise={"stop_timeout_s": 20})
+    marker = job.root / "in-setup"
+    job.spec_extra = {"signal_lead_s": 30,
+                      "setup": _setup(job, f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then touch {marker}; sleep 6; fi')}
+    job.submit()
+    wait_for(marker.exists, 120, "the batch script's setup", interval_s=0.2)
+    slurm.signal(job.job_id, "USR1", batch=True)
+    info, story = fk.assert_healed(job, slurm, ref)
+    stop = events(job, "stop_requested")
+    assert [(r["reason"], r["state"], r["incarnation"]) for r in stop] == [("time_limit", "starting", 0)], story
+    assert not [r for r in events(job, "launch") if r["incarnation"] == 0], story
+    assert len(events(job, "requeue")) == 1 and info.restart_count == 1, story
+
+
+@pytest.mark.timeout(300)
+def test_e_lead_signal_lost_before_the_supervisor_is_made_up_by_the_end_time(cluster, slurm, reference, tmp_path):
+    # The lead signal is lost (the setup ignores USR1, as the script does from just before
+    # `exec clusterops supervise` until its handlers are in). The supervisor reads Slurm's
+    # end time, sees the lead passed, and requeues before launching: the job is not run
+    # into its time limit unsaved. USR1@115 of a 2-minute job is sent 5-35 s in, during the
+    # 45 s setup.
+    ref = reference(4, STEPS)
+    job = make_job(tmp_path, "fm-e-lost", nodes=4, supervise={"stop_timeout_s": 20})
+    job.spec_extra = {"time": "2", "signal_lead_s": 115,
+                      "setup": _setup(job, "trap '' USR1",
+                                      'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then sleep 45; fi')}
+    job.submit()
+
+    def requeued():
+        assert not events(job, "give_up"), tl.format_text(job.timeline())
+        return events(job, "requeue")
+
+    job.wait_running(slurm)
+    wait_for(requeued, 150, "the requeue", interval_s=1,
+             detail=lambda: f"{job.slurm_says(slurm)}\n{tl.format_text(job.timeline())}")
+    slurm.update_job(job.job_id, TimeLimit="10")     # room for the next incarnation
+    info, story = fk.assert_healed(job, slurm, ref)
+    warn = [r["what"] for r in events(job, "warning") if r["incarnation"] == 0]
+    assert any("no lead signal reached the supervisor" in w for w in warn), story
+    stop = events(job, "stop_requested")
+    assert [(r["reason"], r["state"]) for r in stop] == [("time_limit", "starting")], story
+    assert not [r for r in events(job, "launch") if r["incarnation"] == 0], story
+    assert info.restart_count == 1, story
 
 
 # ----------------------------------------------------------------------------- (f) preemption

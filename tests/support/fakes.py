@@ -335,16 +335,17 @@ class StepSlurm(FakeSlurm):
     """The Slurm a supervised job sees: ``world.step`` is the running training step (its
     ``attempt``, ``argv``, ``returncode``, ``killed()`` and ``usr2``); ``cancel`` of that step
     with KILL kills it, with USR2 sets its flag; ``requeue`` sets ``world.requeued``; ``job``
-    carries ``preempt_time``; ``nodes`` answers every node up (``ALLOCATED``)."""
+    carries ``preempt_time`` and ``end_time``; ``nodes`` answers every node up (``ALLOCATED``)."""
 
     def __init__(self, world, nodes: Sequence[str]):
         super().__init__()
         self.world, self.all_nodes = world, list(nodes)
         self.preempt_time: Optional[float] = None
+        self.end_time: Optional[float] = None      # the job's EndTime (start + time limit)
 
     def job(self, job_id: Union[int, str]) -> JobInfo:
         self.calls.append(("job", job_id))
-        return SimpleNamespace(job_id=int(job_id), preempt_time=self.preempt_time)
+        return SimpleNamespace(job_id=int(job_id), preempt_time=self.preempt_time, end_time=self.end_time)
 
     def steps(self, job_id: Union[int, str]) -> List[Tuple[str, str]]:
         self.calls.append(("steps", job_id))

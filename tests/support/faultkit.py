@@ -218,6 +218,38 @@ class TrainJob:
                                   f"{timeout_s:g}s; timeline tail: "
                                   + " | ".join(r.get("event", "") for r in self.timeline()[-8:])) from None
 
+    def wait_running(self, slurm, timeout_s: float = 180.0):
+        """Wait until Slurm has started the job (left PENDING) -> JobInfo.
+
+        A test that times what the job does counts from its start: on a loaded machine a
+        slurmd slow to answer a ping is marked not responding for a while, and the job pends
+        until it is back. That is the controller's time, not the supervisor's."""
+        last = [None]
+
+        def started():
+            try:
+                info = last[0] = slurm.job(self.job_id)
+            except ClusteropsError:
+                return None
+            return info if info.category != "pending" else None
+
+        try:
+            return wait_for(started, timeout_s, f"{self.name}: job {self.job_id} to start", interval_s=0.5)
+        except WaitTimeout:
+            info = last[0]
+            raise ClusteropsError(f"{self.name}: job {self.job_id} still pending after {timeout_s:g}s "
+                                  f"(state {info.state if info else '?'}, reason {info.reason if info else '?'})"
+                                  ) from None
+
+    def slurm_says(self, slurm) -> str:
+        """One line of what Slurm says of the job now (for a failure's message)."""
+        try:
+            info = slurm.job(self.job_id)
+        except ClusteropsError as e:
+            return f"job {self.job_id}: Slurm did not answer ({e.message})"
+        return (f"job {self.job_id}: {info.state} (reason {info.reason}, exit {info.exit_code}, "
+                f"restarts {info.restart_count})")
+
     def batch_log(self) -> str:
         logs = sorted((self.root / "logs").glob(f"*-{self.job_id}*.out"))
         return "\n".join(p.read_text(errors="replace") for p in logs)
@@ -424,7 +456,13 @@ def time_limit_requeue(job: TrainJob, slurm, reference: Path, *, requeue_within_
         assert not events(job, "give_up"), tl.format_text(job.timeline())
         return events(job, "requeue")
 
-    wait_for(requeued, requeue_within_s, "the requeue", interval_s=1, detail=lambda: tl.format_text(job.timeline()))
+    def story() -> str:
+        return (f"{job.slurm_says(slurm)}\n{tl.format_text(job.timeline())}\n"
+                f"batch log tail:\n{job.batch_log()[-2000:]}")
+
+    # The time limit counts from the job's start, and so does the wait for the requeue.
+    job.wait_running(slurm)
+    wait_for(requeued, requeue_within_s, "the requeue", interval_s=1, detail=story)
     slurm.update_job(job.job_id, TimeLimit="10")
     info, story = assert_healed(job, slurm, reference)
     stop = events(job, "stop_requested")
