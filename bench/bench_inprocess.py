@@ -3,6 +3,7 @@
 
     python bench/bench_inprocess.py [--reps 3] [--json FILE]
     python bench/bench_inprocess.py --node-lost [--reps 3]
+    python bench/bench_inprocess.py --sigstop [--reps 3]
 
 Starts its own 4-node dev cluster (2 CPUs a node), runs 4 nodes x 1 rank and, per repetition,
 in alternating order:
@@ -29,6 +30,12 @@ against an uninterrupted run's (bitwise). Targets: <= 3 s, <= 0.5x torchrun, 0 s
 the new generation's first step (the node counted lost when its standby's beat stops:
 RDZV_SILENT_S of it), kill -> Slurm's ``node_down`` (SlurmdTimeout: excluded from the heal,
 reported), steps lost, launches, bitwise against an uninterrupted 3-rank run.
+
+--sigstop: the clusterops run alone, rank 2 SIGSTOPs itself at step CRASH instead (the
+example's --hang-at-step). Figures: SIGSTOP -> the fault heard (`inproc_fault`'s `at`: the
+node's standby saw the process stopped for recover.STOPPED_S, the in-process path's hang
+detection), the fault heard -> the new generation's first step (target <= 3 s), the whole,
+steps lost, bitwise.
 """
 
 from __future__ import annotations
@@ -59,21 +66,26 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run_clusterops(root: Path, slurm, rep: int, reference: Path) -> dict:
-    marker = root / f"ip-{rep}.crashed"
-    job = fk.TrainJob(root=root / f"ip-{rep}", name=f"ip{rep}", nodes=4, steps=STEPS, ckpt_every=CKPT_EVERY,
+def run_clusterops(root: Path, slurm, rep: int, reference: Path, fault: str = "kill") -> dict:
+    """One supervised in-process run; ``fault`` "kill" (kill -9) or "stop" (SIGSTOP) of rank 2."""
+    marker = root / f"ip-{fault}-{rep}.crashed"
+    flag = "--crash-at-step" if fault == "kill" else "--hang-at-step"
+    job = fk.TrainJob(root=root / f"ip-{fault}-{rep}", name=f"ip{rep}", nodes=4, steps=STEPS, ckpt_every=CKPT_EVERY,
                       step_sleep=0.1, script=RECOVERABLE, supervise={"inprocess": {"standbys_per_node": 1}},
-                      train_args=["--crash-at-step", str(CRASH), "--crash-rank", "2", "--crash-marker", str(marker)])
+                      train_args=[flag, str(CRASH), "--crash-rank", "2", "--crash-marker", str(marker)])
     job.submit()
     info = job.wait_end(slurm, timeout_s=600)
     tl = job.timeline()
     first = [r for r in tl if r["event"] == "inproc_first_step"]
     rdzv = [r for r in tl if r["event"] == "inproc_rendezvous"]
     state = [r for r in tl if r["event"] == "inproc_state"]
-    if info.state != "COMPLETED" or not first or not marker.exists():
+    heard = [r for r in tl if r["event"] == "inproc_fault"]
+    if info.state != "COMPLETED" or not first or not heard or not marker.exists():
         raise RuntimeError(f"clusterops run {rep}: {info.state}, first steps {first}")
     fault_at = marker.stat().st_mtime
     return {"fault_to_first_step_s": round(first[0]["at"] - fault_at, 3),
+            "fault_to_heard_s": round(heard[0]["at"] - fault_at, 3),
+            "heard_to_first_step_s": round(first[0]["at"] - heard[0]["at"], 3),
             "rendezvous_wait_s": rdzv[0]["wait_s"], "state_transfer_s": state[0]["seconds"] if state else None,
             "steps_lost": CRASH - rdzv[0]["step"], "launches": sum(r["event"] == "launch" for r in tl),
             "bitwise": fk.same_weights(job.out, reference)}
@@ -136,6 +148,26 @@ def main_node_lost(args, root: Path, slurm, dc) -> int:
     return 0
 
 
+def main_sigstop(args, root: Path, slurm, reference: Path) -> int:
+    raw = []
+    for rep in range(args.reps):
+        raw.append(run_clusterops(root, slurm, rep, reference, fault="stop"))
+        log(f"sigstop run {rep}: {raw[-1]}")
+    med = {k: statistics.median(r[k] for r in raw)
+           for k in ("fault_to_heard_s", "heard_to_first_step_s", "fault_to_first_step_s")}
+    print()
+    print(f"{'figure (medians of ' + str(args.reps) + ')':60} {'value':>9}  target")
+    print(f"{'SIGSTOP -> fault heard (the standby sees it stopped) (s)':60} {med['fault_to_heard_s']:9.2f}")
+    print(f"{'fault heard -> first step of the new generation (s)':60} {med['heard_to_first_step_s']:9.2f}  <= 3")
+    print(f"{'SIGSTOP -> first step of the new generation (s)':60} {med['fault_to_first_step_s']:9.2f}")
+    print(f"{'steps lost (max) / launches (max)':60} {max(r['steps_lost'] for r in raw):5d} / "
+          f"{max(r['launches'] for r in raw)}")
+    print(f"{'final weights bitwise equal (all runs)':60} {str(all(r['bitwise'] for r in raw)):>9}  True")
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1))
+    return 0
+
+
 def run_torchrun(root: Path, slurm, rep: int) -> dict:
     from clusterops.runner import free_port
 
@@ -181,6 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--node-lost", action="store_true", help="the node-lost case instead (see the docstring)")
+    ap.add_argument("--sigstop", action="store_true", help="a SIGSTOPped rank instead (see the docstring)")
     args = ap.parse_args(argv)
 
     from clusterops.devcluster import DevCluster, DevClusterConfig
@@ -201,6 +234,11 @@ def main(argv=None) -> int:
     reference = root / "ref" / "final.pt"
     fk.run_local(4, ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--out", str(reference)],
                  workdir=root / "ref", script=RECOVERABLE)
+    if args.sigstop:
+        try:
+            return main_sigstop(args, root, slurm, reference)
+        finally:
+            dc.down()
     raw = {"clusterops": [], "torchrun": []}
     try:
         for rep in range(args.reps):
