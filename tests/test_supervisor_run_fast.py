@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
+from clusterops.errors import ClusteropsError
 from clusterops import checkpoint as ck
 from clusterops import supervisor as sv
 from clusterops.supervisor import timeline as tl
@@ -382,6 +383,29 @@ def test_stop_signal_before_the_run_requeues_before_any_step(world, tmp_path):
     assert stop["reason"] == "time_limit" and stop["state"] == "starting"
     assert "before the first step" in events(tmp_path, "requeue")[0]["reason"]
     assert world.runner.spawns == [] and ("requeue", JOB) in world.slurm.calls   # no preflight, no step
+
+
+def test_requeue_whose_scontrol_slurm_killed_counts_when_slurm_took_it(world, tmp_path):
+    # Slurm 24.11: the requeue ends the batch step, the scontrol inside it too, after the
+    # controller took the requeue. That is a requeue, not a give-up.
+    world.slurm.requeue_error = ClusteropsError("scontrol requeue 4242 exited with -15")
+    run = make_run(world, tmp_path, preflight=None)
+    run.early_signals = [signal.SIGUSR1]
+    with pytest.raises(EndedBySlurm):
+        run.run()
+    assert not events(tmp_path, "give_up") and run.exit_code is None
+    warn = [r["what"] for r in events(tmp_path, "warning")]
+    assert any("Slurm has requeued the job" in w for w in warn), warn
+
+
+def test_requeue_that_slurm_did_not_take_still_gives_up(world, tmp_path):
+    world.slurm.requeue_error = ClusteropsError("scontrol requeue 4242 exited with 1")
+    world.slurm.requeue_taken = False
+    run = make_run(world, tmp_path, preflight=None)
+    run.early_signals = [signal.SIGUSR1]
+    run.run()
+    gave = events(tmp_path, "give_up")
+    assert gave and "requeue failed" in gave[0]["reason"] and world.slurm.restart_count == 0
 
 
 def test_lead_signal_lost_before_the_handlers_is_made_up_by_the_end_time(world, tmp_path):

@@ -1205,12 +1205,33 @@ class SupervisorRun:
         # execution"), and a requeue ends this process: the bad nodes are remembered in the
         # job directory (the next incarnation keeps them out of its steps) and drained
         # when the policy says so.
-        self.slurm.requeue(self.cfg.job_id)
+        try:
+            self.slurm.requeue(self.cfg.job_id)
+        except ClusteropsError as e:
+            # Slurm ends the batch step as it requeues, scontrol with it: seen on 24.11,
+            # `scontrol requeue` killed by SIGTERM after the controller had taken the requeue
+            # (and a controller that answers late may time a requeue out that it then does).
+            # Ask Slurm whether the job was requeued before calling it a failure.
+            if not self._requeue_taken():
+                raise
+            self._record(E.WARNING, {"what": f"scontrol requeue reported {e.message}, "
+                                             "but Slurm has requeued the job"})
         # Slurm now ends this batch script; wait for it rather than racing it.
         deadline = self.clock() + 120
         while self.clock() < deadline:
             self.sleep(1)
         raise ClusteropsError("the job was requeued but this process was not ended by Slurm")
+
+    def _requeue_taken(self) -> bool:
+        """Whether Slurm has requeued this job: its restart count has moved past this
+        incarnation's, or it is pending again or flagged REQUEUED. False when it cannot be
+        read (then the requeue counts as failed, as before)."""
+        try:
+            info = self.slurm.job(self.cfg.job_id)
+        except ClusteropsError:
+            return False
+        return (info.restart_count > self.cfg.slurm_restart_count or info.state.startswith("PENDING")
+                or any(f.startswith("REQUEUE") for f in (info.state, *info.state_flags)))
 
     def _act_exit(self, a: sv.Exit) -> None:
         save_memory(self.cfg.job_dir, self.sup.memory)

@@ -270,7 +270,7 @@ def test_e_lead_signal_lost_before_the_supervisor_is_made_up_by_the_end_time(clu
     job.wait_running(slurm)
     wait_for(requeued, 150, "the requeue", interval_s=1,
              detail=lambda: f"{job.slurm_says(slurm)}\n{tl.format_text(job.timeline())}")
-    slurm.update_job(job.job_id, TimeLimit="10")     # room for the next incarnation
+    fk.give_room_after_requeue(job, slurm)            # room for the next incarnation
     info, story = fk.assert_healed(job, slurm, ref)
     warn = [r["what"] for r in events(job, "warning") if r["incarnation"] == 0]
     assert any("no lead signal reached the supervisor" in w for w in warn), story

@@ -334,18 +334,26 @@ def opt(argv: Sequence[str], name: str) -> Optional[str]:
 class StepSlurm(FakeSlurm):
     """The Slurm a supervised job sees: ``world.step`` is the running training step (its
     ``attempt``, ``argv``, ``returncode``, ``killed()`` and ``usr2``); ``cancel`` of that step
-    with KILL kills it, with USR2 sets its flag; ``requeue`` sets ``world.requeued``; ``job``
-    carries ``preempt_time`` and ``end_time``; ``nodes`` answers every node up (``ALLOCATED``)."""
+    with KILL kills it, with USR2 sets its flag; ``requeue`` sets ``world.requeued`` (or raises
+    ``requeue_error``, after taking the requeue when ``requeue_taken``); ``job`` carries
+    ``preempt_time``, ``end_time``, ``restart_count`` and a state; ``nodes`` answers every node up (``ALLOCATED``)."""
 
     def __init__(self, world, nodes: Sequence[str]):
         super().__init__()
         self.world, self.all_nodes = world, list(nodes)
         self.preempt_time: Optional[float] = None
         self.end_time: Optional[float] = None      # the job's EndTime (start + time limit)
+        self.restart_count = 0                     # Slurm's count, moved by a requeue taken
+        # ``requeue`` raises this; with ``requeue_taken`` the controller took the requeue
+        # first (scontrol killed as Slurm ends the batch step), else it did not.
+        self.requeue_error: Optional[Exception] = None
+        self.requeue_taken = True
 
     def job(self, job_id: Union[int, str]) -> JobInfo:
         self.calls.append(("job", job_id))
-        return SimpleNamespace(job_id=int(job_id), preempt_time=self.preempt_time, end_time=self.end_time)
+        return SimpleNamespace(job_id=int(job_id), preempt_time=self.preempt_time, end_time=self.end_time,
+                               restart_count=self.restart_count, state_flags=(),
+                               state="PENDING" if self.world.requeued else "RUNNING")
 
     def steps(self, job_id: Union[int, str]) -> List[Tuple[str, str]]:
         self.calls.append(("steps", job_id))
@@ -375,7 +383,11 @@ class StepSlurm(FakeSlurm):
 
     def requeue(self, job_id: Union[int, str], *, hold: bool = False) -> None:
         self.calls.append(("requeue", job_id))
-        self.world.requeued = True
+        if self.requeue_error is None or self.requeue_taken:
+            self.world.requeued = True
+            self.restart_count += 1
+        if self.requeue_error is not None:
+            raise self.requeue_error
 
 
 class RecordingSlurm(FakeSlurm):

@@ -446,6 +446,25 @@ def assert_healed(job: TrainJob, slurm, reference: Path, *, timeout_s: Optional[
     return info, story
 
 
+def give_room_after_requeue(job: TrainJob, slurm, minutes: int = 10) -> None:
+    """Raise the time limit of a job whose supervisor has recorded its requeue, so the next
+    incarnation can finish. The record comes just before `scontrol requeue`: an update made
+    before the controller has taken the requeue did not stick on Slurm 24.11 (the next
+    incarnation was ended at the old limit), so wait for Slurm's restart count to move first,
+    then update until Slurm shows the new limit."""
+    def taken():
+        info = slurm.job(job.job_id)
+        return info.restart_count >= 1 and info.state in ("PENDING", "RUNNING", "CONFIGURING")
+
+    wait_for(taken, 120, "Slurm to take the requeue", interval_s=0.5, detail=lambda: job.slurm_says(slurm))
+
+    def room():
+        slurm.update_job(job.job_id, TimeLimit=str(minutes))
+        return slurm.job(job.job_id).time_limit_min == minutes
+
+    wait_for(room, 60, f"Slurm to show a {minutes}-minute limit", interval_s=1, detail=lambda: job.slurm_says(slurm))
+
+
 def time_limit_requeue(job: TrainJob, slurm, reference: Path, *, requeue_within_s: float):
     """Fault (e) on a submitted job: the time limit's lead signal stops the ranks, they save,
     the job is requeued (then given room to finish), and the next incarnation resumes at
@@ -463,7 +482,7 @@ def time_limit_requeue(job: TrainJob, slurm, reference: Path, *, requeue_within_
     # The time limit counts from the job's start, and so does the wait for the requeue.
     job.wait_running(slurm)
     wait_for(requeued, requeue_within_s, "the requeue", interval_s=1, detail=story)
-    slurm.update_job(job.job_id, TimeLimit="10")
+    give_room_after_requeue(job, slurm)
     info, story = assert_healed(job, slurm, reference)
     stop = events(job, "stop_requested")
     assert stop and stop[0]["reason"] == "time_limit", story
