@@ -448,21 +448,26 @@ def assert_healed(job: TrainJob, slurm, reference: Path, *, timeout_s: Optional[
 
 def give_room_after_requeue(job: TrainJob, slurm, minutes: int = 10) -> None:
     """Raise the time limit of a job whose supervisor has recorded its requeue, so the next
-    incarnation can finish. The record comes just before `scontrol requeue`: an update made
-    before the controller has taken the requeue did not stick on Slurm 24.11 (the next
-    incarnation was ended at the old limit), so wait for Slurm's restart count to move first,
-    then update until Slurm shows the new limit."""
-    def taken():
-        info = slurm.job(job.job_id)
-        return info.restart_count >= 1 and info.state in ("PENDING", "RUNNING", "CONFIGURING")
-
-    wait_for(taken, 120, "Slurm to take the requeue", interval_s=0.5, detail=lambda: job.slurm_says(slurm))
+    incarnation can finish. Raised at once (what 22.05 keeps), then again once the next
+    incarnation runs, until Slurm's end time for it shows the new limit: on 24.11 the update
+    made around the requeue was lost and the next incarnation ended at the old limit, and
+    on 22.05 an update while the requeued job was pending was lost the same way."""
+    try:
+        slurm.update_job(job.job_id, TimeLimit=str(minutes))
+    except ClusteropsError:
+        pass
 
     def room():
+        info = slurm.job(job.job_id)
+        if info.restart_count < 1 or info.state != "RUNNING":
+            return False
+        if info.start_time and info.end_time and info.end_time - info.start_time >= minutes * 60 - 5:
+            return True
         slurm.update_job(job.job_id, TimeLimit=str(minutes))
-        return slurm.job(job.job_id).time_limit_min == minutes
+        return False
 
-    wait_for(room, 60, f"Slurm to show a {minutes}-minute limit", interval_s=1, detail=lambda: job.slurm_says(slurm))
+    wait_for(room, 150, f"the next incarnation running with a {minutes}-minute limit", interval_s=1,
+             detail=lambda: job.slurm_says(slurm))
 
 
 def time_limit_requeue(job: TrainJob, slurm, reference: Path, *, requeue_within_s: float):
