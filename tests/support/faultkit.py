@@ -446,30 +446,6 @@ def assert_healed(job: TrainJob, slurm, reference: Path, *, timeout_s: Optional[
     return info, story
 
 
-def give_room_after_requeue(job: TrainJob, slurm, minutes: int = 10) -> None:
-    """Raise the time limit of a job whose supervisor has recorded its requeue, so the next
-    incarnation can finish. Raised at once (what 22.05 keeps), then again once the next
-    incarnation runs, until Slurm's end time for it shows the new limit: on 24.11 the update
-    made around the requeue was lost and the next incarnation ended at the old limit, and
-    on 22.05 an update while the requeued job was pending was lost the same way."""
-    try:
-        slurm.update_job(job.job_id, TimeLimit=str(minutes))
-    except ClusteropsError:
-        pass
-
-    def room():
-        info = slurm.job(job.job_id)
-        if info.restart_count < 1 or info.state != "RUNNING":
-            return False
-        if info.start_time and info.end_time and info.end_time - info.start_time >= minutes * 60 - 5:
-            return True
-        slurm.update_job(job.job_id, TimeLimit=str(minutes))
-        return False
-
-    wait_for(room, 150, f"the next incarnation running with a {minutes}-minute limit", interval_s=1,
-             detail=lambda: job.slurm_says(slurm))
-
-
 def time_limit_requeue(job: TrainJob, slurm, reference: Path, *, requeue_within_s: float):
     """Fault (e) on a submitted job: the time limit's lead signal stops the ranks, they save,
     the job is requeued (then given room to finish), and the next incarnation resumes at
@@ -487,7 +463,7 @@ def time_limit_requeue(job: TrainJob, slurm, reference: Path, *, requeue_within_
     # The time limit counts from the job's start, and so does the wait for the requeue.
     job.wait_running(slurm)
     wait_for(requeued, requeue_within_s, "the requeue", interval_s=1, detail=story)
-    give_room_after_requeue(job, slurm)
+    slurm.update_job(job.job_id, TimeLimit="10")
     info, story = assert_healed(job, slurm, reference)
     stop = events(job, "stop_requested")
     assert stop and stop[0]["reason"] == "time_limit", story
