@@ -31,9 +31,10 @@ variable                       meaning for the training process
                                checkpoint; ``sdk.resume().hint``
 ``CLUSTEROPS_RDZV_ADDR``       in-process recovery (``supervise: inprocess:``): the rendezvous
                                store the supervisor hosts, ``HOST:PORT/TOKEN`` (a
-                               ``torch.distributed.TCPStore``; every key under the prefix
-                               TOKEN, see :func:`rdzv_key`); empty or unset: no in-process
-                               recovery
+                               ``torch.distributed.TCPStore``; TOKEN is the attempt's secret:
+                               every value is sealed with it, see :func:`rdzv_key` and
+                               :mod:`clusterops.rdzvstore`; keep it as private as the
+                               heartbeat token); empty or unset: no in-process recovery
 =============================  ===============================================================
 
 All are optional for the training script: without them it trains, saves where told
@@ -138,21 +139,25 @@ class ResumeHint:
 
 # ------------------------------------------------------------------------ rendezvous
 # The keys of the in-process rendezvous (clusterops.supervisor.rendezvous hosts the store,
-# clusterops.recover is the ranks' side; clusterops.supervisor.membership decides):
-#   rep/n            a counter; a process adds 1 and writes its report as rep/<n> (JSON
-#                    {"kind", "uid", ...}: the kinds are membership.Report's)
-#   join/<G>         survivors asking for generation G: each appends "RANK STEP\n" (one
-#                    round trip; the host reads the key from where it had read it)
-#   failn/<G>        a counter of the ranks whose collective failed in generation G: only
-#                    the first (the add returns 1) sends its report (rep/n, with the error)
+# clusterops.recover is the ranks' side; clusterops.supervisor.membership decides). Every
+# value is sealed with the attempt's secret (clusterops.rdzvstore); a value that does not
+# open is a stranger's and counts as absent. Keys live under a prefix derived from the secret.
+#   rep/n            a counter (a hint, not sealed); a process adds 1 and writes its report as
+#                    rep/<n> (JSON {"kind", "uid", ...}: the kinds are membership.Report's)
+#   join/<G>         survivors asking for generation G: each appends one sealed line
+#                    "UID RANK STEP" (one round trip; the host reads the key from where it
+#                    had read it, and takes a line only from the plan's holder of RANK)
+#   fail/<G>         the first rank whose collective failed in generation G (compare_set):
+#                    only it sends its report (rep/n, with the error)
 #   plan/<G>         generation G (JSON, membership.Plan.to_json), written once
-#   pg/<G>/...       generation G's process group (a PrefixStore for init_process_group)
-#   kill/<uid>       the standbys of the process's node SIGKILL it (a hung rank)
+#   pg/<G>/...       generation G's process group (init_process_group on the sealed store)
+#   kill/<uid>       the standbys of the process's node SIGKILL it (a hung rank), if it is a
+#                    process of their own job step named by the current plan
 #   abort/<G>        set by the host when generation G begins to be formed (a fault heard):
 #                    on NCCL every rank's watcher thread aborts its process group, so a
 #                    collective blocked on a lost peer (a hung kernel) returns
-#   beat/<node>      a counter every process of the node creates at hello and its standbys
-#                    add 1 to every RDZV_BEAT_S while they wait: a node whose counter stops
+#   beat/<node>      a time stamp every process of the node sets at hello and its standbys
+#                    renew every RDZV_BEAT_S while they wait: a node whose stamp stops moving
 #                    during a recovery is lost whole (the host's RDZV_SILENT_S)
 #   finish           the training finished: the standbys exit
 RDZV_REPORTS = "rep/n"
@@ -166,19 +171,32 @@ def rdzv_key(kind: str, *parts: object) -> str:
     return "/".join([kind, *map(str, parts)])
 
 
-def rdzv_join_line(rank: int, step: int) -> str:
-    """A survivor's join (``join/<G>``): ``"RANK STEP\n"``."""
-    return f"{int(rank)} {int(step)}\n"
+def rdzv_join_line(uid: str, rank: int, step: int) -> str:
+    """A survivor's join record (``join/<G>``, sealed as one line): ``"UID RANK STEP"``."""
+    return f"{uid} {int(rank)} {int(step)}"
 
 
-def parse_rdzv_joins(text: str) -> List[Tuple[int, int]]:
-    """The (rank, step) pairs of ``join/<G>``'s complete lines (a line cut short is left out)."""
+def parse_rdzv_joins(records: List[str]) -> List[Tuple[str, int, int]]:
+    """The (uid, rank, step) of each join record that reads as one (the rest is left out)."""
     out = []
-    for line in text.split("\n")[:-1]:
-        rank, _, step = line.partition(" ")
-        if rank.isdigit() and step.isdigit():
-            out.append((int(rank), int(step)))
+    for rec in records:
+        parts = rec.split(" ")
+        if len(parts) == 3 and parts[0] and parts[1].isdigit() and parts[2].isdigit():
+            out.append((parts[0], int(parts[1]), int(parts[2])))
     return out
+
+
+def rdzv_beat(now: float) -> str:
+    """A node's beat value (``beat/<node>``): the time stamp it was set at."""
+    return f"{now:.6f}"
+
+
+def parse_rdzv_beat(value: Optional[bytes]) -> float:
+    """The time stamp of a beat value; 0.0 for one that is missing or does not read."""
+    try:
+        return float(value) if value else 0.0
+    except ValueError:
+        return 0.0
 
 
 def parse_rdzv_addr(value: str) -> Tuple[str, int, str]:
@@ -186,7 +204,8 @@ def parse_rdzv_addr(value: str) -> Tuple[str, int, str]:
     where, sep, token = value.partition("/")
     host, _, port = where.rpartition(":")
     if not sep or not token or not host or not port.isdigit():
-        raise ValueError(f"{ENV_RDZV_ADDR}={value!r}: not HOST:PORT/TOKEN")
+        # the value is not echoed: its TOKEN is the attempt's secret
+        raise ValueError(f"{ENV_RDZV_ADDR}: not HOST:PORT/TOKEN")
     return host, int(port), token
 
 

@@ -22,7 +22,18 @@ prefix of the supervisor's ``TCPStore`` and calls ``train``. When a collective r
 dead peer's socket on gloo), the rank reports it, destroys the group, waits for the next
 generation, re-forms the group, loads the state a survivor broadcasts (the survivor at the
 highest step: model, optimizer, scheduler, data position, whatever ``state_dict`` holds,
-bit for bit) and calls ``train`` again at that step. A standby that is given a rank does the
+bit for bit) and calls ``train`` again at that step.
+
+Trust: every value in the store is sealed with the attempt's secret
+(:mod:`clusterops.rdzvstore`), so a plan, a kill order or an abort that does not open is
+nobody's and is ignored; a standby kills only a process the current plan names that is of
+its own job and attempt (its environment says so). Once a generation's group is formed,
+every rank proves it holds the secret in one small all-gather (:func:`_verify_group`): a
+stranger who raced into a gloo connection makes the formation fail (the relaunch follows), it
+never trains with the job. The state goes as bytes of ``torch.save`` and is loaded with
+``weights_only=True``: tensors and plain data only, nothing a peer sends can run code.
+``state_dict()`` must therefore hold what ``torch.load(weights_only=True)`` loads
+(tensors, numbers, strings, lists, tuples, dicts; what the SDK's checkpoints hold). A standby that is given a rank does the
 same, with no interpreter start and no checkpoint read. Per-rank randomness is not state a
 peer holds: derive it from ``(seed, rank, step)`` (:func:`seed_step`), so a rank that takes
 over draws what the lost one would have drawn.
@@ -85,6 +96,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from clusterops import protocol
+from clusterops import rdzvstore
 from clusterops import sdk
 from clusterops.errors import ClusteropsError
 
@@ -96,6 +108,10 @@ PG_TIMEOUT_S = 60.0
 
 class RecoveryAbandoned(ClusteropsError):
     """The supervisor gave the in-process path up (its full relaunch follows)."""
+
+
+class GroupNotAuthentic(ClusteropsError):
+    """A member of a newly formed group could not prove it holds the attempt's secret."""
 
 
 @dataclass(frozen=True)
@@ -128,45 +144,34 @@ def seed_step(seed: int, rank: int, step: int) -> None:
         pass
 
 
-def send_report(store: Any, uid: str, kind: str, **data: Any) -> None:
+def send_report(store: rdzvstore.SealedStore, uid: str, kind: str, **data: Any) -> None:
     """A report to the rendezvous (:mod:`clusterops.protocol`'s ``rep/n``): two round trips."""
     n = store.add(protocol.RDZV_REPORTS, 1)
     store.set(protocol.rdzv_key("rep", n), json.dumps({"kind": kind, "uid": uid, **data}))
 
 
-def send_join(store: Any, gen: int, rank: int, step: int) -> None:
+def send_join(store: rdzvstore.SealedStore, gen: int, uid: str, rank: int, step: int) -> None:
     """A survivor asks for generation ``gen`` holding ``step``: one round trip (``join/<gen>``)."""
-    store.append(protocol.rdzv_key("join", gen), protocol.rdzv_join_line(rank, step))
+    store.append(protocol.rdzv_key("join", gen), protocol.rdzv_join_line(uid, rank, step))
 
 
 class _Client:
     def __init__(self, addr: str, timeout_s: float):
-        import datetime
-
-        import torch.distributed as dist
-
-        host, port, token = protocol.parse_rdzv_addr(addr)
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.tcp = dist.TCPStore(host, port, is_master=False, timeout=self.timeout, wait_for_workers=False)
-        self.store = dist.PrefixStore(token, self.tcp)
+        self.addr, self.timeout_s = addr, float(timeout_s)
+        self.store = rdzvstore.connect(addr, timeout_s)
         self.node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.uid = f"{self.node}:{os.getpid()}"
-        self._addr = (host, port, token)
-        self._watch_store = None
+        self._watch_store: Optional[rdzvstore.SealedStore] = None
 
-    def watch_store(self) -> Any:
+    def watch_store(self) -> rdzvstore.SealedStore:
         """A second connection to the store, for :class:`AbortWatch` (its wait blocks one)."""
         if self._watch_store is None:
-            import torch.distributed as dist
-
-            host, port, token = self._addr
-            tcp = dist.TCPStore(host, port, is_master=False, timeout=self.timeout, wait_for_workers=False)
-            self._watch_store = dist.PrefixStore(token, tcp)
+            self._watch_store = rdzvstore.connect(self.addr, self.timeout_s)
         return self._watch_store
 
-    def beat(self, n: int = 1) -> None:
-        """This node lives (``beat/<node>``; n=0 only creates the counter)."""
-        self.store.add(protocol.rdzv_key("beat", self.node), n)
+    def beat(self) -> None:
+        """This node lives (``beat/<node>``: a sealed time stamp)."""
+        self.store.set(protocol.rdzv_key("beat", self.node), protocol.rdzv_beat(time.time()))
 
     def report(self, kind: str, **data: Any) -> None:
         send_report(self.store, self.uid, kind, **data)
@@ -174,28 +179,30 @@ class _Client:
     def fail(self, gen: int, rank: int, step: int, error: str) -> None:
         """This rank's collective failed in ``gen``: only the first rank to say so sends the
         report (one round trip for the others; each of them joins next anyway)."""
-        if self.store.add(protocol.rdzv_key("failn", gen), 1) == 1:
+        if self.store.first(protocol.rdzv_key("fail", gen), self.uid):
             self.report("fail", gen=gen, rank=rank, step=step, error=error)
 
     def join(self, gen: int, rank: int, step: int) -> None:
-        send_join(self.store, gen, rank, step)
+        send_join(self.store, gen, self.uid, rank, step)
 
     def finished(self) -> Optional[str]:
-        if self.store.check([protocol.RDZV_FINISH]):
-            return self.store.get(protocol.RDZV_FINISH).decode()
-        return None
+        value = self.store.peek(protocol.RDZV_FINISH)
+        return None if value is None else value.decode()
 
     def plan(self, gen: int, *, wait: bool) -> Optional[dict]:
+        """Generation ``gen``'s plan, once an authentic one is there (a forged one is waited past)."""
         key = protocol.rdzv_key("plan", gen)
-        if not wait and not self.store.check([key]):
-            return None
-        while not self.store.check([key]):
+        while True:
+            value = self.store.peek(key)
+            if value is not None:
+                return json.loads(value)
+            if not wait:
+                return None
             why = self.finished()
             if why is not None:
                 raise RecoveryAbandoned(f"the supervisor ended the in-process recovery ({why}) "
                                         f"before generation {gen}")
             time.sleep(STANDBY_POLL_S)
-        return json.loads(self.store.get(key))
 
 
 def _abort_world() -> None:
@@ -213,7 +220,7 @@ class AbortWatch:
 
     WAIT_S = 1.0
 
-    def __init__(self, store: Any, gen: int, abort: Callable[[], None] = _abort_world):
+    def __init__(self, store: rdzvstore.SealedStore, gen: int, abort: Callable[[], None] = _abort_world):
         self.store, self.key, self.abort = store, protocol.rdzv_key("abort", gen), abort
         self.fired = False
         self._stop = threading.Event()
@@ -233,10 +240,14 @@ class AbortWatch:
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
-                self.store.wait([self.key], datetime.timedelta(seconds=self.WAIT_S))
+                self.store.raw.wait([self.key], datetime.timedelta(seconds=self.WAIT_S))
+                authentic = self.store.peek(self.key) is not None
             except Exception:    # the wait timed out (or the store is gone: do not spin)
                 if time.monotonic() - t0 < self.WAIT_S / 2:
                     self._stop.wait(self.WAIT_S)
+                continue
+            if not authentic:    # a stranger's value: not the host's word; look again shortly
+                self._stop.wait(self.WAIT_S / 10)
                 continue
             if not self._stop.is_set():
                 self.fired = True
@@ -259,6 +270,19 @@ def _pid_state(pid: int) -> str:
         return "X"
 
 
+def _of_this_attempt(pid: int) -> bool:
+    """Whether process ``pid`` belongs to this job and attempt: its environment carries the same
+    Slurm job and the same rendezvous address (with its secret). Never a stranger's process,
+    nor one that took over a dead rank's pid."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return False
+    mine = {k: os.environ.get(k, "").encode() for k in ("SLURM_JOB_ID", protocol.ENV_RDZV_ADDR)}
+    return bool(mine[protocol.ENV_RDZV_ADDR]) and all(env.get(k.encode(), b"") == v for k, v in mine.items())
+
+
 def _standby(client: _Client, plan: dict) -> Optional[dict]:
     """Wait as a warm standby: watch this node's ranks (report a death, carry out a kill)
     until a plan gives this process a rank, or the training ends (None)."""
@@ -279,12 +303,15 @@ def _standby(client: _Client, plan: dict) -> Optional[dict]:
         here = [u for u in plan["ranks"] if u.rpartition(":")[0] == client.node]
         for uid in here:
             pid = int(uid.rpartition(":")[2])
-            if uid not in killed and client.store.check([protocol.rdzv_key("kill", uid)]):
+            if uid not in killed and client.store.peek(protocol.rdzv_key("kill", uid)) is not None:
                 killed.add(uid)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+                if _of_this_attempt(pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                else:
+                    log.warning("kill order for %s: pid %d is not a process of this attempt; not killed", uid, pid)
             if uid in reported:
                 continue
             st = _pid_state(pid)
@@ -307,10 +334,36 @@ def _form(client: _Client, plan: dict, rank: int, backend: str) -> None:
     import torch.distributed as dist
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(plan["world"])})
-    pg_store = dist.PrefixStore(protocol.rdzv_key("pg", plan["gen"]), client.store)
+    pg_store = dist.PrefixStore(protocol.rdzv_key("pg", plan["gen"]), client.store.torch_store)
     dist.init_process_group(backend=backend, store=pg_store, rank=rank, world_size=plan["world"],
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    _verify_group(client.store.sealer, int(plan["gen"]), rank, int(plan["world"]), backend)
     sdk._adopt_group(rank, plan["world"], backend)
+
+
+def _device(backend: str) -> Any:
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _verify_group(sealer: rdzvstore.Sealer, gen: int, rank: int, world: int, backend: str) -> None:
+    """Every member of the group just formed holds the attempt's secret: one all-gather of a
+    16-byte tag a rank (:func:`clusterops.rdzvstore.group_tags`). The addresses the group formed
+    on were sealed, but torch's transports do not authenticate a connection; a stranger who
+    got into one cannot send the tag of the rank it poses as. Raises GroupNotAuthentic."""
+    import torch
+    import torch.distributed as dist
+
+    tags = rdzvstore.group_tags(sealer, gen, world)
+    dev = _device(backend)
+    mine = torch.tensor(list(tags[rank]), dtype=torch.uint8, device=dev)
+    got = [torch.empty(len(tags[rank]), dtype=torch.uint8, device=dev) for _ in range(world)]
+    dist.all_gather(got, mine)
+    bad = [r for r, t in enumerate(got) if bytes(t.cpu().tolist()) != tags[r]]
+    if bad:
+        raise GroupNotAuthentic(f"generation {gen}: rank(s) {bad[:8]} of the new process group could not "
+                                f"prove the attempt's secret; this process leaves the group")
 
 
 def _teardown() -> None:
@@ -325,15 +378,32 @@ def _teardown() -> None:
     gc.collect()   # the gloo pairs close when their context is freed
 
 
-def _transfer(state: Any, src: int, rank: int) -> float:
-    """Every rank loads the state of rank ``src`` (one broadcast); seconds it took."""
+def _transfer(state: Any, src: int, rank: int, backend: str = "gloo") -> float:
+    """Every rank loads the state of rank ``src`` (two broadcasts: the size, then the bytes of
+    ``torch.save``); seconds it took. Loaded with ``weights_only=True``: no pickle a peer could
+    forge is ever run (``broadcast_object_list`` would unpickle whatever arrives)."""
+    import io
+
+    import torch
     import torch.distributed as dist
 
     t0 = time.monotonic()
-    box = [state.state_dict() if rank == src else None]
-    dist.broadcast_object_list(box, src=src)
+    dev = _device(backend)
+    if rank == src:
+        buf = io.BytesIO()
+        torch.save(state.state_dict(), buf)
+        payload = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=dev)
+    dist.broadcast(size, src=src)
     if rank != src:
-        state.load_state_dict(box[0])
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    wire = payload.to(dev)
+    dist.broadcast(wire, src=src)
+    if rank != src:
+        data = bytes(wire.cpu().untyped_storage())
+        state.load_state_dict(torch.load(io.BytesIO(data), weights_only=True, map_location=dev))
     return time.monotonic() - t0
 
 
@@ -393,16 +463,21 @@ def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo"
         return train(Generation(0, d.rank, d.world_size, restored=False, step=None))
     sdk.install_stop_handlers()
     client = _Client(addr, timeout_s)
-    client.beat(0)
+    client.beat()
     client.report("hello", node=client.node, local=int(os.environ.get("SLURM_LOCALID") or 0),
                   task=int(os.environ.get("SLURM_PROCID") or -1))
     plan = client.plan(0, wait=True)
+    newcomer = False      # a standby given a rank holds only the state it built at start
     while True:
         if client.uid not in plan["ranks"]:
             plan = _standby(client, plan)
             if plan is None:
                 return None
+            newcomer = True
         rank, gen = int(plan["ranks"][client.uid]), int(plan["gen"])
+        if plan["src"] is not None and not sharded and newcomer and rank == int(plan["src"]):
+            raise RecoveryAbandoned(f"generation {gen} names this newcomer (rank {rank}) as the state source: "
+                                    f"it holds no trained state; refusing to send it")
         _form(client, plan, rank, backend)
         watch = AbortWatch(client.watch_store(), gen + 1).start() if watch_on else None
         after_fault = plan["src"] is not None
@@ -414,7 +489,8 @@ def run(train: Callable[[Generation], Any], state: Any, *, backend: str = "gloo"
         rep = _Reporter(client, plan, rank, restored, from_ckpt)
         try:
             if restored:
-                took = _transfer(state, int(plan["src"]), rank)
+                took = _transfer(state, int(plan["src"]), rank, backend)
+                newcomer = False
                 if rank == 0:
                     client.report("state", gen=gen, seconds=round(took, 4), src=int(plan["src"]), step=state.step)
             sdk._set_step_hook(rep.on_step)

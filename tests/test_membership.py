@@ -315,3 +315,24 @@ def test_gone_nodes_are_those_with_no_process_left_however_each_was_heard_of():
     m2, _ = with_spare()
     m2.handle(Report("silent", "host", {"node": "node2", "seconds": 3.0}), 6.0)
     assert m2.gone_nodes() == {"node2"}
+
+
+def test_a_survivor_that_joined_then_died_is_never_the_state_source():
+    """Rank 1 joins at the highest step and then dies before the plan: its place goes to a
+    standby that holds only its start state, so the source must be a live survivor."""
+    m, _ = started()
+    m.handle(Report("dead", "node3:101", {"dead": "node3:100"}), 10.0)
+    m.handle(Report("join", "node1:100", {"gen": 1, "rank": 0, "step": 23}), 10.1)
+    m.handle(Report("join", "node2:100", {"gen": 1, "rank": 1, "step": 24}), 10.2)
+    m.handle(Report("dead", "node2:101", {"dead": "node2:100"}), 10.25)
+    out = m.handle(Report("join", "node4:100", {"gen": 1, "rank": 3, "step": 23}), 10.3)
+    pub = [a for a in out if isinstance(a, Publish)][0].plan
+    assert pub.ranks["node2:101"] == 1 and pub.ranks["node3:101"] == 2
+    assert pub.src in (0, 3) and pub.step == 23       # a live survivor, never the dead rank 1
+
+
+def test_a_late_join_of_a_dead_rank_counts_for_nothing():
+    m, _ = started()
+    m.handle(Report("dead", "node3:101", {"dead": "node3:100"}), 10.0)
+    out = m.handle(Report("join", "node3:100", {"gen": 1, "rank": 2, "step": 99}), 10.1)
+    assert not [a for a in out if isinstance(a, Publish)] and m.recovery.joined == {}

@@ -40,7 +40,7 @@ def client():
 
 def reports(c) -> list:
     n = c.store.add(protocol.RDZV_REPORTS, 0)
-    return [json.loads(c.store.get(protocol.rdzv_key("rep", i))) for i in range(1, n + 1)]
+    return [json.loads(c.store.peek(protocol.rdzv_key("rep", i))) for i in range(1, n + 1)]
 
 
 def test_from_checkpoint_reports_the_checkpoint_step_and_the_steps_recomputed(client):

@@ -34,14 +34,13 @@ def host():
 
 
 def client_store(h):
-    import datetime
+    from clusterops import rdzvstore
 
-    import torch.distributed as torch_dist
+    return rdzvstore.connect(h.addr, 10)
 
-    hostname, port, token = protocol.parse_rdzv_addr(h.addr)
-    tcp = torch_dist.TCPStore(hostname, port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=10))
-    return torch_dist.PrefixStore(token, tcp)
+
+def opened(st, key):
+    return st.peek(key)
 
 
 def test_joins_appended_one_line_a_rank_form_the_next_generation(host):
@@ -51,16 +50,17 @@ def test_joins_appended_one_line_a_rank_form_the_next_generation(host):
     for i, node in enumerate(["n1", "n2", "n3"]):
         for local in (0, 1):
             send_report(st, f"{node}:{local}", "hello", node=node, local=local, task=2 * i + local)
-    plan0 = json.loads(wait_until(lambda: st.check(["plan/0"]) and st.get("plan/0")))
+    plan0 = json.loads(wait_until(lambda: opened(st, "plan/0")))
     assert plan0["ranks"] == {"n1:0": 0, "n2:0": 1, "n3:0": 2}
     send_report(st, "n2:1", "dead", dead="n2:0")
-    send_join(st, 1, 0, 41)
-    assert not st.check(["plan/1"])
-    st.append("join/1", "2 4")          # a line cut short (no newline) is not read yet
+    send_join(st, 1, "n1:0", 0, 41)
+    assert opened(st, "plan/1") is None
+    line = st.sealer.seal_line("join/1", protocol.rdzv_join_line("n3:0", 2, 42))
+    st.raw.append("join/1", line[:20])          # a line cut short (no newline) is not read yet
     time.sleep(0.1)
-    assert not st.check(["plan/1"]) and host.membership.recovery.joined == {0: 41}
-    st.append("join/1", "2\n")          # now it is whole: rank 2 at step 42
-    plan1 = json.loads(wait_until(lambda: st.check(["plan/1"]) and st.get("plan/1")))
+    assert opened(st, "plan/1") is None and host.membership.recovery.joined == {0: 41}
+    st.raw.append("join/1", line[20:])          # now it is whole: rank 2 at step 42
+    plan1 = json.loads(wait_until(lambda: opened(st, "plan/1")))
     assert plan1["ranks"] == {"n1:0": 0, "n2:1": 1, "n3:0": 2} and plan1["src"] == 2 and plan1["step"] == 42
     note = next(n for n in wait_until(host.drain_notes) if n.kind == "inproc_rendezvous")
     assert note.data["replaced"][0]["uid"] == "n2:1"
@@ -75,13 +75,14 @@ def test_only_the_first_failed_rank_sends_its_report(host, monkeypatch):
     b.fail(0, 1, 7, "RuntimeError: Connection closed by peer")
     a.fail(1, 0, 9, "RuntimeError: again, in the next generation")
     assert a.store.add(protocol.RDZV_REPORTS, 0) == 2          # one report each generation, not one a rank
-    first = json.loads(a.store.get("rep/1"))
+    first = json.loads(a.store.peek("rep/1"))
     assert first["kind"] == "fail" and first["rank"] == 0 and first["gen"] == 0
 
 
-def test_parse_joins_skips_what_is_not_a_whole_line():
-    assert protocol.parse_rdzv_joins("0 5\n12 5\nx y\n3 4") == [(0, 5), (12, 5)]
-    assert protocol.rdzv_join_line(3, 17) == "3 17\n"
+def test_parse_joins_skips_what_is_not_a_join():
+    assert protocol.parse_rdzv_joins(["n1:7 0 5", "n2:8 12 5", "x y", "n3:9 3", " 3 4"]) == [
+        ("n1:7", 0, 5), ("n2:8", 12, 5)]
+    assert protocol.rdzv_join_line("n1:7", 3, 17) == "n1:7 3 17"
 
 
 def test_a_fault_sets_the_next_generations_abort_key_for_the_ranks_watchers(host):
@@ -91,11 +92,10 @@ def test_a_fault_sets_the_next_generations_abort_key_for_the_ranks_watchers(host
     for i, node in enumerate(["n1", "n2", "n3"]):
         for local in (0, 1):
             send_report(st, f"{node}:{local}", "hello", node=node, local=local, task=2 * i + local)
-    wait_until(lambda: st.check(["plan/0"]))
-    assert not st.check(["abort/1"])
+    wait_until(lambda: opened(st, "plan/0"))
+    assert not st.exists(["abort/1"])
     send_report(st, "n2:1", "dead", dead="n2:0")
-    wait_until(lambda: st.check(["abort/1"]))
-    assert b"rank 1 lost" in st.get("abort/1")
+    assert b"rank 1 lost" in wait_until(lambda: opened(st, "abort/1"))
 
 
 def test_abort_watch_aborts_once_when_its_generation_is_opened_and_never_after_stop(host):

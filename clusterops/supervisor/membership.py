@@ -257,6 +257,8 @@ class Membership:
         if rank in rec.dead:
             return True
         rec.dead.add(rank)
+        # A survivor that joined and then died is no source: its join goes with it.
+        rec.joined.pop(rank, None)
         self.failures[rank] = self.failures.get(rank, 0) + 1
         if self.failures[rank] >= 2:
             out.append(self._fallback(f"rank {rank} failed a second time"))
@@ -283,7 +285,11 @@ class Membership:
         rec = self._open(now, f"rank {rep.data.get('rank')} asked for a new generation", out)
         if int(rep.data.get("gen", -1)) != rec.gen or rec.published_at is not None:
             return out
-        rec.joined[self.plan.ranks[rep.uid]] = int(rep.data.get("step", 0))
+        rank = self.plan.ranks[rep.uid]
+        p = self.procs.get(rep.uid)
+        if rank in rec.dead or p is None or not p.alive:   # a late or stale join of a process gone
+            return out
+        rec.joined[rank] = int(rep.data.get("step", 0))
         if rec.first_join_at is None:
             rec.first_join_at = now
         return out + self._try_publish(now)
@@ -375,8 +381,15 @@ class Membership:
             free.remove(pick)
             ranks[pick] = rank
             moves.append({"rank": rank, "from": node, "to": self.procs[pick].node, "uid": pick})
-        top = max(rec.joined.values())
-        src = min(r for r, s in rec.joined.items() if s == top)
+        # The source: a survivor of the old generation that joined and still lives (its process
+        # holds the rank in the plan the joins leave), at the highest step.
+        holder = {r: u for u, r in plan.ranks.items()}
+        live = {r: st for r, st in rec.joined.items()
+                if r not in rec.dead and holder.get(r) in self.procs and self.procs[holder[r]].alive}
+        if not live:
+            return [self._fallback("no live survivor to take the state from")]
+        top = max(live.values())
+        src = min(r for r, st in live.items() if st == top)
         self.plan = Plan(rec.gen, plan.world, ranks, tuple(free), src=src, step=top)
         rec.published_at = now
         rec.moves = moves

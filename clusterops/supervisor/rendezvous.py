@@ -2,17 +2,24 @@
 
 One ``torch.distributed.TCPStore`` (torch's own store, not a store of ours) lives in the
 supervisor for the whole training step, so it outlives every generation of the process
-group: each generation forms its group on a prefix of it (``pg/<G>/``, a ``PrefixStore``).
-Every key sits under a fresh random token (the address the ranks get is
-``HOST:PORT/TOKEN``, :data:`clusterops.protocol.ENV_RDZV_ADDR`): anyone on the network can
-connect to the port, nobody without the token can name, read or forge a key of the job.
+group: each generation forms its group on a prefix of it (``pg/<G>/``). The store trusts
+whoever connects (any client can list, read, overwrite and delete every key), so nothing
+here trusts the store: every value is sealed with a fresh per-attempt secret
+(:mod:`clusterops.rdzvstore`: encrypted and authenticated, bound to its key), which only the
+job's processes hold (the ``TOKEN`` of the address ``HOST:PORT/TOKEN`` the ranks get in
+:data:`clusterops.protocol.ENV_RDZV_ADDR`; it never appears in the store). A value that does
+not open is a stranger's and is ignored: a report, a join, a beat, a plan, a kill order, an
+abort, the finish mark, and the addresses the process groups form on. What a stranger who
+reaches the port can still do is delete or overwrite values and bump counters: that delays
+a recovery until its timeout (then the relaunch follows), it never steers one.
 
 A thread reads the processes' reports (:mod:`clusterops.protocol`'s ``rep/<n>`` keys, and
-the survivors' joins, one line each appended to ``join/<G>``: one round trip a rank) as
-they come, feeds them to :class:`clusterops.supervisor.membership.Membership` (every
+the survivors' joins, one sealed line each appended to ``join/<G>``: one round trip a rank)
+as they come, feeds them to :class:`clusterops.supervisor.membership.Membership` (every
 decision is made there) and carries its actions out: a generation's plan is written to
 ``plan/<G>`` (and ``abort/<G>`` as soon as a fault opens generation G, for the ranks'
-NCCL abort watchers), a hung rank is SIGKILLed by the standbys of its node (``kill/<uid>``), a
+NCCL abort watchers), a hung rank is SIGKILLed by the standbys of its node (``kill/<uid>``;
+they kill only a process of their own job step that the current plan names), a
 fallback is left for the supervisor's loop (:attr:`RendezvousHost.fallback`), so is a
 standby to start in a used one's place (:meth:`RendezvousHost.drain_refills`), and the
 timeline records wait in :meth:`RendezvousHost.drain_notes` for the loop to write (the
@@ -24,19 +31,23 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from clusterops import protocol
+from clusterops import rdzvstore
 from clusterops.supervisor.membership import Fallback, KillProcess, Membership, Note, Publish, Report, StartStandby
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.01
 REPORT_BATCH = 1024
+#: a report whose counter slot stays empty (or holds no authentic value) this long is skipped:
+#: a writer that died between its add and its set, or a stranger who bumped the counter
+REPORT_GAP_S = 2.0
+GAP_SCAN = 4096
 
 
 @dataclass(frozen=True)
@@ -56,7 +67,8 @@ class RendezvousHost:
                  clock: Callable[[], float] = time.time, store_timeout_s: float = 60.0):
         self.membership = membership
         self.clock = clock
-        self.token = secrets.token_hex(16)
+        self.token = rdzvstore.new_secret()     # the attempt's secret: never written into the store
+        self.sealer = rdzvstore.Sealer(self.token)
         self.bind_host = bind_host
         self.advertise_host = advertise_host
         self.store_timeout_s = store_timeout_s
@@ -72,6 +84,7 @@ class RendezvousHost:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._next = 1
+        self._gap: tuple = (0, 0.0)              # (the report slot waited for, since when)
         self._joins_read: Dict[int, int] = {}    # generation -> bytes of join/<G> read
         self._uid_of: tuple = (None, {})
         self._beats: Dict[str, tuple] = {}      # node -> (its beat counter, when it last moved)
@@ -107,7 +120,7 @@ class RendezvousHost:
                                timeout=datetime.timedelta(seconds=self.store_timeout_s))
         self.port = server.port
         self.server = server
-        self.store = dist.PrefixStore(self.token, server)
+        self.store = rdzvstore.SealedStore(server, self.sealer, self.store_timeout_s)
         self._thread = threading.Thread(target=self._loop, name="clusterops-rdzv", daemon=True)
         self._thread.start()
         return self
@@ -155,14 +168,8 @@ class RendezvousHost:
 
     def _once(self) -> None:
         store, m = self.store, self.membership
-        n = store.add(protocol.RDZV_REPORTS, 0)
         actions: List[object] = []
-        raws: List[bytes] = []
-        while self._next <= n:   # in batches: one round trip for many reports (16k ranks rejoin at once)
-            upto = min(n, self._next + REPORT_BATCH - 1)
-            raws += store.multi_get([protocol.rdzv_key("rep", i) for i in range(self._next, upto + 1)])
-            self._next = upto + 1
-        for raw in raws:
+        for raw in self._read_reports():
             try:
                 body = json.loads(raw)
                 rep = Report(str(body.pop("kind")), str(body.pop("uid")), body)
@@ -182,15 +189,71 @@ class RendezvousHost:
         actions += m.tick(self.clock())
         for a in actions:
             self._act(a)
-        if m.finished and not store.check([protocol.RDZV_FINISH]):
+        if m.finished and store.peek(protocol.RDZV_FINISH) is None:
             store.set(protocol.RDZV_FINISH, "1")
+
+    def _read_reports(self) -> List[bytes]:
+        """The reports written since the last read, in order (sealed ``rep/<i>``, the slots the
+        counter ``rep/n`` handed out): in batches, one round trip for many (16k ranks rejoin at
+        once). A slot that is empty or holds no authentic value is waited for (a writer adds,
+        then sets) for REPORT_GAP_S, then skipped (:meth:`_skip_gap`)."""
+        store = self.store
+        n = store.add(protocol.RDZV_REPORTS, 0)
+        out: List[bytes] = []
+        while self._next <= n:
+            upto = min(n, self._next + REPORT_BATCH - 1)
+            keys = [protocol.rdzv_key("rep", i) for i in range(self._next, upto + 1)]
+            if store.exists(keys):
+                values = store.peek_many(keys)
+            else:                         # one by one up to the first slot not written yet
+                values = []
+                for k in keys:
+                    values.append(store.peek(k))
+                    if values[-1] is None:
+                        break
+            for v in values:
+                if v is None:
+                    break
+                out.append(v)
+                self._next += 1
+            if self._next <= upto:        # slot self._next: not (yet) there
+                now = self.clock()
+                if self._gap[0] != self._next:
+                    self._gap = (self._next, now)
+                elif now - self._gap[1] >= REPORT_GAP_S:
+                    self._skip_gap(n)
+                    continue
+                break
+        return out
+
+    def _skip_gap(self, n: int) -> None:
+        """Slot ``self._next`` stayed empty: go on from the first slot after the last empty one
+        below the newest reports (a bumped counter leaves a run of empty slots; the newest
+        slots may still be being written, so the empty ones at the very top are kept)."""
+        store, i = self.store, self._next
+        j, seen_present = n, False
+        while j > i and n - j < GAP_SCAN:
+            there = store.peek(protocol.rdzv_key("rep", j)) is not None
+            if there:
+                seen_present = True
+            elif seen_present:
+                break
+            j -= 1
+        skip_to = j + 1 if (seen_present and j > i) else i + 1
+        with self._lock:
+            self._notes.append(Note("warning", {"what": f"rendezvous: report slots {i}-{skip_to - 1} held no "
+                                                        f"authentic report for {REPORT_GAP_S:g} s: skipped"}))
+        self._next = skip_to
+        self._gap = (0, 0.0)
 
     def _read_beats(self) -> List[object]:
         """During a recovery, the beats of two kinds of node: those whose ranks have not
         rejoined (every RDZV_BEAT_S) and those of the lost ranks, whose own standby may take
         the rank only once their beat moves (every loop: a same-node heal waits one beat).
-        A node whose counter has not moved for RDZV_SILENT_S is lost whole (``silent``). One
-        check and one multi_get a read, for those nodes only."""
+        A beat is a sealed time stamp (``beat/<node>``); it moves when a newer one is there (a
+        stranger's replay of an older one does not). A node whose beat has not moved for
+        RDZV_SILENT_S is lost whole (``silent``). One check and one multi_get a read, for
+        those nodes only."""
         m, now = self.membership, self.clock()
         rec = m.recovery
         if rec is None or rec.published_at is not None:
@@ -203,15 +266,15 @@ class RendezvousHost:
             nodes.update(m.watch_nodes())
         nodes = sorted(nodes)
         keys = [protocol.rdzv_key("beat", n) for n in nodes]
-        if not nodes or not self.store.check(keys):
+        if not nodes or not self.store.exists(keys):
             return []
         out: List[object] = []
-        for node, raw in zip(nodes, self.store.multi_get(keys)):
-            value = int(raw)
+        for node, raw in zip(nodes, self.store.peek_many(keys)):
+            value = protocol.parse_rdzv_beat(raw)
             seen = self._beats.get(node)
             if seen is None:
                 self._beats[node] = (value, now)
-            elif seen[0] != value:
+            elif value > seen[0]:
                 self._beats[node] = (value, now)
                 out += m.beat_seen(node, now)
             elif now - seen[1] >= protocol.RDZV_SILENT_S:
@@ -219,19 +282,18 @@ class RendezvousHost:
         return out
 
     def _read_joins(self) -> List[object]:
-        """The survivors' joins for the next generation (``join/<G>``, appended one line a
-        rank): what was added since the last read, as membership reports."""
+        """The survivors' joins for the next generation (``join/<G>``, one sealed line appended
+        a rank, naming its uid): what was added since the last read, as membership reports. A
+        line that does not open, or whose uid is not the plan's holder of that rank, is no join."""
         m, store = self.membership, self.store
         if m.plan is None:
             return []
         gen = m.gen + 1
         key = protocol.rdzv_key("join", gen)
-        if not store.check([key]):
+        if not store.exists([key]):
             return []
-        raw = store.get(key)
-        seen = self._joins_read.get(gen, 0)
-        end = raw.rfind(b"\n") + 1          # only whole lines (each append is one)
-        if end <= seen:
+        chunk, end = rdzvstore.lines_of(store.raw.get(key), self._joins_read.get(gen, 0))
+        if not chunk:
             return []
         self._joins_read[gen] = end
         if self._uid_of[0] != m.gen:        # rank -> uid of the plan the joins leave
@@ -239,9 +301,9 @@ class RendezvousHost:
         uid_of = self._uid_of[1]
         out: List[object] = []
         now = self.clock()
-        for rank, step in protocol.parse_rdzv_joins(raw[seen:end].decode(errors="replace")):
-            if rank in uid_of:
-                out += m.handle(Report("join", uid_of[rank], {"gen": gen, "rank": rank, "step": step}), now)
+        for uid, rank, step in protocol.parse_rdzv_joins(store.sealer.open_lines(key, chunk)):
+            if uid_of.get(rank) == uid:
+                out += m.handle(Report("join", uid, {"gen": gen, "rank": rank, "step": step}), now)
         return out
 
     def _act(self, a: object) -> None:
