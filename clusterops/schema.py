@@ -233,11 +233,15 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
     ),
     "fabric": (
         _f("sys_root", "str", "", default="/sys/class/infiniband"),
-        _f("devices", "list", "HCA names to judge (shell patterns, e.g. mlx5_*); empty: all", default=[],
-           item=Field("device", "str"), max_len=256),
-        _f("link_layers", "list", "link layers judged: InfiniBand, Ethernet (RoCE)",
-           default=["InfiniBand", "Ethernet"], item=Field("layer", "enum", choices=("InfiniBand", "Ethernet")),
-           min_len=1, max_len=2),
+        _f("devices", "list", "HCA names whose ports are judged (shell patterns, e.g. mlx5_*); other HCAs' "
+           "ports are only reported; empty: all", default=[], item=Field("device", "str"), max_len=256),
+        _f("link_layers", "list", "link layers judged: InfiniBand, Ethernet (RoCE: only ports that `ports` or "
+           "`devices` name)", default=["InfiniBand", "Ethernet"],
+           item=Field("layer", "enum", choices=("InfiniBand", "Ethernet")), min_len=1, max_len=2),
+        _f("ports", "list", "the ports this node must have up, judged (shell patterns on DEV/PORT or on a "
+           "device, e.g. mlx5_[0-7]/1; one that matches no port fails); empty: those of `devices`, else the "
+           "InfiniBand ports. Other ports are only reported", default=[], item=Field("port", "str"),
+           max_len=256),
         _f("required", "bool", "no port fails (else skips)", default=False),
         _f("expected_rate_gbps", "number", "slowest port rate allowed", min=0, gt=True, max=1e6, nullable=True),
         _f("expected_width", "enum", "narrowest link width allowed (null: a port narrower than its "

@@ -42,7 +42,8 @@ def test_parse_rate_kernel_formats():
 
 
 def test_healthy_node_passes_and_records_a_baseline(tmp_path):
-    first = _run(tmp_path, "healthy/t0", expected_rate_gbps=200, min_ports=5)
+    # The RoCE port mlx5_4 is one of this node's rails only because the profile names it.
+    first = _run(tmp_path, "healthy/t0", expected_rate_gbps=200, min_ports=5, ports=["mlx5_*/1"])
     assert first["fabric.ports"].status == "pass" and first["fabric.ports"].value == 5
     assert first["fabric.errors"].status == "pass" and "baseline" in first["fabric.errors"].detail
     assert first["fabric.flaps"].status == "pass"
@@ -53,10 +54,16 @@ def test_healthy_node_passes_and_records_a_baseline(tmp_path):
     assert second["fabric.errors"].data["rises"] == {"mlx5_0/1:symbol_error": 2}
 
 
-def test_the_ndr_rate_floor_fails_the_hdr_roce_port_unless_it_is_left_out(tmp_path):
-    r = _run(tmp_path, "healthy/t0", expected_rate_gbps=400)["fabric.ports"]
+def test_the_ndr_rate_floor_fails_the_hdr_roce_port_only_where_it_is_named(tmp_path):
+    r = _run(tmp_path, "healthy/t0", expected_rate_gbps=400, ports=["mlx5_*"])["fabric.ports"]
     assert r.status == "fail" and "mlx5_4/1 at 200 Gb/sec (4X HDR) < 400 Gb/sec" in r.detail
-    assert _run(tmp_path, "healthy/t0", expected_rate_gbps=400, link_layers=["InfiniBand"])["fabric.ports"].status == "pass"
+    r = _run(tmp_path, "healthy/t0", expected_rate_gbps=400, devices=["mlx5_*"])["fabric.ports"]
+    assert r.status == "fail" and "mlx5_4/1 at 200 Gb/sec" in r.detail
+    # Unnamed, the Ethernet port is not held to the InfiniBand floor (a 200 GbE NIC is no defect).
+    r = _run(tmp_path, "healthy/t0", expected_rate_gbps=400)["fabric.ports"]
+    assert r.status == "pass" and r.value == 4 and "only reported: mlx5_4/1 ACTIVE" in r.detail
+    assert _run(tmp_path, "healthy/t0", expected_rate_gbps=400, ports=["mlx5_*"],
+                link_layers=["InfiniBand"])["fabric.ports"].status == "pass"
     assert _run(tmp_path, "healthy/t0", expected_rate_gbps=400, devices=["mlx5_[0-3]"])["fabric.ports"].value == 4
 
 
@@ -70,7 +77,95 @@ def test_degraded_width_warns_against_its_siblings_and_fails_against_the_stated_
 
 def test_a_port_down_fails(tmp_path):
     r = _run(tmp_path, "port_down/t0")["fabric.ports"]
-    assert r.status == "fail" and "mlx5_1/1 DOWN" in r.detail and r.value == 4
+    assert r.status == "fail" and "mlx5_1/1 DOWN" in r.detail and r.value == 3
+
+
+# -- which ports are judged (issue 32): only those an expectation names ---------------------------
+
+def _tree(tmp_path, base="healthy/t0", **ports):
+    """A copy of a recorded tree with ports added, ``mlx5_5_1=("1: DOWN", "3: Disabled",
+    "Ethernet")`` writing mlx5_5/ports/1 as the kernel does (rate of an untrained port)."""
+    root = tmp_path / "sys"
+    shutil.copytree(FIX / base, root)
+    for key, (st, phys, layer) in ports.items():
+        dev, _, num = key.rpartition("_")
+        d = root / dev / "ports" / num
+        (d / "counters").mkdir(parents=True, exist_ok=True)
+        (root / dev / "node_type").write_text("1: CA\n")
+        for name, text in (("state", st), ("phys_state", phys), ("link_layer", layer),
+                           ("rate", "10 Gb/sec (4X SDR)" if "DOWN" in st else "400 Gb/sec (4X NDR)")):
+            (d / name).write_text(text + "\n")
+        for c in fabric.COUNTER_BITS:
+            (d / "counters" / c).write_text("0\n")
+    return root
+
+
+def _check(tmp_path, root, **over):
+    res = probe_fabric(_cfg(tmp_path, sys_root=str(root), **over), ProbeContext(node="n1"))
+    return {r.name: r for r in res}
+
+
+def test_an_unused_ethernet_port_down_beside_a_healthy_ib_rail_does_not_fail(tmp_path):
+    # The fast profile as shipped, nothing named: four IB ports ACTIVE, the RoCE-capable
+    # Ethernet NIC's second port (mlx5_5) down with no cable. host.infiniband passed this node.
+    root = _tree(tmp_path, mlx5_5_1=("1: DOWN", "3: Disabled", "Ethernet"))
+    res = _check(tmp_path, root)
+    r = res["fabric.ports"]
+    assert r.status in ("pass", "warn") and r.status != "fail"
+    assert r.status == "warn" and "mlx5_5/1 DOWN (not judged" in r.detail
+    assert "judged: mlx5_0/1, mlx5_1/1, mlx5_2/1, mlx5_3/1;" in r.detail
+    assert "only reported: mlx5_4/1 ACTIVE, mlx5_5/1 DOWN" in r.detail
+    assert r.data["mlx5_5/1"]["judged"] is False and r.data["mlx5_0/1"]["judged"] is True
+    assert all(x.status != "fail" for x in res.values())
+    # Once the site names its ports, the unnamed one is only reported: no warning at all.
+    r = _check(tmp_path, root, ports=["mlx5_[0-3]/1"])["fabric.ports"]
+    assert r.status == "pass" and "only reported: mlx5_4/1 ACTIVE, mlx5_5/1 DOWN" in r.detail
+    # The same with devices: the Ethernet NIC is left out.
+    r = _check(tmp_path, root, devices=["mlx5_[0-3]"])["fabric.ports"]
+    assert r.status == "pass" and r.value == 4
+
+
+def test_the_same_ethernet_port_named_by_the_site_fails(tmp_path):
+    root = _tree(tmp_path, mlx5_5_1=("1: DOWN", "3: Disabled", "Ethernet"))
+    # Named by the profile's ports (RoCE use named) ...
+    r = _check(tmp_path, root, ports=["mlx5_[0-3]/1", "mlx5_5/1"])["fabric.ports"]
+    assert r.status == "fail" and "mlx5_5/1 DOWN" in r.detail and "judged: mlx5_0/1" in r.detail
+    assert "mlx5_5/1" in r.detail.split("[judged:")[1].split(";")[0]
+    # ... or through a site config over the fast profile, as a site writes it.
+    site = tmp_path / "site.yaml"
+    site.write_text("profiles:\n  fast:\n    probes:\n      fabric:\n"
+                    "        ports: [\"mlx5_[0-3]/1\", mlx5_5/1]\n")
+    cfg = dict(load_profile("fast", str(site)).probes["fabric"], sys_root=str(root),
+               state_file=str(tmp_path / "s2.json"))
+    r = {x.name: x for x in probe_fabric(cfg, ProbeContext(node="n1"))}["fabric.ports"]
+    assert r.status == "fail" and "mlx5_5/1 DOWN" in r.detail
+
+
+def test_an_expected_ib_port_down_still_fails(tmp_path):
+    # By default (InfiniBand ports are expected) and when the profile names it.
+    assert _run(tmp_path, "port_down/t0")["fabric.ports"].status == "fail"
+    r = _run(tmp_path, "port_down/t0", ports=["mlx5_[0-3]/1"])["fabric.ports"]
+    assert r.status == "fail" and "mlx5_1/1 DOWN" in r.detail
+    # A second, uncabled port of an IB card that the site's ports leave out is only reported.
+    root = _tree(tmp_path, mlx5_0_2=("1: DOWN", "2: Polling", "InfiniBand"))
+    assert _check(tmp_path, root)["fabric.ports"].status == "fail"      # nothing named: IB is expected
+    r = _check(tmp_path, root, ports=["mlx5_*/1"])["fabric.ports"]
+    assert r.status == "pass" and "only reported: mlx5_0/2 DOWN" in r.detail
+
+
+def test_a_named_port_that_is_not_there_fails(tmp_path):
+    r = _run(tmp_path, "healthy/t0", ports=["mlx5_[0-3]/1", "mlx5_7/1"])["fabric.ports"]
+    assert r.status == "fail" and "expected port mlx5_7/1 not found" in r.detail
+    r = _run(tmp_path, "absent", ports=["mlx5_0/1"])["fabric.ports"]
+    assert r.status == "fail"
+
+
+def test_a_node_with_only_unnamed_ethernet_ports_skips_and_required_fails(tmp_path):
+    root = tmp_path / "eth"
+    shutil.copytree(FIX / "healthy" / "t0" / "mlx5_4", root / "mlx5_4")
+    r = _check(tmp_path, root)["fabric.ports"]
+    assert r.status == "skip" and "no port judged" in r.detail and "mlx5_4/1 ACTIVE" in r.detail
+    assert _check(tmp_path, root, required=True)["fabric.ports"].status == "fail"
 
 
 def test_flapping_link_warns_then_fails_at_five_in_the_window(tmp_path):

@@ -9,9 +9,21 @@ sysfs-class-infiniband)::
                                          /link_layer   "InfiniBand" | "Ethernet" (RoCE)
                                          /counters/<name>   one decimal number each
 
-Three results, each a rule folded over the node's ports:
+Which ports are judged: a node's RDMA devices carry ports nobody uses (the second
+port of a dual-port card, an Ethernet NIC that the kernel lists because it can do RoCE),
+so a port is held to the rules only when an expectation names it. ``ports`` (shell
+patterns on ``<dev>/<port>``, or a device name for all its ports), from the profile or
+the site config, names them; without it, the ports of the ``devices`` named; without
+either, the InfiniBand ports (an InfiniBand port is there for the fabric; an Ethernet
+port's RoCE use must be named). Only ``link_layers`` are judged. Every other port is
+only reported: listed in the result (``data`` and the detail), never failed; when
+nothing names the ports, such a port that is down warns (the probe cannot tell whether
+it carries RoCE). A named pattern that matches no port fails (an HCA that fell off the
+bus is not a healthy node).
 
-- ``fabric.ports``: every port ACTIVE and LinkUp, at the expected rate and width (a
+Three results, each a rule folded over the judged ports:
+
+- ``fabric.ports``: every judged port ACTIVE and LinkUp, at the expected rate and width (a
   ``2X`` port on a ``4X`` cable is a degraded link: the rate halves, and the job that
   spans it runs at that rate);
 - ``fabric.errors``: how much each error counter rose within the window (``window_h``),
@@ -120,13 +132,74 @@ def _width_n(width: Optional[str]) -> int:
     return int(width[:-1]) if width and width[:-1].isdigit() else 0
 
 
-def rule_ports(ports: List[Dict[str, Any]], cfg: Mapping[str, Any]) -> ProbeResult:
-    """State, physical state, rate and width of each port."""
+def _named_by(port: Mapping[str, Any], patterns: Sequence[str]) -> bool:
+    """``mlx5_0/1`` is named by ``mlx5_0/1``, ``mlx5_*/1`` or the device pattern ``mlx5_[0-3]``."""
+    dev = port["port"].split("/")[0]
+    return any(fnmatch.fnmatchcase(port["port"], pat) or fnmatch.fnmatchcase(dev, pat) for pat in patterns)
+
+
+def split_ports(ports: List[Dict[str, Any]], cfg: Mapping[str, Any]) -> Tuple[
+        List[Dict[str, Any]], List[Dict[str, Any]], List[str]]:
+    """(judged, reported, named patterns that match no port) under the profile's expectations.
+
+    Each reported port gets ``why`` (why it is not judged) and ``unsure`` (True when nothing
+    names the node's ports, so the probe cannot tell whether it is used: a down one warns).
+    """
+    layers = cfg.get("link_layers") or LINK_LAYERS
+    named = list(cfg.get("ports") or ())
+    devices = list(cfg.get("devices") or ())
+    judged: List[Dict[str, Any]] = []
+    reported: List[Dict[str, Any]] = []
+    for p in ports:
+        dev = p["port"].split("/")[0]
+        why, unsure = "", False
+        if devices and not any(fnmatch.fnmatchcase(dev, pat) for pat in devices):
+            why = "device not in devices"
+        elif p["link_layer"] not in layers:
+            why = f"link layer {p['link_layer']} not in link_layers"
+        elif named:
+            why = "" if _named_by(p, named) else "not named in ports"
+        elif not devices and p["link_layer"] != "InfiniBand":
+            # An Ethernet port of an RDMA device may be plain Ethernet or unused: its RoCE
+            # use is judged only once the profile or the site names it.
+            why, unsure = f"{p['link_layer']}, RoCE use not named (ports)", True
+        if why:
+            reported.append(dict(p, why=why, unsure=unsure))
+        else:
+            judged.append(p)
+    missing = [pat for pat in named if not any(_named_by(p, [pat]) for p in ports)]
+    return judged, reported, missing
+
+
+def _listing(judged: Sequence[Mapping[str, Any]], reported: Sequence[Mapping[str, Any]]) -> Tuple[
+        Dict[str, Any], str]:
+    """(per-port data, ``judged: ...; only reported: ...``) for the result.
+
+    The detail says which ports the verdict is about and which were only looked at: a
+    reader of a fail (or of a drain reason cut from it) must see that an unused port did
+    not decide it.
+    """
+    keys = ("state", "phys_state", "rate", "rate_gbps", "width", "link_layer")
+    data = {p["port"]: dict({k: p[k] for k in keys}, judged=True) for p in judged}
+    data.update({p["port"]: dict({k: p[k] for k in keys}, judged=False, why=p["why"]) for p in reported})
+    scope = f"judged: {', '.join(p['port'] for p in judged) or 'none'}"
+    if reported:
+        scope += "; only reported: " + ", ".join(f"{p['port']} {_word(p['state'])}" for p in reported)
+    return data, scope
+
+
+def rule_ports(ports: List[Dict[str, Any]], cfg: Mapping[str, Any],
+               reported: Sequence[Mapping[str, Any]] = (), missing: Sequence[str] = ()) -> ProbeResult:
+    """State, physical state, rate and width of each judged port; ``reported`` ports (no
+    expectation names them) are listed, and at most warn when down; ``missing`` are named
+    patterns that match no port (fail)."""
     expected_rate = cfg.get("expected_rate_gbps")
     expected_width = cfg.get("expected_width")
     min_ports = int(cfg.get("min_ports") or 0)
-    fails: List[str] = []
-    warns: List[str] = []
+    fails: List[str] = [f"expected port {pat} not found" for pat in missing]
+    warns: List[str] = [f"{p['port']} {_word(p['state'])} (not judged: {p['why']}; name it in ports "
+                        "if it carries RDMA traffic)"
+                        for p in reported if p.get("unsure") and _word(p["state"]) != "ACTIVE"]
     active = [p for p in ports if _word(p["state"]) == "ACTIVE"]
     for p in ports:
         if _word(p["state"]) != "ACTIVE":
@@ -150,19 +223,26 @@ def rule_ports(ports: List[Dict[str, Any]], cfg: Mapping[str, Any]) -> ProbeResu
                              f"{p['speed'] or ''} ports (degraded link?)".replace("  ", " "))
     if min_ports and len(active) < min_ports:
         fails.append(f"{len(active)} ACTIVE ports < {min_ports}")
-    threshold = {"expected_rate_gbps": expected_rate, "expected_width": expected_width, "min_ports": min_ports}
-    data = {p["port"]: {k: p[k] for k in ("state", "phys_state", "rate", "rate_gbps", "width", "link_layer")}
-            for p in ports}
+    if cfg.get("required") and not ports and not missing:
+        fails.append("no port judged")
+    threshold = {"expected_rate_gbps": expected_rate, "expected_width": expected_width, "min_ports": min_ports,
+                 "ports": list(cfg.get("ports") or ())}
+    data, scope = _listing(ports, reported)
     if fails:
         return ProbeResult("fabric.ports", "fail", value=len(active), unit="ports", threshold=threshold, data=data,
                            detail="; ".join(fails[:4]) + (f" and {len(fails) - 4} more" if len(fails) > 4 else "")
-                           + "; reseat or replace the cable/transceiver, check the switch port (ibstat, mlxlink)")
+                           + "; reseat or replace the cable/transceiver, check the switch port (ibstat, mlxlink)"
+                           + f" [{scope}]")
     if warns:
+        hint = "; set expected_width to make it a failure" if any("degraded link?" in w for w in warns) else ""
         return ProbeResult("fabric.ports", "warn", value=len(active), unit="ports", threshold=threshold, data=data,
-                           detail="; ".join(warns[:4]) + "; set expected_width to make it a failure")
+                           detail="; ".join(warns[:4]) + hint + f" [{scope}]")
+    if not ports:
+        return ProbeResult("fabric.ports", "skip", value=0, unit="ports", threshold=threshold, data=data,
+                           detail=f"no port judged [{scope}]")
     rates = sorted({p["rate"] for p in active})
     return ProbeResult("fabric.ports", "pass", value=len(active), unit="ports", threshold=threshold, data=data,
-                       detail=f"{len(active)} ports ACTIVE ({', '.join(rates)})")
+                       detail=f"{len(active)} ports ACTIVE ({', '.join(rates)}) [{scope}]")
 
 
 def counter_rises(ports: List[Dict[str, Any]], prev: Mapping[str, Any], now: float) -> Tuple[
@@ -262,7 +342,7 @@ def evaluate(ports: List[Dict[str, Any]], saved: Dict[str, Any], cfg: Mapping[st
              now: float) -> List[ProbeResult]:
     """The three results from this check's ports and the saved state, which is updated in
     place (new counter values, the rises in the window). Pure but for ``saved``."""
-    judged = [p for p in ports if p["link_layer"] in (cfg.get("link_layers") or LINK_LAYERS)]
+    judged, reported, missing = split_ports(ports, cfg)
     prev = saved.get("counters") if isinstance(saved.get("counters"), dict) else {}
     rises, saturated = counter_rises(judged, prev, now)
     window_h = float(cfg.get("window_h", 24))
@@ -270,7 +350,7 @@ def evaluate(ports: List[Dict[str, Any]], saved: Dict[str, Any], cfg: Mapping[st
     saved["counters"] = {p["port"]: dict(p["counters"]) for p in judged}
     saved["events"] = events
     saved["time"] = now
-    results = [rule_ports(judged, cfg)]
+    results = [rule_ports(judged, cfg, reported, missing)]
     if any(p["counters"] for p in judged):
         results.append(rule_errors(events, saturated, cfg, baseline=not prev))
         results.append(rule_flaps(events, cfg))
@@ -279,10 +359,10 @@ def evaluate(ports: List[Dict[str, Any]], saved: Dict[str, Any], cfg: Mapping[st
 
 def probe_fabric(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     root = Path(cfg.get("sys_root") or "/sys/class/infiniband")
-    ports = read_ports(root, cfg.get("devices") or ())
+    ports = read_ports(root)
     layers = cfg.get("link_layers") or LINK_LAYERS
-    if not [p for p in ports if p["link_layer"] in layers]:
-        if cfg.get("required") or cfg.get("min_ports"):
+    if not ports:
+        if cfg.get("required") or cfg.get("min_ports") or cfg.get("ports"):
             return [ProbeResult("fabric.ports", "fail", value=0, unit="ports", threshold=cfg.get("min_ports") or 1,
                                 detail=f"no {'/'.join(layers)} ports under {root}; check the HCA driver "
                                        "(ibstat, rdma link)")]
@@ -294,7 +374,7 @@ def probe_fabric(cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     try:
         return local_state.update(path, lambda saved: evaluate(ports, saved, cfg, now))
     except OSError as e:
-        judged = [p for p in ports if p["link_layer"] in layers]
-        return [rule_ports(judged, cfg), ProbeResult("fabric.errors", "error",
+        judged, reported, missing = split_ports(ports, cfg)
+        return [rule_ports(judged, cfg, reported, missing), ProbeResult("fabric.errors", "error",
                             detail=f"cannot keep the fabric counters in {path}: {e.strerror or e}; "
                                    "set CLUSTEROPS_STATE_DIR to a writable directory")]
