@@ -28,10 +28,23 @@ DEV_GPUS = 4
 # names) has its own: per-node probe state ($CLUSTEROPS_STATE_DIR, e.g. xid-node1.json) and
 # the sweep's database and lock ($CLUSTEROPS_SWEEP_DB). Sticky and world-writable, like
 # /tmp, for the tests that run as another user. A test that sets them keeps its own.
-_HOST_STATE = Path(tempfile.mkdtemp(prefix="clusterops-test-state-"))
-_HOST_STATE.chmod(0o1777)
-os.environ.setdefault("CLUSTEROPS_STATE_DIR", str(_HOST_STATE / "state"))
-os.environ.setdefault("CLUSTEROPS_SWEEP_DB", str(_HOST_STATE / "sweep.db"))
+# The workers inherit the first process's environment (its values of these two as well),
+# so each one recognises that process's defaults and puts its own directory in their place.
+_INHERITED_STATE = os.environ.get("CLUSTEROPS_TEST_HOST_STATE")
+if _INHERITED_STATE and os.path.isdir(_INHERITED_STATE):
+    _HOST_STATE = Path(_INHERITED_STATE)
+    _OWN_STATE = _HOST_STATE / (os.environ.get("PYTEST_XDIST_WORKER") or f"p{os.getpid()}")
+else:
+    _INHERITED_STATE = None
+    _HOST_STATE = Path(tempfile.mkdtemp(prefix="clusterops-test-state-"))
+    _HOST_STATE.chmod(0o1777)
+    os.environ["CLUSTEROPS_TEST_HOST_STATE"] = str(_HOST_STATE)
+    _OWN_STATE = _HOST_STATE / "main"
+_OWN_STATE.mkdir(exist_ok=True)
+_OWN_STATE.chmod(0o1777)
+for _key, _name in (("CLUSTEROPS_STATE_DIR", "state"), ("CLUSTEROPS_SWEEP_DB", "sweep.db")):
+    if os.environ.get(_key) in (None, str(_HOST_STATE / "main" / _name)):
+        os.environ[_key] = str(_OWN_STATE / _name)
 # Reference runs (support.faultkit.run_local) shared by the whole session: the workers
 # inherit the first process's directory.
 os.environ.setdefault("CLUSTEROPS_TEST_REF_CACHE", str(_HOST_STATE / "reference-runs"))
@@ -221,4 +234,5 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(_HOST_STATE, ignore_errors=True)
+    # A worker removes its own part only: the rest (the reference runs) is the session's.
+    shutil.rmtree(_OWN_STATE if _INHERITED_STATE else _HOST_STATE, ignore_errors=True)

@@ -55,20 +55,15 @@ def check(profile_name, site_config, as_json, prometheus, drain_on_fail, node, d
                                   drain_on_fail=drain_on_fail, drain_timeout_s=drain_timeout_s, db=db_target,
                                   prometheus=prometheus),
                      warn=lambda m: click.echo(f"warning: {m}", err=True))
-    report = out.report
+    slurm_line, stderr_line = out.notes(drain_on_fail)
     if as_json:
-        echo_json(report)
+        echo_json(out.report)
     else:
-        click.echo(format_table(report))
-        if drain_on_fail:
-            s = report["slurm"]
-            click.echo(f"slurm: {s['action']} ({s['why']})")
-    # The two outcomes that leave a sick-looking node in service say so on stderr, one line.
-    if report["status"] not in ("pass", "warn", "fail"):
-        click.echo(f"clusterops health: {out.node}: check status {report['status']}: it could not decide; "
-                   "node left in service (exit 4); see the ERROR results", err=True)
-    elif drain_on_fail and report["slurm"]["action"] in ("refused", "undone"):
-        click.echo(f"clusterops health: {report['slurm']['why']}", err=True)
+        click.echo(format_table(out.report))
+        if slurm_line:
+            click.echo(slurm_line)
+    if stderr_line:
+        click.echo(stderr_line, err=True)
     if out.hung:
         # A probe thread is stuck (maybe in the kernel): do not wait for it at exit.
         sys.stdout.flush()
@@ -90,14 +85,13 @@ def profiles(name, site_config, as_json, check_path):
     With --check FILE: exit 0 and one line when FILE is a valid profile or site
     config; exit 2 and one line naming file, line and key when it is not.
     """
-    from clusterops.health import builtin_profiles, check_file, load_profile, load_site_config
+    from clusterops.health import builtin_profiles, load_profile
+    from clusterops.health.flow import validate_file
 
     if check_path:
         if name:
             raise click.UsageError("give a profile NAME or --check FILE, not both")
-        what = check_file(check_path)
-        if site_config:
-            load_site_config(site_config)
+        what = validate_file(check_path, site_config)
         if as_json:
             echo_json({"file": check_path, "kind": what, "ok": True})
         else:
@@ -141,24 +135,10 @@ def dist(result_dir, timeout_s, backend, sizes, warmup, iters, min_busbw_gbps, r
     rank 0 prints the JSON report naming any rank/host that failed or did not answer.
     Exit 0 pass, 1 fail (rank 0 speaks for the whole test).
     """
-    from clusterops.errors import InputError
-    from clusterops.health.probes.dist import DistOptions, run_rank
+    from clusterops.health.flow import dist_rank
 
-    env = dict(os.environ)
-    if not result_dir:
-        job = env.get("SLURM_JOB_ID", "nojob")
-        step = env.get("SLURM_STEP_ID", "0")
-        base = env.get("SLURM_SUBMIT_DIR") or os.getcwd()
-        result_dir = os.path.join(base, ".clusterops-dist", f"{job}.{step}")
-    parsed = []
-    for s in sizes:
-        try:
-            parsed.append(_parse_size(s))
-        except ValueError:
-            raise InputError(f"--size: {s!r} is not a byte count (e.g. 1048576, 64M, 1G)") from None
-    return run_rank(DistOptions(result_dir=result_dir, timeout_s=timeout_s, backend=backend, sizes_bytes=parsed,
-                                warmup=warmup, iters=iters, min_busbw_gbps=min_busbw_gbps,
-                                report_path=report_path, env=env))
+    return dist_rank(result_dir=result_dir, sizes=sizes, timeout_s=timeout_s, backend=backend, warmup=warmup,
+                     iters=iters, min_busbw_gbps=min_busbw_gbps, report_path=report_path)
 
 
 @health.command()
@@ -187,42 +167,13 @@ def ibbw(report_dir, profile, site_config, peer, role, device, tcp_port, size, i
       srun --nodes=2 --ntasks-per-node=1 clusterops health ibbw --profile deep --report-dir out
     No ib_write_bw or no HCA: skip with the reason. Exit 0 unless fail or error.
     """
-    from clusterops.errors import InputError
-    from clusterops.health.probes.ibbw import options_from_profile, run_rank
+    from clusterops.health.flow import ibbw_rank
 
-    size_bytes = None
-    if size is not None:
-        try:
-            size_bytes = _parse_size(size)
-        except ValueError:
-            raise InputError(f"--size: {size!r} is not a byte count (e.g. 65536, 1M)") from None
-    cfg = {"timeout_s": 60.0}
-    if profile:
-        from clusterops.health import load_profile
-
-        prof = load_profile(profile, site_config)
-        if "ibbw" not in prof.probes:
-            click.echo(f"ibbw: skip: disabled in profile {prof.name}")
-            return 0
-        cfg = prof.probes["ibbw"]
-    opts = options_from_profile(cfg, report_dir, peer=peer, role=role, device=device, tcp_port=tcp_port,
-                                size_bytes=size_bytes, iters=iters, timeout_s=timeout_s, gpudirect=gpudirect,
-                                gpu=gpu, host_root=os.environ.get("CLUSTEROPS_HOST_ROOT") or "/")
-    doc = run_rank(opts)
+    doc = ibbw_rank(report_dir, profile=profile, site_config=site_config, size=size, peer=peer, role=role,
+                    device=device, tcp_port=tcp_port, iters=iters, timeout_s=timeout_s, gpudirect=gpudirect,
+                    gpu=gpu)
     click.echo(f"{doc['role']}: {doc['status']}: {doc['detail']}")
     return 1 if doc["status"] in ("fail", "error") else 0
-
-
-def _parse_size(text: str) -> int:
-    t = text.strip().upper().rstrip("B")
-    mult = 1
-    if t and t[-1] in "KMG":
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[t[-1]]
-        t = t[:-1]
-    n = int(float(t) * mult)
-    if n <= 0:
-        raise ValueError(text)
-    return n
 
 
 @health.command("xid-ack")
@@ -231,13 +182,9 @@ def _parse_size(text: str) -> int:
 @click.option("--node", default=None)
 def xid_ack(state_file, node):
     """Acknowledge open Xid failures after the GPU was reset (a reboot clears them by itself)."""
-    from pathlib import Path
+    from clusterops.health.flow import ack_xids
 
-    from clusterops.health.probes.base import ProbeContext, node_name
-    from clusterops.health.probes.xid import ack, default_state_file
-
-    path = Path(state_file) if state_file else default_state_file(ProbeContext(node=node or node_name()))
-    n = ack(path)
+    n, path = ack_xids(state_file, node)
     click.echo(f"{n} open Xid event(s) acknowledged in {path}")
     return 0
 

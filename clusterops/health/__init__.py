@@ -8,7 +8,8 @@
 - ``selfdrain``: the drain decision (pure) and the Slurm calls of ``--drain-on-fail``;
 - ``output``: Prometheus text and the terminal table;
 - ``flow``: one ``clusterops health check`` end to end (``check_node`` does it: inputs checked,
-  the check, self-drain and its webhooks, the history record, the Prometheus file);
+  the check, self-drain and its webhooks, the history record, the Prometheus file), and the
+  one call of each other ``clusterops health`` command (``dist_rank``, ``ibbw_rank``...);
 - ``probes/``: one module per kind of probe (NVML, XID, host, DCGM, matmul, dist).
 
 This module re-exports the names the CLI, the supervisor and the tests use.

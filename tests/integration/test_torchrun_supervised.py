@@ -28,7 +28,9 @@ def events(job, kind):
 
 
 def worker_pids(job, rank: int):
-    """The torchrun worker of a rank (RANK=<rank> in its environment), not its agent."""
+    """The torchrun worker of a rank (RANK=<rank> in its environment), not its agent, of this
+    job on this test process's cluster (``rank_pids``: another worker's cluster on this host
+    runs a job with the same id)."""
     out = []
     for pid in job.rank_pids(rank):
         try:

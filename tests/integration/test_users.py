@@ -1,8 +1,10 @@
 """Ordinary users on the dev cluster: their jobs, their files, and what Slurm refuses them.
 
 The suite runs as root; these tests create an ordinary user (``support.users``), let it
-start this Python for the length of the module (o+x on the interpreter's path, undone
-after), and act as that user through ``Runner(as_user=...)`` (``runuser -u USER --``):
+start this Python for the length of the module (o+x on the interpreter's path, shared by
+every test process of the machine and undone by the last one to leave:
+``users.traversable``), and act as that user through ``Runner(as_user=...)``
+(``runuser -u USER --``):
 
 - the dev cluster serves every user: the key stays root-only, the munge socket and the
   node scratch (each step's TMPDIR) are the users' too;

@@ -44,6 +44,9 @@ class TrainJob:
     python: str = sys.executable
     job_id: Optional[int] = None
     user: Optional[str] = None     # submit as this local user (root runs `runuser -u USER --`)
+    # The Slurm the job went to (SLURM_CONF at submit): job ids are per cluster, and the
+    # pytest-xdist workers' dev clusters all count from the same first id on one host.
+    slurm_conf: Optional[str] = None
 
     @property
     def job_dir(self) -> Path:
@@ -100,6 +103,7 @@ class TrainJob:
     def submit(self, env: Optional[Dict[str, str]] = None) -> int:
         """`clusterops launch submit SPEC --json` -> job id."""
         self.write_spec()
+        self.slurm_conf = (os.environ if env is None else env).get("SLURM_CONF") or None
         p = Runner(as_user=self.user).run(
             [self.python, "-m", "clusterops", "launch", "submit", str(self.spec_path), "--json"],
             timeout_s=60, env=env, check=False, cwd=str(self.root) if self.user else None)
@@ -162,22 +166,11 @@ class TrainJob:
             raise ClusteropsError(str(e)) from None
 
     def rank_pids(self, rank: int) -> List[int]:
-        """PIDs of the training process(es) of a rank of this job (read from /proc)."""
-        want = {f"SLURM_JOB_ID={self.job_id}".encode(), f"SLURM_PROCID={rank}".encode()}
-        found = []
-        for e in os.scandir("/proc"):
-            if not e.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{e.name}/environ", "rb") as f:
-                    env = set(f.read().split(b"\0"))
-                with open(f"/proc/{e.name}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            if want <= env and str(self.script).encode() in argv and b"srun" not in Path(argv[0].decode()).name.encode():
-                found.append(int(e.name))
-        return found
+        """PIDs of the training process(es) of a rank of this job (read from /proc), on this
+        job's cluster only (``job_processes``)."""
+        return [pid for pid, argv in job_processes(self.slurm_conf, {"SLURM_JOB_ID": str(self.job_id),
+                                                                     "SLURM_PROCID": str(rank)}).items()
+                if str(self.script) in argv and "srun" not in Path(argv[0]).name]
 
     def signal_rank(self, rank: int, sig: int) -> List[int]:
         pids = self.rank_pids(rank)
@@ -260,6 +253,35 @@ class TrainJob:
         logs = sorted(self.job_dir.glob("**/step.log"), key=lambda p: p.stat().st_mtime)[:-1]
         return "".join(f"\n--- {p.relative_to(self.job_dir)} (end)\n{p.read_text(errors='replace')[-tail:]}"
                        for p in logs)
+
+
+def job_processes(slurm_conf: Optional[str], env: Dict[str, str]) -> Dict[int, List[str]]:
+    """pid -> argv of the processes whose initial environment holds every ``env`` item and
+    whose SLURM_CONF names ``slurm_conf`` (slurmstepd exports it to every task). Several
+    dev clusters share this host (one per pytest-xdist worker), with the same node names
+    and the same job ids: a job id alone finds another worker's job too. ``slurm_conf``
+    None (the job went to the default Slurm): SLURM_CONF is not compared."""
+    want = [f"{k}={v}".encode() for k, v in env.items()]
+    conf = os.path.realpath(slurm_conf) if slurm_conf else None
+    found: Dict[int, List[str]] = {}
+    for e in os.scandir("/proc"):
+        if not e.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e.name}/environ", "rb") as f:
+                theirs = f.read().split(b"\0")
+            with open(f"/proc/{e.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if not all(w in theirs for w in want):
+            continue
+        if conf is not None:
+            named = [v[len(b"SLURM_CONF="):] for v in theirs if v.startswith(b"SLURM_CONF=")]
+            if not named or os.path.realpath(os.fsdecode(named[0])) != conf:
+                continue
+        found[int(e.name)] = [os.fsdecode(a) for a in argv]
+    return found
 
 
 # ------------------------------------------------------------------------------ faults
