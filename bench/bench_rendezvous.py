@@ -13,9 +13,10 @@ rejoin, all at once; figure: the dead report -> generation 1's plan readable by 
 (this process: the host only; the clients run in another) are reported. Simulated clients
 share a connection per thread: each real rank would hold its own and fetch the plan itself,
 so the fetch figure is the store's time to serve it --threads times, not 16k times.
-The survivors join as the ranks do (clusterops.recover.send_join: one append to join/<G>,
-one round trip); --old-protocol sends each join as a report (rep/n: two round trips, the
-protocol before join/<G>), --compare runs both, alternating, side by side.
+The survivors join as the ranks do (clusterops.recover.send_join: one sealed line appended
+to join/<G>, one round trip). Every value is sealed with the attempt's secret as in a real
+job (clusterops.rdzvstore); --unsealed replaces sealing by the identity on both sides (the
+baseline: what the seal costs), --compare runs both, alternating, side by side.
 """
 
 from __future__ import annotations
@@ -33,26 +34,23 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def clients(addr: str, nodes: int, ppn: int, spn: int, threads: int, go_file: str, old_protocol: bool = False) -> None:
-    import datetime
+def unseal() -> None:
+    """--unsealed: sealing is the identity (the baseline that shows what the seal costs)."""
+    from clusterops import rdzvstore
 
-    import torch.distributed as dist
+    rdzvstore.Sealer.seal = lambda self, key, value: value.encode() if isinstance(value, str) else bytes(value)
+    rdzvstore.Sealer.open = lambda self, key, blob: None if blob is None else bytes(blob)
 
-    from clusterops import protocol
+
+def clients(addr: str, nodes: int, ppn: int, spn: int, threads: int, go_file: str, unsealed: bool = False) -> None:
+    from clusterops import protocol, rdzvstore
     from clusterops.recover import send_join, send_report
 
-    host, port, token = protocol.parse_rdzv_addr(addr)
+    if unsealed:
+        unseal()
     procs = [(f"node{i}", local, i * (ppn + spn) + local) for i in range(nodes) for local in range(ppn + spn)]
-    stores = [dist.PrefixStore(token, dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                                    timeout=datetime.timedelta(seconds=120)))
-              for _ in range(threads)]
-
-    report = send_report      # the ranks' own protocol (clusterops.recover)
-    if old_protocol:          # --old-protocol: every report, joins too, through rep/n (two round trips)
-        def join(st, gen, rank, step):
-            send_report(st, uid_of[rank], "join", gen=gen, rank=rank, step=step)
-    else:
-        join = send_join
+    stores = [rdzvstore.connect(addr, 120) for _ in range(threads)]
+    report, join = send_report, send_join      # the ranks' own protocol (clusterops.recover)
 
     def each(fn):
         ts = [threading.Thread(target=fn, args=(k,)) for k in range(threads)]
@@ -67,12 +65,16 @@ def clients(addr: str, nodes: int, ppn: int, spn: int, threads: int, go_file: st
 
     def fetch(k, gen):
         key = protocol.rdzv_key("plan", gen)
-        stores[k].wait([key])
-        json.loads(stores[k].get(key))
+        stores[k].raw.wait([key])
+        value = stores[k].peek(key)
+        while value is None:
+            time.sleep(0.001)
+            value = stores[k].peek(key)
+        json.loads(value)
         seen.setdefault(gen, []).append(time.time())
 
     each(lambda k: fetch(k, 0))
-    plan0 = json.loads(stores[0].get(protocol.rdzv_key("plan", 0)))
+    plan0 = json.loads(stores[0].peek(protocol.rdzv_key("plan", 0)))
     while not Path(go_file).exists():
         time.sleep(0.01)
     victim = next(u for u, r in plan0["ranks"].items() if r == 5)
@@ -80,20 +82,25 @@ def clients(addr: str, nodes: int, ppn: int, spn: int, threads: int, go_file: st
     report(stores[0], f"node0:{1000 + ppn}", "dead", dead=victim)
     survivors = sorted((u, r) for u, r in plan0["ranks"].items() if r != 5)
     uid_of = {r: u for u, r in survivors}
-    each(lambda k: [join(stores[k], 1, r, 100) for u, r in survivors[k::threads]])
+    each(lambda k: [join(stores[k], 1, u, r, 100) for u, r in survivors[k::threads]])
     t_joined = time.time()
     each(lambda k: fetch(k, 1))
     print(json.dumps({"t_dead": t_dead, "t_joined": t_joined, "t_plan1_first": min(seen[1]),
                       "t_plan1_all": max(seen[1])}), flush=True)
 
 
-def one(args, rep: int, old_protocol: bool = False) -> dict:
+def one(args, rep: int, unsealed: bool = False) -> dict:
     import tempfile
 
     from clusterops.runner import Runner
     from clusterops.supervisor.membership import Membership
     from clusterops.supervisor.rendezvous import RendezvousHost
 
+    from clusterops import rdzvstore
+
+    sealed = (rdzvstore.Sealer.seal, rdzvstore.Sealer.open)
+    if unsealed:
+        unseal()
     nodes = [f"node{i}" for i in range(args.nodes)]
     m = Membership(nodes, args.ppn, 1, timeout_s=120, unresponsive_s=120)
     h = RendezvousHost(m, bind_host="127.0.0.1", store_timeout_s=120).start()
@@ -101,7 +108,7 @@ def one(args, rep: int, old_protocol: bool = False) -> dict:
     out = Path(tempfile.mkdtemp()) / "clients.log"
     p = Runner().spawn([sys.executable, __file__, "--clients", h.addr, "--nodes", str(args.nodes), "--ppn",
                         str(args.ppn), "--threads", str(args.threads), "--go", str(go)]
-                       + (["--old-protocol"] if old_protocol else []), log_path=str(out))
+                       + (["--unsealed"] if unsealed else []), log_path=str(out))
     while m.plan is None:
         time.sleep(0.05)
     time.sleep(1.0)
@@ -111,6 +118,7 @@ def one(args, rep: int, old_protocol: bool = False) -> dict:
         time.sleep(0.05)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     h.close()
+    rdzvstore.Sealer.seal, rdzvstore.Sealer.open = sealed
     text = out.read_text()
     try:
         r = json.loads(text.strip().splitlines()[-1])
@@ -131,29 +139,32 @@ def main(argv=None) -> int:
     ap.add_argument("--ppn", type=int, default=8)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--old-protocol", action="store_true",
-                    help="the joins as two-round-trip reports (rep/n), as before join/<G>: the before figure")
-    ap.add_argument("--compare", action="store_true", help="both protocols, alternating, side by side")
+    ap.add_argument("--unsealed", action="store_true",
+                    help="sealing replaced by the identity on both sides: the baseline of what the seal costs")
+    ap.add_argument("--compare", action="store_true", help="sealed and unsealed, alternating, side by side")
     ap.add_argument("--clients", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--go", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.clients:
-        clients(args.clients, args.nodes, args.ppn, 1, args.threads, args.go, args.old_protocol)
+        clients(args.clients, args.nodes, args.ppn, 1, args.threads, args.go, args.unsealed)
         return 0
-    kinds = ["join/<G>", "rep/n"] if args.compare else (["rep/n"] if args.old_protocol else ["join/<G>"])
+    kinds = ["sealed", "unsealed"] if args.compare else (["unsealed"] if args.unsealed else ["sealed"])
     runs = {k: [] for k in kinds}
     for rep in range(args.reps):
         order = kinds if rep % 2 == 0 else kinds[::-1]      # alternating, when both are run
         for kind in order:
-            runs[kind].append(one(args, rep, old_protocol=kind == "rep/n"))
-            print(f"[bench] run {rep} ({kind} joins): {runs[kind][-1]}", flush=True)
+            runs[kind].append(one(args, rep, unsealed=kind == "unsealed"))
+            print(f"[bench] run {rep} ({kind}): {runs[kind][-1]}", flush=True)
     print()
     print(f"{args.nodes} nodes x {args.ppn} ranks (+1 standby a node), one rank lost, medians of {args.reps}:")
-    print(f"  {'':28} " + " ".join(f"{k + ' joins':>15}" for k in kinds))
+    print(f"  {'':28} " + " ".join(f"{k:>15}" for k in kinds))
     for k, target in (("dead_to_plan_s", "<= 1 s"), ("dead_to_all_fetched_s", ""), ("clients_report_s", ""),
                       ("host_wait_s", ""), ("host_cpu_s", ""), ("host_peak_rss_mb", "")):
         vals = " ".join(f"{statistics.median(r[k] for r in runs[kind]):15.3f}" for kind in kinds)
         print(f"  {k:28} {vals}  {target}")
+    if len(kinds) == 2:
+        a, b = (statistics.median(r["dead_to_plan_s"] for r in runs[k]) for k in kinds)
+        print(f"  ratio sealed / unsealed (dead -> plan): {a / b:.2f}")
     return 0
 
 
