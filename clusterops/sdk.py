@@ -24,11 +24,16 @@ like the stop file, supervised or not (``STOP_SIGNALS``). A script that honours 
 before its end calls ``sdk.mark_stopped(step, path)`` (rank 0 writes the marker), so the
 supervisor reads its clean exit as "stopped", not "finished".
 
-On disk (see clusterops.checkpoint): one process writes ``state.pt`` (torch.save of
-the state) and ``rank_0.pt`` (RNG states and per-rank state); many ranks write the
-state with torch.distributed.checkpoint into ``dcp/`` (each rank its shard) plus one
-``rank_<r>.pt`` each, and rank 0 writes the manifest and commits after all ranks are
-done. torch is imported on first use, not at import.
+On disk (see clusterops.checkpoint): the state goes through
+:mod:`clusterops.checkpoint.codec`, so ``resume().state`` is what ``save`` was given
+(structure, container and key types, empty containers, plain values, tensors bit for
+bit); what it cannot keep is refused by ``save`` before anything is written. One
+process writes the state's skeleton (``state.skeleton.json``: structure and non-tensor
+values), its tensors (``state.pt``, one torch.save of a flat dict) and ``rank_0.pt`` (RNG
+states and per-rank state); many ranks write the tensors with torch.distributed.checkpoint
+into ``dcp/`` (each rank its shard) and rank 0 the skeleton, plus one ``rank_<r>.pt``
+each, and rank 0 writes the manifest and commits after all ranks are done. torch is
+imported on first use, not at import.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from typing import Any, Optional
 
 from clusterops import checkpoint as ck
 from clusterops import protocol
+from clusterops.checkpoint import codec
 from clusterops.errors import ClusteropsError
 
 log = logging.getLogger(__name__)
@@ -655,15 +661,24 @@ def save(state: dict, step: int, *, async_: bool = False, rank_state: Any = None
     most one save is in flight, so this first waits for the previous one, and an
     earlier async failure is raised here (or by wait()). Returns the committed path
     (None for an async save still in flight).
+
+    ``state`` and ``rank_state`` may hold what :mod:`clusterops.checkpoint.codec` keeps:
+    dict/OrderedDict/list/tuple with any plain keys, tensors (DTensors stay sharded with
+    many ranks), numpy arrays, None/bool/int/float/str/bytes. Anything else raises
+    ``UnsaveableState`` (exit code 2) naming its place, on every rank, before any write.
     """
     _rt.hb_paused = True      # the step time around a save is not a step time (stragglers)
     wait()
     _ensure_runtime()
     root = ckpt_root(root)
+    enc, renc = _encode(state, rank_state)
     rng = get_rng_state()
     meta = dict(meta or {}, restart_count=restart_count())
     if async_:
-        snap, rsnap = _snapshot(state, _rt.snapshot_pool), _snapshot(rank_state)
+        # The skeleton is a fresh plain structure already; only the tensors need a copy.
+        enc.tensors = _snapshot(enc.tensors, _rt.snapshot_pool)
+        renc.tensors = _snapshot(renc.tensors)
+        snap, rsnap = enc, renc
         _rt.last_async_step = step
         if not _rt.atexit_registered:
             # A script that ends without wait() still gets its last checkpoint committed.
@@ -671,26 +686,54 @@ def save(state: dict, step: int, *, async_: bool = False, rank_state: Any = None
             _rt.atexit_registered = True
         _rt.inflight = _AsyncSave(step, lambda: _save_now(snap, step, rng, rsnap, root, meta, algo))
         return None
-    return _save_now(state, step, rng, rank_state, root, meta, algo)
+    return _save_now(enc, step, rng, renc, root, meta, algo)
 
 
-def _save_now(state, step, rng, rank_state, root: Path, meta, algo) -> Path:
+def _encode(state, rank_state):
+    """Both states through the codec; a refusal on any rank is raised on every rank (one small
+    collective), so no rank goes on into a save the others left."""
+    d = _rt.dist
+    err = None
+    try:
+        enc = codec.encode(state, distributed=d.distributed)
+        renc = codec.encode(rank_state, root="rank_state")
+    except codec.UnsaveableState as e:
+        err = e.message
+    except Exception as e:  # anything else that stops this rank must reach the others too
+        err = f"{type(e).__name__}: {e}"
+    if d.distributed:
+        import torch.distributed as dist
+
+        errs = [None] * d.world_size
+        dist.all_gather_object(errs, err, group=_rt.ckpt_group)
+        first = next(((r, m) for r, m in enumerate(errs) if m), None)
+        if first is not None:
+            r, m = first
+            raise codec.UnsaveableState(m if r == d.rank else f"rank {r}: {m}")
+    elif err is not None:
+        raise codec.UnsaveableState(err)
+    return enc, renc
+
+
+def _save_now(enc, step, rng, renc, root: Path, meta, algo) -> Path:
     t0 = time.monotonic()
     d = _rt.dist
-    extra = {"rng": rng, "rank_state": rank_state, "rank": d.rank, "step": int(step)}
+    extra = {"rng": rng, "rank_state": codec.to_blob(renc), "rank": d.rank, "step": int(step)}
     if not d.distributed:
-        path = ck.save_torch(root, step, {STATE_FILE: state, rank_file(0): extra}, world_size=1, meta=meta,
-                             algo=algo)
+        path = codec.save_one_process(root, step, enc, {rank_file(0): extra}, state_file=STATE_FILE, meta=meta,
+                                      algo=algo)
     else:
-        path = _save_distributed(state, step, extra, root, meta, algo)
+        path = _save_distributed(enc, step, extra, root, meta, algo)
     log.info("checkpoint step %d committed at %s in %.2fs", step, path, time.monotonic() - t0)
     return path
 
 
-def _save_distributed(state, step, extra, root: Path, meta, algo) -> Path:
-    """Each rank writes its DCP shard and its rank file; rank 0 commits after all are done."""
+def _save_distributed(enc, step, extra, root: Path, meta, algo) -> Path:
+    """Each rank writes its DCP shard and its rank file, rank 0 the skeleton; rank 0 commits
+    after all are done."""
+    import hashlib
+
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     d, pg = _rt.dist, _rt.ckpt_group
     # 1. rank 0 makes the temporary directory and tells everyone its name.
@@ -712,12 +755,19 @@ def _save_distributed(state, step, extra, root: Path, meta, algo) -> Path:
     tmp = Path(tmp)
     if pending is None:
         pending = ck.PendingCheckpoint(root, step, algo=algo, tmp_path=tmp)
-    # 2. every rank: its DCP shard (a collective; failures reach every rank) and its rank file.
+    # 2. every rank: its DCP shard of the tensors (a collective; failures reach every rank)
+    #    and its rank file; rank 0 the skeleton (the structure and every non-tensor value).
     error = None
+    skeleton = enc.skeleton_bytes()
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True), process_group=pg)
+        codec.save_dcp(enc, tmp / DCP_DIR, pg)
     except BaseException as e:
         error = e
+    if error is None and d.rank == 0:
+        try:
+            codec.write_skeleton(pending, skeleton)
+        except BaseException as e:
+            error = e
     if error is None:
         try:
             pending.write_torch(rank_file(d.rank), extra)
@@ -733,7 +783,7 @@ def _save_distributed(state, step, extra, root: Path, meta, algo) -> Path:
                     pending.record_file(name)
         except BaseException as e:
             error = e
-    report = {"rank": d.rank, "files": pending.files,
+    report = {"rank": d.rank, "files": pending.files, "skeleton": hashlib.sha256(skeleton).hexdigest(),
               "error": None if error is None else str(ck.wrap_save_error(error, root, step))}
     reports = [None] * d.world_size if d.rank == 0 else None
     dist.gather_object(report, reports, dst=0, group=pg)
@@ -745,10 +795,16 @@ def _save_distributed(state, step, extra, root: Path, meta, algo) -> Path:
             pending.abort()
             box[0] = ("error", "; ".join(errors))
         else:
+            differ = [r["rank"] for r in reports if r["skeleton"] != report["skeleton"]]
+            if differ:
+                # Rank 0's skeleton is the state's: per-rank values belong in rank_state.
+                log.warning("checkpoint step %d: the state's structure or non-tensor values differ on rank(s) %s "
+                            "from rank 0's, which is what is saved (per-rank values go in rank_state)",
+                            step, ",".join(map(str, differ)))
             for r in reports:
                 pending.files.update(r["files"])
             try:
-                path = pending.commit(world_size=d.world_size, kind="dcp", meta=meta)
+                path = pending.commit(world_size=d.world_size, kind="dcp", meta=meta, codec=codec.CODEC_VERSION)
                 box[0] = ("ok", str(path))
             except BaseException as e:
                 pending.abort()
@@ -793,8 +849,11 @@ def resume(*, root: Optional[os.PathLike] = None, template: Optional[dict] = Non
 
     Uses the supervisor's choice (protocol.ENV_RESUME_FROM) when set and good, else the
     latest good checkpoint under the root (bad ones are skipped and logged). With many
-    ranks, rank 0 chooses and all ranks load the same checkpoint. A DCP checkpoint is loaded in place into
-    ``template`` when given (each rank reads what it needs), otherwise in full.
+    ranks, rank 0 chooses and all ranks load the same checkpoint. The state comes back as it was
+    saved (clusterops.checkpoint.codec). A DCP checkpoint with a ``template``: each template
+    tensor at a path of the state is loaded in place (a DTensor keeps its sharding: each rank
+    reads what it needs) and is the tensor in the returned state; tensors the template lacks
+    are read in full on every rank. Without a template, everything in full.
     RNG states are restored (restore_rng=True) when this rank's file is present;
     call resume() after building the model so nothing consumes randomness afterwards.
 
@@ -860,9 +919,10 @@ def _load_resumed(path: Path, d, template, restore_rng: bool, weights_only: bool
         manifest = ck.read_manifest(path)
         step = manifest["step"]
         if manifest.get("kind") == "dcp":
-            state = _load_dcp(path / DCP_DIR, template)
+            state = codec.load_dcp_state(path, DCP_DIR, manifest, template, _rt.ckpt_group,
+                                         weights_only=weights_only)
         else:
-            state = ck.load_torch(path, STATE_FILE, weights_only=weights_only)
+            state = codec.load_torch_state(path, STATE_FILE, manifest, weights_only=weights_only)
         extra = None
         rf = rank_file(d.rank)
         if rf in manifest["files"] and manifest.get("world_size", 1) == d.world_size:
@@ -872,6 +932,9 @@ def _load_resumed(path: Path, d, template, restore_rng: bool, weights_only: bool
         else:
             log.warning("checkpoint %s has no rank file for rank %d of %d (saved by %s ranks); RNG not restored",
                         path, d.rank, d.world_size, manifest.get("world_size"))
+        rank_state = extra.get("rank_state") if extra else None
+        if extra is not None and codec.codec_version(manifest) is not None:
+            rank_state = codec.from_blob(rank_state, str(path / rf))
         rng_restored = False
         if extra is not None and restore_rng:
             set_rng_state(extra["rng"])
@@ -881,23 +944,5 @@ def _load_resumed(path: Path, d, template, restore_rng: bool, weights_only: bool
     except Exception as e:  # torch/pickle/zip errors on damaged content: one line
         msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise ck.CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {msg})") from None
-    return Resumed(step=step, state=state, rank_state=extra.get("rank_state") if extra else None,
+    return Resumed(step=step, state=state, rank_state=rank_state,
                    path=path, manifest=manifest, rng_restored=rng_restored, hint=resume_hint(step))
-
-
-def _load_dcp(dcp_path: Path, template: Optional[dict]):
-    import torch.distributed.checkpoint as dcp
-
-    reader = dcp.FileSystemReader(str(dcp_path))
-    if template is not None:
-        dcp.load(template, storage_reader=reader, process_group=_rt.ckpt_group)
-        return template
-    # Without a template, rebuild the whole state from the checkpoint's metadata; every
-    # rank reads it on its own (no collectives). torch has no public call for this yet:
-    # dcp_to_torch_save() does the same with these two private pieces.
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict = {}
-    _load_state_dict(state_dict=state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return state

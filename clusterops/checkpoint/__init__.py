@@ -13,7 +13,9 @@ disk is not a checkpoint. The package, by module:
   :func:`list_checkpoints`, :func:`load_torch` (weights_only);
 - :mod:`~clusterops.checkpoint.retention`: :func:`plan_prune`/:func:`prune`, dead
   temporaries, putting back what an interrupted replace left aside;
-- :mod:`~clusterops.checkpoint.shrink`: re-saving without oversized storages.
+- :mod:`~clusterops.checkpoint.shrink`: re-saving without oversized storages;
+- :mod:`~clusterops.checkpoint.codec`: the SDK's state <-> files, exactly (skeleton and
+  tensors; one torch.save file, or DCP for many ranks); imported as a submodule.
 
 Only the standard library is imported at module level; torch is imported by the
 functions that need it (save/load of tensors, shrink), so the CLI's list/verify/

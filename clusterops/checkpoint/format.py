@@ -235,9 +235,14 @@ def _read_regular(path: str, limit: int) -> bytes:
 
 
 def build_manifest(step: int, files: Dict[str, Dict[str, Any]], *, algo: str, world_size: int = 1,
-                   kind: str = "torch", meta: Optional[dict] = None) -> dict:
-    """The manifest of a checkpoint whose files ({relname: {size, hash}}) are written."""
-    return {
+                   kind: str = "torch", meta: Optional[dict] = None, codec: Optional[int] = None) -> dict:
+    """The manifest of a checkpoint whose files ({relname: {size, hash}}) are written.
+
+    ``codec``: the version of clusterops.checkpoint.codec that wrote the SDK state
+    (``state_codec``); absent for files written without it (readers then use the old loader).
+    """
+    extra = {} if codec is None else {"state_codec": int(codec)}
+    return {**extra,
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "step": int(step),

@@ -107,7 +107,8 @@ def shrink(path: os.PathLike, *, unsafe_load: bool = False) -> ShrinkReport:
             pending.abort()
             return ShrinkReport(path, before, before, 0, [])
         meta = dict(m.get("meta") or {}, shrunk_from_bytes=before)
-        pending.commit(world_size=m.get("world_size", 1), kind=m.get("kind", "torch"), meta=meta)
+        pending.commit(world_size=m.get("world_size", 1), kind=m.get("kind", "torch"), meta=meta,
+                       codec=m.get("state_codec"))  # the state's files keep their codec
     except BaseException as e:
         pending.abort()
         raise wrap_save_error(e, path.parent, step) from e

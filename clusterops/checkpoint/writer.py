@@ -350,16 +350,19 @@ class PendingCheckpoint:
         self.finish_file(relname, w)
 
     # -- commit / abort
-    def manifest(self, *, world_size: int = 1, kind: str = "torch", meta: Optional[dict] = None) -> dict:
-        return build_manifest(self.step, self.files, algo=self.algo, world_size=world_size, kind=kind, meta=meta)
+    def manifest(self, *, world_size: int = 1, kind: str = "torch", meta: Optional[dict] = None,
+                 codec: Optional[int] = None) -> dict:
+        return build_manifest(self.step, self.files, algo=self.algo, world_size=world_size, kind=kind, meta=meta,
+                              codec=codec)
 
-    def commit(self, *, world_size: int = 1, kind: str = "torch", meta: Optional[dict] = None) -> Path:
+    def commit(self, *, world_size: int = 1, kind: str = "torch", meta: Optional[dict] = None,
+               codec: Optional[int] = None) -> Path:
         fault_point("files_written")
         # fsync the subdirectories (DCP or nested files) and the temp dir's entries.
         for d in sorted({(self.path / k).parent for k in self.files}, key=lambda p: len(p.parts), reverse=True):
             if d != self.path:
                 _fsync_dir(d)
-        data = manifest_bytes(self.manifest(world_size=world_size, kind=kind, meta=meta))
+        data = manifest_bytes(self.manifest(world_size=world_size, kind=kind, meta=meta, codec=codec))
         fd = os.open(self.path / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             half = len(data) // 2
@@ -482,14 +485,14 @@ def _estimate_tensor_bytes(obj: Any) -> int:
 
 
 def save_torch(root: os.PathLike, step: int, files: Dict[str, Any], *, world_size: int = 1,
-               meta: Optional[dict] = None, algo: str = DEFAULT_HASH) -> Path:
-    """Commit a checkpoint made of torch.save'd objects: {relname: object}."""
+               meta: Optional[dict] = None, algo: str = DEFAULT_HASH, codec: Optional[int] = None) -> Path:
+    """Commit a checkpoint made of torch.save'd objects: {relname: object} (``codec``: see build_manifest)."""
     pending = None
     try:
         pending = PendingCheckpoint(root, step, algo=algo)
         for relname, obj in files.items():
             pending.write_torch(relname, obj)
-        return pending.commit(world_size=world_size, kind="torch", meta=meta)
+        return pending.commit(world_size=world_size, kind="torch", meta=meta, codec=codec)
     except BaseException as e:
         if pending is not None:
             pending.abort()
