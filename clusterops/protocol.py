@@ -73,7 +73,7 @@ import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 # ------------------------------------------------------------------------ environment
 
@@ -211,6 +211,21 @@ def parse_rdzv_addr(value: str) -> Tuple[str, int, str]:
 
 
 # ------------------------------------------------------------------------ layout
+
+def job_dir_for(spec: Mapping, job_id: str) -> Path:
+    """The job directory of a job with resolved spec ``spec`` (the JSON ``clusterops launch``
+    writes beside the script) and Slurm id ``job_id``: ``supervise.job_dir``, else
+    ``<log_dir or workdir>/<name>-<job id>``. The one rule: the supervisor makes the directory
+    by it, ``clusterops job status JOBID`` finds it by it."""
+    sup = spec.get("supervise") or {}
+    base = spec.get("log_dir") or spec.get("workdir") or os.getcwd()
+    return Path(sup.get("job_dir") or Path(base) / f"{spec.get('name') or 'job'}-{job_id}")
+
+
+def ckpt_dir_for(spec: Mapping, job_dir: os.PathLike) -> Path:
+    """``supervise.ckpt_dir``, else ``<job dir>/ckpt``."""
+    return Path((spec.get("supervise") or {}).get("ckpt_dir") or Path(job_dir) / "ckpt")
+
 
 ATTEMPT_PREFIX = "attempt-"
 HEARTBEAT_DIR = "heartbeat"

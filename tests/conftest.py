@@ -42,7 +42,7 @@ else:
     _OWN_STATE = _HOST_STATE / "main"
 _OWN_STATE.mkdir(exist_ok=True)
 _OWN_STATE.chmod(0o1777)
-for _key, _name in (("CLUSTEROPS_STATE_DIR", "state"), ("CLUSTEROPS_SWEEP_DB", "sweep.db")):
+for _key, _name in (("CLUSTEROPS_STATE_DIR", "state"), ("CLUSTEROPS_SWEEP_DB", "sweep.db"), ("CLUSTEROPS_JOBS_DIR", "jobs")):
     if os.environ.get(_key) in (None, str(_HOST_STATE / "main" / _name)):
         os.environ[_key] = str(_OWN_STATE / _name)
 # Reference runs (support.faultkit.run_local) shared by the whole session: the workers

@@ -9,7 +9,110 @@ from clusterops.cli.common import echo_json, json_option
 
 @click.group()
 def job():
-    """Inspect supervised jobs (their timeline)."""
+    """Inspect supervised jobs: by their Slurm job id (ls, status, watch) or their directory (timeline)."""
+
+
+@job.command("ls")
+@click.option("--all", "all_users", is_flag=True, help="Every user's supervised jobs (root or a Slurm administrator).")
+@json_option
+def ls(all_users, as_json):
+    """List your supervised jobs: those Slurm knows and those your submissions recorded.
+
+    One line a job: id, state, step, restarts, goodput, job directory. Exit 0; 2 for --all
+    without the right to see other users' jobs.
+    """
+    from clusterops import jobs
+
+    found = jobs.list_jobs(all_users=all_users)
+    if as_json:
+        echo_json({"jobs": [st.to_dict() for st in found]})
+        return
+    from clusterops.textsafe import terminal
+
+    if not found:
+        click.echo("no supervised jobs")
+    for st in found:
+        gp = f"{st.goodput:.0%}" if st.goodput is not None else "-"
+        click.echo(terminal(f"{st.job_id:>8}  {st.state:<11} step {st.step if st.step is not None else '-':>6}  "
+                            f"restarts {st.restarts}  requeues {st.requeues}  goodput {gp:>4}  {st.job_dir}"))
+
+
+@job.command()
+@click.argument("job_id")
+@json_option
+def status(job_id, as_json):
+    """Show a supervised job by its Slurm JOB_ID.
+
+    State, step and steps per second, time left and the end, restarts and why, goodput, the
+    latest good checkpoint, the nodes dropped. The job directory is found from what the
+    submission recorded, else from the job's script as Slurm shows it. Exit 0; 2 when JOB_ID
+    is not a supervised job, or is another user's and you are no administrator.
+    """
+    from clusterops import jobs
+    from clusterops.textsafe import terminal
+
+    st = jobs.status(job_id)
+    if as_json:
+        echo_json(st.to_dict())
+        return
+    for line in jobs.describe_status(st):
+        click.echo(terminal(line))
+
+
+@job.command()
+@click.argument("job_id")
+@json_option
+@click.option("--interval", type=click.FloatRange(min=0.2), default=2.0, show_default=True,
+              help="Seconds between polls.")
+def watch(job_id, as_json, interval):
+    """Follow a supervised job until it ends: its events as they come, and its progress.
+
+    On a terminal, a live progress line under the events; piped, plain lines (or one JSON
+    object a line with --json: {"event": ...} records and {"status": ...}). Exit 0 when the
+    job completed, 1 when it ended otherwise, 2 when JOB_ID is not a supervised job.
+    """
+    import sys
+    import time
+
+    from clusterops import jobs
+    from clusterops.jsonout import dumps
+    from clusterops.supervisor import timeline as tl
+    from clusterops.textsafe import terminal
+
+    live = sys.stdout.isatty() and not as_json
+    state = {"line": ""}
+
+    def emit(kind, value):
+        if as_json:
+            click.echo(dumps({kind: value if kind == "event" else value.to_dict()}))
+            return
+        if kind == "event":
+            if value.get("event") == tl.E.PROGRESS:
+                return
+            if live and state["line"]:
+                click.echo("\r\033[K", nl=False)
+            stamp = time.strftime("%H:%M:%S", time.gmtime(value.get("t") or 0))
+            click.echo(f"{stamp} {terminal(tl.describe(value))}")
+            if live and state["line"]:
+                click.echo(state["line"], nl=False)
+        else:
+            rate = f"{value.steps_per_s:.2f}/s" if value.steps_per_s is not None else "?/s"
+            line = terminal(f"[{value.state}] step {value.step if value.step is not None else '?'} ({rate}), "
+                            f"restarts {value.restarts}" + (f", left {int(value.time_left_s)} s"
+                                                           if value.time_left_s is not None else ""))
+            if live:
+                state["line"] = line
+                click.echo("\r\033[K" + line, nl=False)
+            elif line != state["line"]:
+                state["line"] = line
+                click.echo(line)
+
+    st = jobs.watch(job_id, emit, poll_s=interval)
+    if live:
+        click.echo("")
+    if not as_json:
+        click.echo(terminal(f"job {st.job_id} ended: {st.state}" + (f", {st.outcome}" if st.outcome else "")))
+    sys.exit(0 if st.state == "COMPLETED" else 1)
 
 
 @job.command()

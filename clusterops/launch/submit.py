@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 import time as _time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, TYPE_CHECKING, Tuple
@@ -113,5 +114,43 @@ def submit(spec: JobSpec, slurm: Optional[SlurmAPI] = None, *, dry_run: bool = F
         _unlink(path)
         _unlink(spec_file)
         raise
+    if spec_file:   # `clusterops job status JOBID` finds the job directory by this record
+        record_submission(job_id, path, spec_file, supervise_spec_text(spec))
     return Submitted(int(job_id), path, text, argv, spec_file)
 
+
+
+# -- the submitting user's record of supervised jobs (clusterops.jobs reads it) --------------
+REGISTRY_ENV = "CLUSTEROPS_JOBS_DIR"
+
+
+def registry_dir() -> Path:
+    """Where this user's submissions are recorded: ``$CLUSTEROPS_JOBS_DIR``, else
+    ``$XDG_STATE_HOME/clusterops/jobs``, else ``~/.local/state/clusterops/jobs``."""
+    if os.environ.get(REGISTRY_ENV):
+        return Path(os.environ[REGISTRY_ENV])
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "clusterops" / "jobs"
+
+
+def record_submission(job_id: Any, script: str, spec_file: str, spec_text: str) -> Optional[Path]:
+    """Record a supervised job's submission: its directory by the supervisor's rule
+    (:func:`clusterops.protocol.job_dir_for`), script and spec file, mode 0600 in a 0700
+    registry. Never fails the submission: an unwritable registry returns None (the job is
+    then found through Slurm, from its script)."""
+    import json
+    import pwd
+
+    from clusterops import protocol
+
+    try:
+        spec = json.loads(spec_text)
+        jd = protocol.job_dir_for(spec, str(job_id))
+        d = registry_dir()
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        body = {"job_id": str(job_id), "job_dir": str(jd), "ckpt_dir": str(protocol.ckpt_dir_for(spec, jd)),
+                "script": script, "spec_file": spec_file, "name": spec.get("name"),
+                "submitted_at": round(_time.time(), 3), "user": pwd.getpwuid(os.getuid()).pw_name}
+        return protocol.write_private(d / f"{int(job_id)}.json", (json.dumps(body, sort_keys=True) + "\n").encode())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None

@@ -154,6 +154,8 @@ class JobInfo:
     array_task_id: Optional[int] = None
     state_flags: Tuple[str, ...] = ()
     preempt_time: Optional[float] = None   # set once Slurm chose to preempt the job
+    user: str = ""           # the owner's name
+    command: str = ""        # the batch script as submitted (its path), or the command
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -216,6 +218,8 @@ def job_from_json(j: Dict[str, Any]) -> JobInfo:
         array_task_id=int(array_task) if array_task is not None else None,
         state_flags=flags,
         preempt_time=epoch(j.get("preempt_time")),
+        user=j.get("user_name") or "",
+        command=j.get("command") or "",
     )
 
 
@@ -253,6 +257,8 @@ def job_from_oneliner(line: str) -> JobInfo:
         array_job_id=int(kv["ArrayJobId"]) if kv.get("ArrayJobId", "").isdigit() else None,
         array_task_id=int(array_task) if array_task and array_task.isdigit() else None,
         preempt_time=parse_iso(kv.get("PreemptTime")),
+        user=(kv.get("UserId") or "").split("(", 1)[0],
+        command=_null(kv.get("Command")) or "",
     )
 
 

@@ -400,6 +400,8 @@ class PyslurmSlurm:
             array_job_id=int(j.array_id) if j.array_id else None,
             array_task_id=int(j.array_task_id) if j.array_task_id is not None else None,
             preempt_time=float(j.preempt_time) if j.preempt_time else None,
+            user=getattr(j, "user_name", None) or "",
+            command=getattr(j, "command", None) or "",
         )
 
     def _all_jobs(self) -> List[Any]:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from clusterops import schema
+from clusterops import protocol, schema
 from clusterops.errors import InputError
 
 _OFF = ("none", "false", "no", "")
@@ -258,9 +258,8 @@ def run_config(spec: Mapping[str, Any], command: Sequence[str], settings: Mappin
     sup.update({k: v for k, v in settings.items() if v is not None and k in sup_keys})
     plain = plain_contract(sup)
     job_id = os.environ.get("SLURM_JOB_ID", "local")
-    base = spec.get("log_dir") or spec.get("workdir") or os.getcwd()
-    jd = Path(sup.get("job_dir") or Path(base) / f"{spec.get('name') or 'job'}-{job_id}")
-    cd = Path(sup.get("ckpt_dir") or jd / "ckpt")
+    jd = protocol.job_dir_for(dict(spec, supervise=sup), job_id)
+    cd = protocol.ckpt_dir_for(dict(spec, supervise=sup), jd)
     if "nodes" not in kw:
         alloc = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
         if alloc:
