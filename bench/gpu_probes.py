@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Device check for a GPU machine: the real NVML probe (with the driver-570 fields: recovery
 action, clocks, slowdown counters, VBIOS), the torch-distributed test and all-reduce
-bandwidth over the local GPUs (NCCL), matmul per GPU (bf16), and the copy bandwidths
-(pinned H2D/D2H, P2P per pair, device memory), with figures printed next to the published
+bandwidth over the local GPUs (NCCL), matmul per GPU (bf16), the copy bandwidths
+(pinned H2D/D2H, P2P per pair, device memory) and the sdc digest (reproducible across runs,
+processes and GPUs; changed by the fault hook), with figures printed next to the published
 ones (max achievable bf16 matmul: 794 TFLOPS on H100 SXM / H200, 271 on A100 SXM, target
 within 10%; Azure's H100 floors 48 GB/s H2D/D2H and 335 GB/s P2P).
 
@@ -113,9 +114,44 @@ def main() -> int:
         for k, v in sorted(figs.items()):
             print(f"      {k:18} {v:9.1f}")
     out["copybw"] = [r.to_dict() for r in cres]
+
+    out["sdc"] = run_sdc(ctx)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2, default=str))
     return 0
+
+
+def run_sdc(ctx) -> dict:
+    """The sdc probe with deep's settings: twice here, once in a fresh process (the digest must
+    be bitwise the same on every run and every GPU of the node), and once with the fault hook
+    (it must differ). Prints the model key and digest to record in health/sdc_digests.yaml."""
+    import subprocess
+
+    from clusterops.health.probes.base import ProbeContext
+    from clusterops.health.probes.sdc import FAULT_ENV, probe_sdc
+
+    cfg = {"required": True, "size": 512, "iterations": 8, "seed": 29, "gpu_dtype": "bfloat16"}
+    times, runs = [], []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        runs.append(probe_sdc(dict(cfg), ctx)[0])
+        times.append(time.perf_counter() - t0)
+    code = ("import json, sys; from clusterops.health.probes.base import ProbeContext; "
+            "from clusterops.health.probes.sdc import probe_sdc; "
+            f"r = probe_sdc({cfg!r}, ProbeContext(gpus_required=True))[0]; print(json.dumps(r.value))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    other_value = json.loads(other.stdout.strip().splitlines()[-1]) if other.returncode == 0 else None
+    flipped = probe_sdc(dict(cfg), ProbeContext(env={FAULT_ENV: "flip:9"}, gpus_required=True))[0]
+    r = runs[0]
+    same = r.value == runs[1].value == other_value and r.status == "pass"
+    print(f"== sdc ({times[0]:.2f} s first, {times[1]:.3f} s second): {r.status.upper()} {r.detail}")
+    print(f"  model key {r.data.get('model_key')!r}  workload {r.data.get('workload')!r}  digest {r.value}")
+    print(f"  reproducible (2 runs here + 1 fresh process, all GPUs agree): {same}; "
+          f"flip hook changes it: {flipped.value != r.value}")
+    if other.returncode != 0:
+        print(f"  fresh process failed: {other.stderr.strip()[-300:]}")
+    return {"result": r.to_dict(), "times_s": times, "other_process": other_value,
+            "reproducible": same, "flip_changes": flipped.value != r.value}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ Pure functions only: plain values in, a decision out (the Slurm calls stay in
     clusterops:flapping: <k>/<n>: <detail>             a sweep saw it fail k of its last n sweeps
     clusterops:supervisor: <why>: <detail>             a training job's supervisor judged it bad
     clusterops:admin: <detail>                         someone ran `clusterops slurm drain`
+    clusterops:quarantine: <node|GPU uuid>: <detail>   blamed K times in a window (clusterops.quarantine)
 
 Reasons written before origins existed (``clusterops: <probe>: <detail>``) are still
 ours; they read as origin ``legacy``. Anything else is foreign and never resumed.
@@ -27,6 +28,9 @@ ours; they read as origin ``legacy``. Anything else is foreign and never resumed
   ``legacy`` drains; ``flapping`` ones only once the node's k-of-n window is clean; and
   ``health`` drains under the same re-checked rule as a health check (a fast sweep does
   not undo a deep drain).
+- a ``quarantine`` drain is lifted by no check and no sweep: only by a person
+  (``clusterops health quarantine clear``, which also clears the blames; ``clusterops
+  slurm resume`` lifts it too, but leaves the blames counting).
 - an administrator (``clusterops slurm resume``) lifts any clusterops drain.
 - nobody lifts a foreign reason: ``Slurm.resume`` itself raises for one.
 
@@ -59,9 +63,9 @@ from typing import (Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Pro
 from clusterops.errors import InputError
 
 PREFIX = "clusterops:"
-HEALTH, SWEEP, STRAGGLER, FLAPPING, SUPERVISOR, ADMIN, LEGACY = (
-    "health", "sweep", "straggler", "flapping", "supervisor", "admin", "legacy")
-ORIGINS = (HEALTH, SWEEP, STRAGGLER, FLAPPING, SUPERVISOR, ADMIN)
+HEALTH, SWEEP, STRAGGLER, FLAPPING, SUPERVISOR, ADMIN, QUARANTINE, LEGACY = (
+    "health", "sweep", "straggler", "flapping", "supervisor", "admin", "quarantine", "legacy")
+ORIGINS = (HEALTH, SWEEP, STRAGGLER, FLAPPING, SUPERVISOR, ADMIN, QUARANTINE)
 # Who asks to lift a drain.
 BY_HEALTH, BY_SWEEP, BY_ADMIN = "health", "sweep", "admin"
 # Built-in profiles by depth: a check lifts only drains of a profile no deeper than its own.
@@ -193,6 +197,8 @@ def may_resume(reason: Optional[str], who: Resumer) -> Tuple[bool, str]:
         return False, "no clusterops drain to lift"
     if who.kind == BY_ADMIN:
         return True, f"an administrator lifts the {r.origin} drain"
+    if r.origin == QUARANTINE:
+        return False, "quarantined (repeat offender): only `clusterops health quarantine clear` lifts it"
     if r.origin in (HEALTH, LEGACY) and who.kind in (BY_HEALTH, BY_SWEEP):
         if r.origin == LEGACY and who.kind == BY_SWEEP:
             return True, "passes the sweep (drain from before origins)"

@@ -15,7 +15,7 @@ too). Configured as ``notify:`` in the health site config or a file given to the
 Who sends what: the sweep ``node_drained``, ``node_resumed``, ``guard_tripped`` and
 ``sweep_cannot_run``; ``health check --drain-on-fail`` (the site config's ``notify:``)
 ``node_drained``, ``node_resumed`` and ``guard_tripped`` for its own node; the supervisor
-``job_requeued``, ``job_given_up`` (with the exit code and the timeline's summary),
+``job_requeued``, ``job_given_up`` (with the exit code, the program's last error line and the timeline's summary),
 ``job_rolled_back`` (a stability rollback: to which step, what is skipped) and ``job_diverged``
 (the stability guard stopped the job or gave up; instead of ``job_given_up``) to the
 site config's webhooks and to the job spec's ``notify:`` URLs (generic JSON). Every send runs on its own daemon thread: :meth:`Notifier.send`

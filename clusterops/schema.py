@@ -337,6 +337,18 @@ PROBE_SETTINGS: Dict[str, Tuple[Field, ...]] = {
         _f("straggler_pct", "number", "slower than the node's best GPU (pair) by more fails", default=15,
            min=0, max=100),
     ),
+    "sdc": (
+        _f("required", "bool", "no CUDA device fails (default: `gpus.required`)"),
+        _f("size", "int", "square matrix side of the GEMM chain", default=256, min=16, max=16384),
+        _f("iterations", "int", "GEMMs in the chain", default=8, min=1, max=10000),
+        _f("seed", "int", "the workload's random seed", default=29, min=0, max=2**31 - 1),
+        _f("gpu_dtype", "enum", "GEMM type on GPUs (CPU: float32)", default="bfloat16",
+           choices=("bfloat16", "float32")),
+        _f("expected", "dict", "model key -> recorded hex digest for this workload (over the digests file)",
+           default={}, item=Field("digest", "str")),
+        _f("digests_file", "str", "recorded digests (default: the built-in health/sdc_digests.yaml)",
+           nullable=True),
+    ),
     "dist": (
         seconds("test_timeout_s", "each rank's deadline (default 0.7 x timeout_s)"),
         _f("cpu_ranks", "int", "gloo ranks on a CPU-only node", default=2, min=1, max=1024),
@@ -402,6 +414,13 @@ HISTORY = Field("history", "map", "where health checks record their results (clu
     _f("spool_max_bytes", "int", "spool cap, bytes", default=32 << 20, min=4096, max=1 << 40),
     _f("timeout_s", "number", "the longest a check waits on the database", default=3.0, min=0.5, max=120),
 ))
+QUARANTINE = Field("quarantine", "map", "repeat offenders: a node or GPU blamed `blames` times within "
+                   "`window_s` is drained until a person clears it (clusterops.quarantine)", fields=(
+    _f("blames", "int", "blames (failed checks, sweeps, supervisor verdicts) that quarantine", default=3,
+       min=1, max=1000),
+    _f("window_s", "number", "the window the blames are counted in, seconds", default=604800.0, min=60,
+       max=366 * 86400),
+))
 WEBHOOK = Field("webhook", "map", "a webhook: generic JSON or Slack-compatible (clusterops.notify)", fields=(
     _f("url", "url", "http:// or https:// URL", required=True),
     _f("format", "enum", "payload shape", default="json", choices=("json", "slack")),
@@ -420,6 +439,7 @@ SITE = Field("site", "map", fields=(
         _f("description", "str"), GPUS, PROBES))),
     DRAIN,
     HISTORY,
+    QUARANTINE,
     NOTIFY,
 ))
 
@@ -995,6 +1015,7 @@ def docs_tables() -> Dict[str, str]:
            ("profiles.<NAME>", "mapping (description, gpus, probes)", "", "overrides for one profile")]
         + [("drain", "mapping", "", DRAIN.doc)] + _rows(DRAIN, "drain.")
         + [("history", "mapping", "", HISTORY.doc)] + _rows(HISTORY, "history.")
+        + [("quarantine", "mapping", "", QUARANTINE.doc)] + _rows(QUARANTINE, "quarantine.")
         + [("notify", "list of URL or webhook", "", NOTIFY.doc)] + _rows(WEBHOOK, "notify[].")
     )
     return tables

@@ -308,7 +308,30 @@ def install_stop_handlers(*, force: bool = False) -> bool:
         prev = signal.signal(sig, _on_stop_signal)
         _rt.prev_handlers.setdefault(sig, prev)
     _rt.signals_installed = True
+    global _exit_quiet_registered
+    if not _exit_quiet_registered:
+        _exit_quiet_registered = True
+        atexit.register(_quiet_stop_signals_at_exit)
     return True
+
+
+_exit_quiet_registered = False
+# Stop requests that are moot once the process is exiting. Python puts every handler it set
+# back to SIG_DFL late in its shutdown (after atexit), and USR1/USR2's default action kills:
+# a stop that lands while a finished or stopped process tears down (torch's modules take a
+# while) turned its clean exit into "User defined signal 2" (the supervisor's USR2 to the
+# step reached the in-process standbys just as they left, Slurm 24.11). SIGTERM keeps its
+# default there: it is also Slurm's way of ending a step that hangs.
+_EXIT_IGNORED = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _quiet_stop_signals_at_exit() -> None:
+    for sig in _EXIT_IGNORED:
+        try:
+            if signal.getsignal(sig) is _on_stop_signal:   # still ours (not reset, not replaced)
+                signal.signal(sig, signal.SIG_IGN)
+        except (ValueError, OSError):   # not the main thread / interpreter half gone
+            pass
 
 
 def request_stop(reason: str = "requested") -> None:

@@ -112,6 +112,10 @@ def test_builtin_profiles_and_gpu_models_are_valid():
         data, lines = yamlio.load_file(p)
         if p.stem == "gpu_models":
             schema.validate(data, schema.Field("gpu_models", "dict", item=schema.GPU_MODEL), str(p), lines)
+        elif p.stem == "sdc_digests":
+            from clusterops.health.probes.sdc import load_recorded
+
+            assert load_recorded(str(p))      # the recorded digests, checked by their own schema
         else:
             assert check_file(str(p)) == "profile"
 

@@ -69,14 +69,16 @@ def test_nan_rolls_back_past_the_window_and_relaunches_with_the_hint():
         s.handle(CheckpointCommitted(1.5, step, f"/ck/step_{step}"))
     healthy(s, range(1, 26))
     acts = beat(s, 40.0, 27, math.nan)
-    assert kinds(acts) == ["nan", "rollback"]
+    assert kinds(acts) == ["nan"]       # the rollback is told once the disk confirmed its target
     assert only(acts, KillStep) == [KillStep("rollback")] and s.state == sv.KILLING
     assert [h.step for h in only(acts, sv.HoldCheckpoint)] == [10]     # retention keeps the way back
-    rb = [r for r in only(acts, Record) if r.kind == "rollback"][0].data
-    assert (rb["to_step"], rb["anomaly_step"], rb["skip_batches"], rb["lr_factor"]) == (10, 26, 30, 0.5)
     # A checkpoint the dying step still commits is not one a rollback may use, nor progress.
     s.handle(CheckpointCommitted(41.0, 40, "/ck/step_40"))
     acts = s.handle(StepExited(42.0, returncode=137, ckpt_step=40))
+    assert only(acts, sv.PickRollback) == [sv.PickRollback(16, 10)] and not only(acts, SetAside)
+    acts += s.handle(sv.RollbackPicked(42.0, 10, "/ck/step_10"))
+    rb = [r for r in only(acts, Record) if r.kind == "rollback"][0].data
+    assert (rb["to_step"], rb["anomaly_step"], rb["skip_batches"], rb["lr_factor"]) == (10, 26, 30, 0.5)
     assert only(acts, SetAside) == [SetAside(10, "rollback 1 (nan from step 26)")]
     launch = only(acts, Launch)[0]
     assert launch.hint == ResumeHint(from_step=10, skip_batches=30, lr_factor=0.5, anomaly_step=26, rollback=1)
@@ -105,6 +107,7 @@ def test_repeated_spikes_give_up_with_the_rollback_budget_code():
         acts = beat(s, 50.0 + 10 * i, 28 + i, 500.0)
         assert kinds(acts)[0] == "loss_spike"
         acts = s.handle(StepExited(51.0 + 10 * i, returncode=137))
+        acts += s.handle(sv.RollbackPicked(51.0 + 10 * i, 10, "/ck/step_10"))
         codes += [a.code for a in only(acts, Exit)]
         if not codes:
             s.handle(ResumeChosen(52.0 + 10 * i, 10, "/ck/step_10"))
@@ -138,8 +141,9 @@ def test_the_rollback_count_and_the_open_hint_survive_a_requeue(tmp_path):
     for step in (10, 20, 30):
         s.handle(CheckpointCommitted(1.5, step, f"/ck/step_{step}"))
     healthy(s, range(1, 26))
-    assert kinds(beat(s, 40.0, 28, 500.0))[:2] == ["loss_spike", "rollback"]
+    assert kinds(beat(s, 40.0, 28, 500.0))[:1] == ["loss_spike"]
     s.handle(StepExited(41.0, returncode=137))
+    s.handle(sv.RollbackPicked(41.0, 10, "/ck/step_10"))
     hint = s.stability.hint
     assert hint is not None and s.memory.rollbacks == [26]
     # The allocation is lost (preempted, requeued) before the next save: a new incarnation
@@ -158,6 +162,7 @@ def test_the_rollback_count_and_the_open_hint_survive_a_requeue(tmp_path):
         healthy(s2, range(12, 26), t0=102.0 + 30 * i)
         assert kinds(beat(s2, 120.0 + 30 * i, 28 + i, 500.0))[0] == "loss_spike"
         acts = s2.handle(StepExited(121.0 + 30 * i, returncode=137))
+        acts += s2.handle(sv.RollbackPicked(121.0 + 30 * i, 10, "/ck/step_10"))
         codes += [a.code for a in only(acts, Exit)]
         if not codes:
             s2.handle(ResumeChosen(122.0 + 30 * i, 10, "/ck/step_10"))

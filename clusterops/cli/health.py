@@ -196,4 +196,7 @@ try:
     health.add_command(history)
 except ImportError:
     pass
+from clusterops.cli.quarantine import quarantine  # noqa: E402
+
+health.add_command(quarantine)
 

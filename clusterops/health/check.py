@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from clusterops.health.probes import amd, copybw, dcgm, dist, fabric, host, matmul, nvml, xid
+from clusterops.health.probes import amd, copybw, dcgm, dist, fabric, host, matmul, nvml, sdc, xid
 from clusterops.health.probes.base import (ProbeContext, ProbeResult, ProbeSpec, RunOutcome, overall_status,
                                            run_probes)
 from clusterops.health.profiles import Profile
@@ -57,6 +57,7 @@ REGISTRY: Dict[str, ProbeEntry] = {
     "matmul": ProbeEntry(matmul.probe_matmul, exclusive=True),
     "dist": ProbeEntry(dist.probe_dist, exclusive=True),
     "copybw": ProbeEntry(copybw.probe_copybw, exclusive=True),
+    "sdc": ProbeEntry(sdc.probe_sdc, exclusive=True),
 }
 DEFAULT_TIMEOUT_S = 10.0
 # Probes a profile configures that `health check` does not run: the sweep's pair mode runs
@@ -77,7 +78,7 @@ def probe_specs(profile: Profile) -> List[ProbeSpec]:
                 cfg.setdefault("gpu_count", profile.gpu_count)
         if name == "amd" and profile.gpu_count is not None:
             cfg.setdefault("gpu_count", profile.gpu_count)
-        if name in ("matmul", "copybw"):
+        if name in ("matmul", "copybw", "sdc"):
             cfg.setdefault("required", profile.gpus_required)
         specs.append(ProbeSpec(name, _named(name, entry.fn), cfg, float(cfg.get("timeout_s", DEFAULT_TIMEOUT_S)),
                                entry.exclusive))

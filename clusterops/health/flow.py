@@ -103,6 +103,12 @@ def check_node(req: CheckRequest, warn: Optional[Callable[[str], None]] = None) 
         if report["history"]["error"]:
             h = report["history"]
             warn(f"history not recorded now ({h['error']}); {h['pending']} check(s) wait in {h['spool']}")
+        elif req.drain_on_fail:
+            from clusterops.quarantine import after_check   # repeat offenders (K blames in a window)
+
+            q = after_check(report, record_to.target, site, guard, timeout_s=req.drain_timeout_s)
+            if q is not None:
+                report["quarantine"] = q
     if req.prometheus:
         try:
             health_metrics(report).write_textfile(req.prometheus)

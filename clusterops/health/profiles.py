@@ -61,7 +61,8 @@ def builtin_dir() -> Path:
 
 
 def builtin_profiles() -> List[str]:
-    return sorted(p.stem for p in builtin_dir().glob("*.yaml") if p.stem != "gpu_models")
+    # Data files beside the profiles (not profiles): GPU model figures, recorded sdc digests.
+    return sorted(p.stem for p in builtin_dir().glob("*.yaml") if p.stem not in ("gpu_models", "sdc_digests"))
 
 
 def _suggest(word: str, options) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import (Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple, TypeVar, Union,
@@ -109,6 +110,50 @@ def hostlist_of(nodes: Nodes) -> str:
     if not names:
         raise InputError("no nodes given")
     return hostlist.collect_hostlist(names)
+
+
+def widened_exclusion(current: Optional[str], add: Iterable[str]) -> Optional[str]:
+    """The ExcNodeList that keeps a job off ``add`` as well as off what it already excludes
+    (``current``: Slurm's hostlist, empty or None for none); None when ``add`` brings
+    nothing new (then no update is needed)."""
+    have = set(hostlist.expand_hostlist(current)) if current and current != "(null)" else set()
+    new = {n for n in add if n} - have
+    if not new:
+        return None
+    return hostlist.collect_hostlist(sorted(have | new))
+
+
+def exclude_from_requeued(slurm: "SlurmAPI", job_id: Union[int, str], nodes: Iterable[str],
+                          current: Optional[str] = None, *, attempts: int = 3, pause_s: float = 0.3,
+                          sleep: Callable[[float], None] = time.sleep) -> Optional[str]:
+    """Keep a job that was just requeued off ``nodes`` (ExcNodeList, widened, never narrowed).
+
+    Slurm accepts ExcNodeList only on a pending job ("Job is no longer pending execution" on
+    a running one), so this is called right after ``requeue``: verified on Slurm 22.05.8, where
+    the job reads COMPLETING but is pending underneath from the moment `scontrol requeue`
+    returns, `scontrol update JobId=N ExcNodeList=...` from the dying batch script is taken
+    (rc 0), and the next incarnation starts elsewhere. The batch script's SIGTERM has come by
+    then, or is on its way: `scontrol requeue` returns before slurmd signals the batch step, so
+    an update started at once can itself be killed by that SIGTERM (seen: exit -15, and the
+    next incarnation back on the node). Setting the same list twice is harmless, so the update
+    is tried ``attempts`` times, ``pause_s`` apart; all within KillWait, after which Slurm
+    SIGKILLs the batch step. ``current``: the job's ExcNodeList read before the requeue (None:
+    read it now). Returns the list set, or None when nothing changed; raises the last error.
+    """
+    if current is None:
+        current = slurm.job(job_id).excluded_nodes
+    value = widened_exclusion(current, nodes)
+    if value is None:
+        return None
+    for attempt in range(attempts):
+        try:
+            slurm.update_job(job_id, ExcNodeList=value)
+            return value
+        except ClusteropsError:
+            if attempt + 1 >= attempts:
+                raise
+            sleep(pause_s)
+    return value
 
 
 def check_signal(sig: Union[str, int]) -> str:

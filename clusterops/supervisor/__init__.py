@@ -8,6 +8,8 @@
 - ``run``: the runtime plumbing that turns the machine's actions into srun steps,
   signals, drains and requeues (``clusterops supervise`` runs it).
 - ``timeline``: the job's event log and its text/SVG/HTML views.
+- ``evidence``: what a failed step's ranks said themselves: a traceback's last line, a
+  CUDA/NCCL/GPU error sign (pure; the machine blames a node only on evidence).
 - ``stacks``: Python stacks of hung ranks (run on each node as a step).
 - ``channel``: the supervisor's end of the heartbeat channel (a UDP receiver and the
   file fallback).

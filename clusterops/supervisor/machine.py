@@ -25,8 +25,9 @@ from clusterops import drains, schema
 from clusterops.exitcodes import Supervise as ExitCode
 from clusterops.slurm.parse import FailureKind, TaskFailure
 from clusterops.supervisor import stability as stb
+from clusterops.supervisor.evidence import TaskOutput, first_error
 from clusterops.supervisor.stragglers import Detector
-from clusterops.supervisor.timeline import Cause, EventKind as E
+from clusterops.supervisor.timeline import Cause, EventKind as E, Evidence
 
 __all__ = [
     "EXIT_DONE",
@@ -52,6 +53,7 @@ __all__ = [
     "StopRequested",
     "CheckpointCommitted",
     "ResumeChosen",
+    "RollbackPicked",
     "RequeueFailed",
     "Tick",
     "Action",
@@ -65,6 +67,7 @@ __all__ = [
     "Requeue",
     "Exit",
     "SetAside",
+    "PickRollback",
     "HoldCheckpoint",
     "Memory",
     "Supervisor",
@@ -175,6 +178,9 @@ class StepExited(Event):
     node_failure: Tuple[str, ...] = ()       # nodes srun reported as failed
     stopped_by: Optional[str] = None         # the ranks stopped on a request that bypassed us
                                              # (Slurm SIGTERMs only the steps on preemption)
+    #: task (rank) -> what its own output says (clusterops.supervisor.evidence): the last
+    #: line of its traceback, a hardware sign. Tasks that printed neither are absent.
+    task_output: Mapping[int, TaskOutput] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -226,6 +232,17 @@ class ResumeChosen(Event):
     step: Optional[int] = None
     path: str = ""
     skipped: Tuple[str, ...] = ()     # newer checkpoints found bad and passed over
+
+
+@dataclass(frozen=True)
+class RollbackPicked(Event):
+    """The plumbing's answer to :class:`PickRollback`: ``step`` is the newest checkpoint at or
+    before the bound that exists and verifies (None: none does); ``bad`` the (step, path,
+    problems) of the planned target when it is gone and of those found bad on the way."""
+
+    step: Optional[int] = None
+    path: str = ""
+    bad: Tuple[Tuple[int, str, Tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -310,6 +327,17 @@ class SetAside(Action):
 
 
 @dataclass(frozen=True)
+class PickRollback(Action):
+    """Look at the disk before a rollback moves anything: the guard's target ``planned`` may
+    have been pruned by retention or damaged since it was saved. Answered at once with
+    :class:`RollbackPicked`: the newest checkpoint at or before ``before`` (the guard's bound)
+    that exists and verifies, as a resume would verify it."""
+
+    before: int
+    planned: int
+
+
+@dataclass(frozen=True)
 class HoldCheckpoint(Action):
     """Tell retention to keep checkpoint ``step`` (a prune never removes it; ``ckpt list``
     shows ``reason``): the newest good one before a loss spike or NaN."""
@@ -322,6 +350,7 @@ class HoldCheckpoint(Action):
 class Exit(Action):
     code: int
     reason: str
+    error: str = ""          # the program's own last words (its traceback's last line), if known
 
 
 # --------------------------------------------------------------------------------------
@@ -395,6 +424,33 @@ class Memory:
                    hint=None if hint is None else stb.ResumeHint.from_json(json.dumps(hint)))
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """Why a step failed (:meth:`Supervisor.judge`): the cause, the nodes the evidence points
+    at (none without evidence), that evidence, and the program's own error line if it printed one."""
+
+    cause: Cause
+    blamed: List[str] = field(default_factory=list)
+    evidence: Optional[Evidence] = None
+    error: Optional[str] = None
+    sign: Optional[Tuple[str, str]] = None      # (name, line) of a hardware sign, with HARDWARE
+
+
+@dataclass
+class Suspect:
+    """One program error that came from one node only (:meth:`Supervisor._weigh_error`).
+    The same rank failing the same way there twice says nothing yet (the rank or the node?);
+    a relaunch without the node (``trial``, on a spare) decides: the error again elsewhere is
+    the program's, a run that gets past ``past_step`` without it is the node's."""
+
+    node: str
+    rank: int
+    error: str
+    times: int = 1
+    trial: bool = False
+    past_step: Optional[int] = None
+
+
 class Supervisor:
     """Decides what to do. Call :meth:`start`, then :meth:`handle` for every event.
 
@@ -433,6 +489,9 @@ class Supervisor:
         self.preflight_done = False
         self.ckpt_at_launch: Optional[int] = None
         self.last_cause: Optional[str] = None
+        self.last_error: Optional[str] = None     # the last failed step's traceback line (give-up carries it)
+        self.suspect: Optional[Suspect] = None    # a program error from one node only, being weighed
+        self.everywhere: Set[str] = set()         # error lines seen from two nodes: the program's for good
         self.exit_code: Optional[int] = None
         self.detector: Optional[Detector] = None   # straggler detection of the current step
         self.replacing: Optional[str] = None        # the straggler a planned stop will replace
@@ -441,6 +500,7 @@ class Supervisor:
         self.stability = (stb.Guard(stability, rollbacks=self.memory.rollbacks, hint=self.memory.hint)
                           if stability is not None else None)   # the rollbacks list is shared
         self.stability_decision: Optional[stb.Decision] = None
+        self.rollback_to_pick: Optional[stb.Decision] = None   # a rollback whose target the disk must confirm
         if self.stability is not None and self.memory.last_ckpt_step is not None:
             self.stability.checkpoint(self.memory.last_ckpt_step)
             self.memory.hint = self.stability.hint
@@ -472,8 +532,9 @@ class Supervisor:
         self._enter(DONE)
         self.exit_code = code
         kind = E.DONE if code == EXIT_DONE else E.GIVE_UP
-        out.append(Record(kind, {"code": code, "reason": reason}))
-        out.append(Exit(code, reason))
+        error = self.last_error if code != EXIT_DONE and self.last_error else ""
+        out.append(Record(kind, {"code": code, "reason": reason, **({"error": error} if error else {})}))
+        out.append(Exit(code, reason, error))
         return out
 
     def _requeue(self, reason: str, out: List[Action]) -> List[Action]:
@@ -510,8 +571,9 @@ class Supervisor:
             out.append(Record(E.STOP_REQUESTED, {"reason": stop, "state": "starting"}))
             return self._requeue(f"stop requested ({stop}) before the first step", out)
         for node, why in known.items():
-            # Slurm gave us a node an earlier incarnation judged bad (ExcNodeList cannot be
-            # changed on a running job): keep it out of this allocation's steps.
+            # Slurm gave us a node an earlier incarnation judged bad (the requeue's ExcNodeList
+            # update did not land, or the job was requeued by Slurm, not by us): keep it out
+            # of this allocation's steps.
             self.bad[node] = why
         if self.policy.preflight and not self.preflight_done:
             self._enter(PREFLIGHT)
@@ -528,6 +590,15 @@ class Supervisor:
             return self._requeue(f"stop requested ({self.pending_stop}) with no step running", out)
         usable = self._usable()
         want = self.policy.nodes
+        s = self.suspect
+        if s is not None and s.trial:
+            # A relaunch without the suspect node tells the node from the program; not at
+            # the price of a smaller run (a node lost meanwhile: it is given back).
+            without = [n for n in usable if n != s.node]
+            if len(without) >= want:
+                usable = without
+            else:
+                s.trial = False
         previous = list(self.active)
         if len(usable) >= want:
             # Keep surviving nodes of the previous step in place (same ranks), fill holes
@@ -687,10 +758,8 @@ class Supervisor:
         self.stability_decision = d
         self.memory.hint = self.stability.hint
         if d.action == stb.Action.ROLLBACK:
-            h = d.hint
-            out.append(Record(E.ROLLBACK, {"to_step": h.from_step, "anomaly_step": h.anomaly_step,
-                                           "skip_batches": h.skip_batches, "lr_factor": h.lr_factor,
-                                           "rollback": h.rollback, "lost_steps": max(0, d.finding.step - h.from_step)}))
+            # The rollback record (and its webhook) waits for the disk's word on the target
+            # (_on_rollback_picked): it says where the job really goes back to, if anywhere.
             return out + self._kill(ev.now, KillCause.ROLLBACK)
         return out + self._kill(ev.now, KillCause.DIVERGED)
 
@@ -701,12 +770,12 @@ class Supervisor:
         out.append(Record(E.STEP_EXIT, {"returncode": ev.returncode, "cause": Cause.ROLLED_BACK,
                                         "decision": str(d.action)}))
         if d.action == stb.Action.ROLLBACK:
-            self.memory.last_ckpt_step = d.hint.from_step   # not the newer ones: they are set aside
-            self.memory.restarts += 1
-            self.last_cause = Cause.ROLLED_BACK
-            out.append(SetAside(d.hint.from_step, f"rollback {d.hint.rollback} ({d.finding.kind} from step "
-                                                  f"{d.finding.began})"))
-            return self._plan_launch(ev.now, out)
+            # Nothing is moved before the target is known to be there and good: retention may
+            # have pruned it, or it may be damaged (the step is gone: nothing writes meanwhile).
+            self.rollback_to_pick = d
+            self.kill_sent_at = None            # no step left to escalate against
+            out.append(PickRollback(d.before, d.hint.from_step))
+            return out
         # Ending: whatever was saved since the anomaly began is no good checkpoint either.
         out.append(SetAside(d.finding.began - 1, f"{d.finding.kind} from step {d.finding.began}"))
         if d.action == stb.Action.STOP:
@@ -714,6 +783,44 @@ class Supervisor:
                                              f"stopped without saving", out)
         return self._exit(EXIT_ROLLBACK_BUDGET, f"training diverged again ({d.finding.kind} at step "
                                                 f"{d.finding.step}): {d.why}", out)
+
+    def _on_rollback_picked(self, ev: RollbackPicked) -> List[Action]:
+        """The disk's word on a rollback's target: roll back to the checkpoint found (only the
+        newer ones are set aside), or, when none is there, give up as the guard does when it
+        knows of none: exit 9, nothing from before the anomaly moved."""
+        d, self.rollback_to_pick = self.rollback_to_pick, None
+        if d is None or self.state != KILLING:
+            return []
+        out: List[Action] = [Record(E.CHECKPOINT_BAD, {"step": s, "path": p, "problems": list(pr)[:3]})
+                             for s, p, pr in ev.bad]
+        problems = "; ".join(f"step {s}: {', '.join(pr[:1]) or 'bad'}" for s, _, pr in ev.bad)
+        planned = d.hint.from_step
+        d = self.stability.retarget(d, ev.step, problems)
+        self.memory.hint = self.stability.hint
+        if d.action != stb.Action.ROLLBACK:
+            # The guard's give-up path: nothing from before the anomaly moves (the good ones
+            # stay for the person taking over); only what was saved since it began, which may
+            # hold the bad state, goes aside, so that no resume picks it up.
+            f = d.finding
+            if d.hold is not None:
+                out.append(HoldCheckpoint(d.hold, f"stability: newest checkpoint before the {f.kind} that "
+                                                  f"began after step {f.began - 1} ({d.action})"))
+            out.append(SetAside(f.began - 1, f"{f.kind} from step {f.began}"))
+            return self._exit(EXIT_ROLLBACK_BUDGET, f"training diverged ({f.kind} at step {f.step}) and cannot roll "
+                                                    f"back: {d.why}; no checkpoint from before step {f.began} "
+                                                    f"set aside", out)
+        h = d.hint
+        if h.from_step != planned:      # another target than planned: retention keeps it from here on
+            out.append(HoldCheckpoint(h.from_step, f"stability: rollback {h.rollback} target ({d.finding.kind} "
+                                                   f"from step {d.finding.began})"))
+        out.append(Record(E.ROLLBACK, {"to_step": h.from_step, "anomaly_step": h.anomaly_step,
+                                       "skip_batches": h.skip_batches, "lr_factor": h.lr_factor,
+                                       "rollback": h.rollback, "lost_steps": max(0, d.finding.step - h.from_step)}))
+        self.memory.last_ckpt_step = h.from_step   # not the newer ones: they are set aside
+        self.memory.restarts += 1
+        self.last_cause = Cause.ROLLED_BACK
+        out.append(SetAside(h.from_step, f"rollback {h.rollback} ({d.finding.kind} from step {d.finding.began})"))
+        return self._plan_launch(ev.now, out)
 
     def _straggler(self, f, now: float) -> List[Action]:
         """A node found slow: record it; replace it at a checkpoint when asked and a spare is free."""
@@ -843,6 +950,8 @@ class Supervisor:
         out: List[Action] = [Record(E.CHECKPOINT, {"step": ev.step, "path": ev.path})]
         if self.memory.last_ckpt_step is None or ev.step > self.memory.last_ckpt_step:
             self.memory.last_ckpt_step = ev.step
+        if self.state == RUNNING:
+            self._trial_passed(ev.step, ev.now, out)
         if self.stability is not None and self.state == RUNNING:   # not the dying step's, after a finding
             self.stability.checkpoint(ev.step)
             self.memory.hint = self.stability.hint
@@ -874,24 +983,109 @@ class Supervisor:
         return self._exit(EXIT_FAILED, f"requeue failed: {ev.error}", [])
 
     def classify(self, ev: StepExited) -> Tuple[Cause, List[str]]:
-        """(cause, blamed nodes) for a failed step (srun's wording is read by each failure's
-        ``kind``, in clusterops.slurm.parse)."""
+        """(cause, blamed nodes) for a failed step (:meth:`judge`)."""
+        v = self.judge(ev)
+        return v.cause, v.blamed
+
+    def judge(self, ev: StepExited) -> Verdict:
+        """Why a failed step failed, and the nodes the evidence points at: a hang's first
+        silent ranks, a lost node, the first failed rank's death by a signal, a hardware
+        sign in its own output. A rank that exited on its own -- after a traceback, with a
+        bare error code, or ranks of several nodes -- blames nobody: the program's error
+        (an error from one node only is weighed across relaunches, :meth:`_weigh_error`).
+        srun's wording is read by each failure's ``kind`` (clusterops.slurm.parse), the
+        ranks' output by clusterops.supervisor.evidence."""
         if self.kill_cause == KillCause.HANG:
-            return Cause.HANG, sorted({self.rank_node(r) for r in self.hang_culprits if self.rank_node(r)})
+            blamed = sorted({self.rank_node(r) for r in self.hang_culprits if self.rank_node(r)})
+            return Verdict(Cause.HANG, blamed, Evidence.HANG if blamed else None)
         lost = sorted((set(ev.node_failure) | (self.down_seen & set(self.active))) - self.left_inprocess)
         if lost or self.kill_cause == KillCause.NODE_DOWN:
-            return Cause.NODE_LOST, lost
-        if ev.failures:
-            first = ev.failures[0]
-            exited = {f.node for f in ev.failures if f.kind == FailureKind.EXITED}
-            if first.kind == FailureKind.EXITED and len(exited) >= 2:
-                # Ranks on several nodes exited with an error on their own: the program
-                # (or its input) is at fault, not a node.
-                return Cause.PROGRAM_ERROR, []
-            cause = {FailureKind.KILLED: Cause.RANK_KILLED, FailureKind.EXITED: Cause.RANK_EXIT}.get(
-                first.kind, Cause.RANK_FAILED)
-            return cause, [first.node] if first.node else []
-        return Cause.STEP_FAILED, []
+            return Verdict(Cause.NODE_LOST, lost, Evidence.NODE_LOST if lost else None)
+        if not ev.failures:
+            return Verdict(Cause.STEP_FAILED)
+        first, out = ev.failures[0], ev.task_output
+        found = first_error(out, [first.rank] + [f.rank for f in ev.failures])
+        error = found[1] if found else None
+        if first.kind == FailureKind.KILLED:
+            # srun names the rank that died first; the ranks it ends itself afterwards
+            # (--kill-on-bad-exit: a SIGTERM, then a SIGKILL after KillWait) come later and
+            # say nothing about their nodes.
+            return Verdict(Cause.RANK_KILLED, [first.node] if first.node else [], Evidence.SIGNAL, error)
+        own = self._sign_on(first.node, ev)
+        if own is not None and first.node:
+            cause = Cause.RANK_EXIT if first.kind == FailureKind.EXITED else Cause.RANK_FAILED
+            return Verdict(cause, [first.node], Evidence.HARDWARE, error, own)
+        exited = {f.node for f in ev.failures if f.kind == FailureKind.EXITED}
+        if error is not None or (first.kind == FailureKind.EXITED and len(exited) >= 2):
+            return Verdict(Cause.PROGRAM_ERROR, [], None, error)
+        # An exit code (or an ending) with nothing said: no evidence either way.
+        return Verdict(Cause.RANK_EXIT if first.kind == FailureKind.EXITED else Cause.RANK_FAILED)
+
+    @staticmethod
+    def _sign_on(node: str, ev: StepExited) -> Optional[Tuple[str, str]]:
+        """The hardware sign a failed rank on ``node`` printed, unless failed ranks of another
+        node printed the same kind: then it is the run's (a NCCL setting, a peer lost), not
+        this node's."""
+        out = ev.task_output
+        signs = [(f.node, out[f.rank].sign) for f in ev.failures if f.rank in out and out[f.rank].sign]
+        mine = [sg for n, sg in signs if n == node]
+        if not mine:
+            return None
+        if any(n != node and sg[0] == mine[0][0] for n, sg in signs):
+            return None
+        return mine[0]
+
+    def _weigh_error(self, v: Verdict, ev: StepExited, out: List[Action]) -> None:
+        """The program error of one node only, across relaunches. The same rank failing the
+        same way on the same node twice cannot tell the rank from the node; with a spare free
+        the next launch goes without that node (a trial): the error again from another node
+        is the program's, a run past the step it failed at without it blames the node
+        (:meth:`_trial_passed`). Without a spare nothing is blamed, and the no-progress rule
+        ends the crash loop as for any program error."""
+        if v.cause != Cause.PROGRAM_ERROR or not v.error:
+            return            # another failure (a kill, a hang) neither confirms nor clears it
+        sites = sorted({f.node for f in ev.failures if f.node and f.rank in ev.task_output
+                        and ev.task_output[f.rank].error})
+        s = self.suspect
+        ranks = [f.rank for f in ev.failures if f.node in sites and ev.task_output.get(f.rank, TaskOutput()).error]
+        if len(sites) != 1 or v.error in self.everywhere or (s is not None and s.error == v.error
+                                                              and s.node != sites[0]):
+            # The same error from several nodes: the program's (no node is suspected of it again).
+            if s is not None and s.error == v.error:
+                out.append(Record(E.NODE_SUSPECT, {"node": s.node, "rank": s.rank, "error": s.error,
+                                                   "decision": "cleared", "why": "the same error from "
+                                                   + ", ".join(n for n in sites if n != s.node)}))
+                self.suspect = None
+            if len(sites) > 1 or s is not None and s.error == v.error:
+                self.everywhere.add(v.error)
+            return
+        node, rank = sites[0], ranks[0]
+        if s is None or s.node != node or s.error != v.error or s.rank != rank:
+            self.suspect = Suspect(node, rank, v.error)
+            return
+        s.times += 1
+        free = [n for n in self._usable() if n not in self.active and n != node]
+        if not s.trial and free:
+            s.trial, s.past_step = True, self.memory.last_ckpt_step
+            out.append(Record(E.NODE_SUSPECT, {"node": node, "rank": rank, "error": v.error, "times": s.times,
+                                               "decision": "trial", "past_step": s.past_step,
+                                               "why": "the same error from this node alone: relaunching "
+                                                      "without it to tell the node from the program"}))
+
+    def _trial_passed(self, step: Optional[int], now: float, out: List[Action], *, finished: bool = False) -> None:
+        """A run without the suspect node got past the step the error stopped it at (or
+        finished): the error was the node's (rank ``rank`` failed only there)."""
+        s = self.suspect
+        if s is None or not s.trial or s.node in self.active:
+            return
+        if not finished and (step is None or (s.past_step is not None and step <= s.past_step)):
+            return
+        self.suspect = None
+        why = (f"the same error {s.times} times on it alone ({s.error}); rank {s.rank} ran past step "
+               f"{s.past_step} without it")
+        out.append(Record(E.NODE_SUSPECT, {"node": s.node, "rank": s.rank, "error": s.error,
+                                           "decision": "blamed", "step": step, "finished": finished, "why": why}))
+        self._mark_bad(s.node, why, now, out)
 
     def _on_step_exited(self, ev: StepExited) -> List[Action]:
         out: List[Action] = []
@@ -901,6 +1095,10 @@ class Supervisor:
             # The plumbing's look at the disk is the truth (a corrupted newest checkpoint
             # can move the latest good one back).
             self.memory.last_ckpt_step = ev.ckpt_step
+        if self.state == RUNNING:
+            # A trial without the suspect node that got further, or to the end, blames it.
+            finished = ev.returncode == 0 and not ev.failures and not ev.node_failure and not ev.stopped_by
+            self._trial_passed(self.memory.last_ckpt_step, ev.now, out, finished=finished)
         if self.state == KILLING and self.stability_decision is not None:
             return self._exited_on_stability(ev, out)
         if self.state == STOPPING:
@@ -938,9 +1136,17 @@ class Supervisor:
     def _exited_failed(self, ev: StepExited, out: List[Action]) -> List[Action]:
         """A failed step: classify it, count the attempt, blame nodes, check, relaunch."""
         failures = [{"node": f.node, "rank": f.rank, "reason": f.reason} for f in ev.failures]
-        cause, blamed = self.classify(ev)
-        out.append(Record(E.STEP_EXIT, {"returncode": ev.returncode, "cause": cause, "blamed": blamed,
-                                        "failures": failures[:8]}))
+        v = self.judge(ev)
+        cause, blamed = v.cause, v.blamed
+        rec = {"returncode": ev.returncode, "cause": cause, "blamed": blamed, "failures": failures[:8]}
+        if v.evidence is not None:
+            rec["evidence"] = v.evidence
+        if v.sign is not None:
+            rec["sign"] = list(v.sign)
+        if v.error:
+            rec["error"] = v.error
+        out.append(Record(E.STEP_EXIT, rec))
+        self.last_error = v.error
         if self.replacing:
             # The straggler's planned stop timed out and the step was killed: relaunch
             # without the slow node from the latest checkpoint (or requeue for a stop that
@@ -955,6 +1161,7 @@ class Supervisor:
         given_up = self._count_failed_attempt(ev, cause, out)
         if given_up is not None:
             return given_up
+        self._weigh_error(v, ev, out)
         self._blame(blamed, cause, ev.now, out)
         self.last_cause = cause
         return self._check_then_relaunch(ev.now, out)
@@ -974,10 +1181,12 @@ class Supervisor:
             return self._exit(EXIT_NO_PROGRESS,
                               f"no progress: latest checkpoint step {self.memory.last_ckpt_step} unchanged "
                               f"across {self.memory.no_progress} failed attempts "
-                              f"(last: {cause}, exit {ev.returncode})", out)
+                              f"(last: {cause}, exit {ev.returncode}"
+                              + (f": {self.last_error}" if self.last_error else "") + ")", out)
         if self.restarts_here > self.policy.max_restarts:
             return self._exit(EXIT_RESTART_BUDGET,
-                              f"restart budget spent ({self.policy.max_restarts}); last failure: {cause}", out)
+                              f"restart budget spent ({self.policy.max_restarts}); last failure: {cause}"
+                              + (f" ({self.last_error})" if self.last_error else ""), out)
         return None
 
     def _blame(self, blamed: Sequence[str], cause: Cause, now: float, out: List[Action]) -> None:
@@ -1012,6 +1221,7 @@ class Supervisor:
         CheckpointCommitted: _on_checkpoint_committed,
         Tick: _on_tick,
         ResumeChosen: _on_resume_chosen,
+        RollbackPicked: _on_rollback_picked,
         RequeueFailed: _on_requeue_failed,
         StepExited: _on_step_exited,
     }

@@ -44,8 +44,9 @@ from clusterops import protocol
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Process, Runner, current_user, free_port, kill_group, wait_exit
-from clusterops.slurm.api import Backoff, SlurmAPI
+from clusterops.slurm.api import Backoff, SlurmAPI, exclude_from_requeued
 from clusterops.slurm.parse import parse_srun_failures
+from clusterops.supervisor.evidence import read_task_output
 from clusterops.slurm.steps import srun_argv, standby_step_argv
 from clusterops.supervisor import channel as hbchannel
 from clusterops.supervisor.rendezvous import InprocessSettings, RendezvousHost
@@ -264,6 +265,8 @@ class RunConfig:
 
 
 # ------------------------------------------------------------------------------ torchrun
+STEP_LOG_TAIL_CHARS = 1 << 20   # how much of a failed step's log is read for the ranks' own words
+REQUEUE_SIGTERM_WAIT_S = 1.0   # after `scontrol requeue`: how long the ExcNodeList update waits for the batch SIGTERM
 FINISHED_STEP_GRACE_S = 3.0   # in-process: srun's own end, after every rank finished, a node lost
 
 # One torchrun agent per node (srun task), static rendezvous on the step's first node
@@ -453,6 +456,7 @@ class SupervisorRun:
             sv.Requeue: self._act_requeue,
             sv.Exit: self._act_exit,
             sv.SetAside: self._act_set_aside,
+            sv.PickRollback: self._act_pick_rollback,
             sv.HoldCheckpoint: self._act_hold,
         }
 
@@ -632,6 +636,12 @@ class SupervisorRun:
 
     def _act_record(self, a: sv.Record) -> None:
         self._record(a.kind, dict(a.data))
+        if a.kind == E.NODE_BAD:   # a blame in the fleet history ($CLUSTEROPS_HISTORY_DB): clusterops.quarantine
+            from clusterops.quarantine import blame_bad_node
+
+            note = blame_bad_node(str(a.data.get("node")), str(a.data.get("why") or ""), self.cfg.job_id)
+            if note:
+                self.echo(f"[clusterops supervise] {note}")
         if a.kind == E.ROLLBACK:
             self._notify("job_rolled_back", f"job {self.cfg.job_id} rolled back to step {a.data.get('to_step')}",
                          dict(a.data), wait_s=2.0)
@@ -768,6 +778,39 @@ class SupervisorRun:
         self._record(E.CHECKPOINT_SET_ASIDE, {"after_step": a.after_step, "into": str(dest), "moved": moved,
                                               "reason": a.reason})
 
+    def _act_pick_rollback(self, a: sv.PickRollback) -> None:
+        """The checkpoint a rollback really goes back to, told to the machine at once: the
+        newest at or before ``a.before`` that exists and verifies (hashes too with
+        ``deep_verify``, as the resume will check it); the guard's ``a.planned`` may have
+        been pruned since, or damaged. Nothing is moved here."""
+        from clusterops import checkpoint as ck
+
+        cfg = self.cfg
+        bad: List[Tuple[int, str, Tuple[str, ...]]] = []
+        found: Optional[Tuple[int, str]] = None
+        if cfg.plain.checkpoint_glob:
+            # The script's own format: "complete" is all there is to check (see plain_checkpoints).
+            ok = [(s, str(p)) for s, _, p in plain_checkpoints(cfg.ckpt_dir, cfg.plain.checkpoint_glob)
+                  if s <= a.before]
+            found = ok[-1] if ok else None
+            if a.planned not in {s for s, _ in ok}:
+                bad.append((a.planned, str(cfg.ckpt_dir), ("does not exist (pruned or moved since it was saved)",)))
+        else:
+            try:
+                steps = ck.committed_steps(cfg.ckpt_dir)
+                if a.planned not in {s for s, _ in steps}:
+                    bad.append((a.planned, str(cfg.ckpt_dir / ck.step_dir_name(a.planned)),
+                                ("does not exist (pruned or moved since it was saved)",)))
+                lookup = ck.find_latest_good(cfg.ckpt_dir, deep=cfg.deep_verify,
+                                             exclude={p for s, p in steps if s > a.before})
+            except ClusteropsError as e:   # the root unreadable: no target (the machine gives up)
+                bad.append((a.planned, str(cfg.ckpt_dir), (e.message,)))
+                lookup = ck.Lookup(None, [])
+            bad += [(b.step, str(b.path), tuple(b.problems)) for b in lookup.skipped]
+            found = (lookup.latest.step, str(lookup.latest.path)) if lookup.latest else None
+        self._do(self.sup.handle(sv.RollbackPicked(self.clock(), found[0] if found else None,
+                                                   found[1] if found else "", tuple(bad))))
+
     def _ckpt_path(self, step: int) -> str:
         if self.cfg.plain.checkpoint_glob:
             found = [p for s, _, p in plain_checkpoints(self.cfg.ckpt_dir, self.cfg.plain.checkpoint_glob)
@@ -888,6 +931,9 @@ class SupervisorRun:
             pass
         tasks, lost = parse_srun_failures(text)
         failures = [sv.RankFailure(node=t.node, rank=t.rank, reason=t.reason) for t in tasks]
+        # What the ranks said themselves (srun --label: "RANK: text"): a traceback's last line,
+        # a CUDA/NCCL error. A dying rank's words are at the end of a long log: read its tail.
+        said = read_task_output(text[-STEP_LOG_TAIL_CHARS:])
         if self.rdzv is not None:
             self._poll_rdzv()
             healed = self.rdzv.membership.lost_tasks()
@@ -906,7 +952,8 @@ class SupervisorRun:
         if rc == 0 and not failures:
             stopped_by = self._external_stop(text)
         return sv.StepExited(now, returncode=rc, failures=tuple(failures), ckpt_step=ckpt,
-                             node_failure=tuple(lost), stopped_by=stopped_by)
+                             node_failure=tuple(lost), stopped_by=stopped_by,
+                             task_output={t: o for t, o in said.items() if t in {f.rank for f in failures}})
 
     def _poll_rdzv(self) -> None:
         """The in-process rendezvous's records into the timeline; its fallback kills the step
@@ -1202,9 +1249,20 @@ class SupervisorRun:
         self._notify("job_requeued", f"job {self.cfg.job_id} requeued: {a.reason}",
                      {"reason": a.reason, "exclude": list(a.exclude)}, wait_s=5.0)
         # ExcNodeList cannot be changed on a running job (Slurm: "Job is no longer pending
-        # execution"), and a requeue ends this process: the bad nodes are remembered in the
-        # job directory (the next incarnation keeps them out of its steps) and drained
-        # when the policy says so.
+        # execution"), but it can once the requeue has made the job pending again, in the
+        # seconds (KillWait) before Slurm ends this process: set it then (see
+        # slurm.api.exclude_from_requeued), so Slurm itself keeps the next incarnation off the
+        # bad nodes without draining them. The bad nodes are also remembered in the job
+        # directory (the next incarnation keeps them out of its steps should the update be
+        # lost) and drained when the policy says so. The current list is read now, while
+        # nothing is ending, so that only the update is left for the short window.
+        current = None
+        if a.exclude:
+            try:
+                current = self.slurm.job(self.cfg.job_id).excluded_nodes
+            except ClusteropsError as e:
+                self._record(E.WARNING, {"what": f"reading ExcNodeList before the requeue: {e.message}"})
+        signals_before = len(self.signals)
         try:
             self.slurm.requeue(self.cfg.job_id)
         except ClusteropsError as e:
@@ -1216,6 +1274,21 @@ class SupervisorRun:
                 raise
             self._record(E.WARNING, {"what": f"scontrol requeue reported {e.message}, "
                                              "but Slurm has requeued the job"})
+        if a.exclude and current is not None:
+            try:
+                # Let the requeue's SIGTERM come first (it is caught: self.signals), so that it
+                # does not kill the update itself; the update is retried should it still do.
+                waited = 0.0
+                while len(self.signals) == signals_before and waited < REQUEUE_SIGTERM_WAIT_S:
+                    self.sleep(0.05)
+                    waited += 0.05
+                set_to = exclude_from_requeued(self.slurm, self.cfg.job_id, a.exclude, current, sleep=self.sleep)
+                if set_to is not None:
+                    self.echo(f"[clusterops supervise] requeued job's ExcNodeList set to {set_to}")
+            except ClusteropsError as e:
+                self._record(E.WARNING, {"what": f"ExcNodeList={','.join(a.exclude)} not set on the requeued "
+                                                 f"job ({e.message}); the next incarnation keeps them out of "
+                                                 "its steps"})
         # Slurm now ends this batch script; wait for it rather than racing it.
         deadline = self.clock() + 120
         while self.clock() < deadline:
@@ -1240,7 +1313,8 @@ class SupervisorRun:
                          {"exit_code": a.code, "reason": a.reason}, wait_s=10.0)
         elif a.code != sv.EXIT_DONE:
             self._notify("job_given_up", f"job {self.cfg.job_id} gave up (exit {a.code}): {a.reason}",
-                         {"exit_code": a.code, "reason": a.reason}, wait_s=10.0)
+                         {"exit_code": a.code, "reason": a.reason, **({"error": a.error} if a.error else {})},
+                         wait_s=10.0)
         self._write_metrics()
         self.exit_code = a.code
 

@@ -32,6 +32,12 @@ least ``rollback_steps`` before the anomaly began, with a :class:`ResumeHint` (s
 to the script (``sdk.resume().hint``). More than ``max_rollbacks`` rollbacks whose
 anomalies began within ``rollback_window_steps`` steps of each other end the job with
 :attr:`~clusterops.exitcodes.Supervise.ROLLBACK_BUDGET`.
+
+The guard's list of checkpoints is what it was told, not what is on disk now: retention may
+have pruned the target since, or it may no longer verify. So a rollback's target is a plan
+(:attr:`Decision.before` is the newest step the rule allows) until the disk has been looked
+at; :meth:`Guard.retarget` then takes the checkpoint found there (the newest at or before
+``before`` that exists and verifies), or turns the rollback into a give-up when there is none.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -119,6 +125,7 @@ class Decision:
     hint: Optional[ResumeHint] = None   # rollback: where to and what to skip
     why: str = ""
     hold: Optional[int] = None          # the checkpoint retention must keep: the newest before the anomaly
+    before: Optional[int] = None        # rollback: the newest step its checkpoint may have (the rule's bound)
 
     GIVE_UP = "give_up"
 
@@ -249,6 +256,9 @@ class Guard:
     rollbacks: List[int] = field(default_factory=list)     # anomaly steps of the rollbacks so far
     hint: Optional[ResumeHint] = None
     findings: int = 0
+    # What the last rollback decision replaced (hint, checkpoint steps): a rollback the disk
+    # cannot back (:meth:`retarget` with no checkpoint) is undone, not counted.
+    _undo: Optional[Tuple[Optional[ResumeHint], List[int]]] = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.detector = Detector(self.cfg)
@@ -288,13 +298,45 @@ class Guard:
         if target is None:
             return Decision(Decision.GIVE_UP, f, why=f"no checkpoint at or before step {before} to roll back to",
                             hold=keep)
+        self._undo = (self.hint, list(self.ckpt_steps))
         self.rollbacks.append(f.began)
         self.hint = ResumeHint(from_step=target, skip_batches=c.skip_batches, lr_factor=c.lr_factor,
                                anomaly_step=f.began, rollback=len(self.rollbacks))
         # The checkpoints after the target belong to the discarded timeline.
         self.ckpt_steps = [s for s in self.ckpt_steps if s <= target]
-        return Decision(Action.ROLLBACK, f, hint=self.hint, hold=target,
+        return Decision(Action.ROLLBACK, f, hint=self.hint, hold=target, before=before,
                         why=f"newest checkpoint at least {c.rollback_steps} steps before step {f.began}")
+
+    def retarget(self, d: Decision, step: Optional[int], problems: str = "") -> Decision:
+        """Rollback ``d`` once the disk was looked at: ``step`` is the newest checkpoint at
+        or before ``d.before`` that exists and verifies (None: none does; ``problems`` says
+        what was wrong with those that did not). The same target: ``d`` itself. Another: the
+        rollback goes there (a new hint; the guard forgets the steps above it, which are gone
+        or bad). None: the rollback is undone and the decision is a give-up -- restarting
+        from a checkpoint the rule does not allow, or from nothing, is a person's call."""
+        if d.action != Action.ROLLBACK or d.hint is None:
+            return d
+        if step is not None and step > d.before:
+            raise ValueError(f"rollback target step {step} is after the bound {d.before}")
+        if step == d.hint.from_step:
+            return d
+        if step is None:
+            if self.rollbacks and self.rollbacks[-1] == d.hint.anomaly_step:
+                self.rollbacks.pop()
+            if self._undo is not None:
+                self.hint, steps = self._undo
+                self.ckpt_steps = [s for s in steps if s > d.before]   # those at or before it failed
+            self._undo = None
+            # What retention must keep now: the newest checkpoint before the anomaly (the ones
+            # at or before the bound failed), for the person who takes it from here.
+            return Decision(Decision.GIVE_UP, d.finding, hold=rollback_target(self.ckpt_steps, d.finding.began - 1),
+                            why=f"no checkpoint at or before step {d.before} exists and verifies"
+                                + (f" ({problems})" if problems else ""))
+        self._undo = None
+        self.hint = replace(d.hint, from_step=step)
+        self.ckpt_steps = sorted({s for s in self.ckpt_steps if s < step} | {step})
+        why = f"{d.why} that exists and verifies: step {step}" + (f" ({problems})" if problems else "")
+        return replace(d, hint=self.hint, hold=step, why=why)
 
 
 def rollback_target(ckpt_steps: Sequence[int], before: int) -> Optional[int]:

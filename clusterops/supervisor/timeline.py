@@ -45,6 +45,7 @@ class EventKind(str, Enum):
     ROLLBACK = "rollback"
     NODE_DOWN = "node_down"
     NODE_BAD = "node_bad"
+    NODE_SUSPECT = "node_suspect"     # one program error from one node only, weighed across relaunches
     STOP_REQUESTED = "stop_requested"
     STOP_TIMEOUT = "stop_timeout"
     KILL_ESCALATED = "kill_escalated"
@@ -92,12 +93,26 @@ class Cause(str, Enum):
     FINISHED = "finished"            # exit 0, nothing failed
     HANG = "hang"                    # killed by us: heartbeats stopped
     NODE_LOST = "node_lost"          # srun or Slurm saw a node of the step fail
-    PROGRAM_ERROR = "program_error"  # ranks on several nodes exited with an error
+    PROGRAM_ERROR = "program_error"  # a rank exited after a traceback, or ranks on several nodes exited
     RANK_KILLED = "rank_killed"      # the first failed rank died of a signal
-    RANK_EXIT = "rank_exit"          # the first failed rank exited with an error
-    RANK_FAILED = "rank_failed"      # the first failed rank ended some other way
+    RANK_EXIT = "rank_exit"          # the first failed rank exited with an error (no traceback)
+    RANK_FAILED = "rank_failed"      # the first failed rank ended some other way (SIGTERM, ...)
     STEP_FAILED = "step_failed"      # non-zero exit with no failure srun named
     ROLLED_BACK = "rolled_back"      # killed by us: the stability guard rolls back (or stops)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Evidence(str, Enum):
+    """The ``evidence`` of a ``step_exit`` record that blames nodes: what points at them.
+    A failed step with none blames no node (clusterops.supervisor.machine, ``judge``)."""
+
+    HANG = "hang"                    # their ranks' heartbeats stopped first
+    NODE_LOST = "node_lost"          # srun or Slurm saw the node fail
+    SIGNAL = "signal"                # the first failed rank died of a signal (srun's own ending
+                                     # of the other ranks comes after it and counts for nothing)
+    HARDWARE = "hardware"            # a hardware sign in that rank's own output (evidence.HARDWARE_SIGNS)
 
     def __str__(self) -> str:
         return self.value
@@ -110,7 +125,7 @@ FAULT_KINDS = {E.SUPERVISOR_LOST, E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.S
 DECISION_KINDS = {E.TAKEOVER, E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED,
                   E.DONE, E.INPROC_FIRST_STEP, E.INPROC_FALLBACK}
 # Findings that are neither a fault nor a decision: a slow node (drawn in orange).
-FINDING_KINDS = {E.STRAGGLER, E.LOSS_SPIKE, E.NAN}
+FINDING_KINDS = {E.STRAGGLER, E.LOSS_SPIKE, E.NAN, E.NODE_SUSPECT}
 
 
 class Timeline:
@@ -235,7 +250,10 @@ def describe(rec: Mapping) -> str:
     if e == E.STEP_EXIT:
         s = f"step exited {fields.get('returncode')}: {fields.get('cause')}"
         if fields.get("blamed"):
-            s += f" (blamed: {_join(fields['blamed'])})"
+            s += f" (blamed: {_join(fields['blamed'])}" + (
+                f", evidence: {fields['evidence']}" if fields.get("evidence") else "") + ")"
+        if fields.get("error"):
+            s += f"; error: {fields['error']}"
         failures = fields.get("failures")
         if isinstance(failures, list) and failures and isinstance(failures[0], dict):
             f0 = failures[0]

@@ -4,7 +4,8 @@
 exit code) into a :class:`NodeResult`; ``parse_times`` reads the check's CPU time from
 bash's ``times``; ``mark_stragglers`` compares per-node figures (matmul TFLOPS,
 all-reduce busbw) with the sweep's median: a node below ``(1 - tolerance) x median`` is
-a straggler. Nothing here touches Slurm, SSH or the clock.
+a straggler; ``mark_sdc_outliers`` compares the ``sdc`` probe's digests per model key
+(the majority digest; a minority node fails). Nothing here touches Slurm, SSH or the clock.
 """
 
 from __future__ import annotations
@@ -206,6 +207,69 @@ def mark_version_outliers(results: Mapping[str, NodeResult], partition_of: Mappi
         for r in members:
             if r.versions != usual:
                 r.version_outlier = usual
+
+
+SDC_PROBE = "sdc"
+
+
+def sdc_digests(results: Mapping[str, NodeResult]) -> Dict[str, tuple]:
+    """node -> (model key, digest) from each checked node's ``sdc`` result (not its errors or skips)."""
+    out: Dict[str, tuple] = {}
+    for name, r in results.items():
+        if not r.checked:
+            continue
+        for p in r.probes:
+            key = (p.get("data") or {}).get("model_key")
+            if p.get("name") == SDC_PROBE and p.get("status") in ("pass", "fail") and key and p.get("value"):
+                out[name] = (str(key), str(p["value"]))
+                break
+    return out
+
+
+def sdc_verdicts(digests: Mapping[str, tuple]) -> Dict[str, tuple]:
+    """Compare nodes' sdc digests per model key (pure): node -> ("fail" | "warn", why).
+
+    Per model key, the digest a strict majority of at least 3 nodes gave is the model's; a
+    node with another digest fails. A group with no strict majority (a tie, three different
+    digests) or of one or two nodes that disagree is ambiguous: its nodes warn and nobody is
+    blamed, as nothing says which side is wrong. Nodes that agree with their group are absent.
+    """
+    groups: Dict[str, Dict[str, List[str]]] = {}
+    for node, (key, dig) in digests.items():
+        groups.setdefault(key, {}).setdefault(dig, []).append(node)
+    out: Dict[str, tuple] = {}
+    for key, by_digest in groups.items():
+        if len(by_digest) < 2:
+            continue
+        total = sum(len(v) for v in by_digest.values())
+        usual, members = max(by_digest.items(), key=lambda kv: len(kv[1]))
+        if total >= 3 and len(members) * 2 > total:
+            for dig, nodes in by_digest.items():
+                if dig != usual:
+                    for n in nodes:
+                        out[n] = ("fail", f"sdc digest differs from the majority of {total} nodes of model {key} "
+                                          f"({dig[:12]}, not {usual[:12]}, the digest of {len(members)})")
+            continue
+        split = ", ".join(f"{len(v)} x {d[:12]}" for d, v in sorted(by_digest.items()))
+        for nodes in by_digest.values():
+            for n in nodes:
+                out[n] = ("warn", f"sdc digests of the {total} nodes of model {key} disagree with no majority "
+                                  f"({split}): ambiguous, nobody drained")
+    return out
+
+
+def mark_sdc_outliers(results: Mapping[str, NodeResult]) -> Dict[str, tuple]:
+    """Apply ``sdc_verdicts`` to the results: a minority node becomes ``fail`` on probe ``sdc``
+    (so the drain plan and the fleet guard take it from there); an ambiguous one that passed
+    becomes ``warn``. A node already failing keeps its own first failure. Returns the verdicts."""
+    verdicts = sdc_verdicts(sdc_digests(results))
+    for name, (status, why) in verdicts.items():
+        r = results[name]
+        if status == "fail" and not r.failing:
+            r.status, r.probe, r.detail = "fail", SDC_PROBE, one_line(why)
+        elif status == "warn" and r.status == "pass":
+            r.status, r.detail = "warn", one_line(f"{SDC_PROBE}: {why}")
+    return verdicts
 
 
 def parse_times(text: str) -> Optional[float]:

@@ -34,7 +34,8 @@ from clusterops.slurm import privilege
 from clusterops.sweep.options import SweepOptions, expand_nodes, unique
 from clusterops.sweep.pairs import run_pairs
 from clusterops.sweep.policy import DrainPlan, NodeSnapshot, drain_reason, plan_drains
-from clusterops.sweep.results import STATUSES, NodeResult, mark_stragglers, mark_version_outliers, natural_key
+from clusterops.sweep.results import (STATUSES, NodeResult, mark_sdc_outliers, mark_stragglers,
+                                      mark_version_outliers, natural_key)
 from clusterops.sweep.scripts import check_argv
 from clusterops.sweep.slurm_fanout import Progress, SlurmFanout, Target
 from clusterops.sweep.ssh import ssh_fanout
@@ -142,6 +143,9 @@ def _classify_targets(names: Sequence[str], infos: Mapping[str, object], opts: S
         elif snap.drained and drains.parse_reason(info.reason).origin == drains.ADMIN:
             # May not be lifted by a sweep (drains.may_resume): do not even resume it for a recheck.
             skipped[name] = NodeResult(name, "skipped", detail=f"drained by an administrator: {info.reason}")
+        elif snap.drained and drains.parse_reason(info.reason).origin == drains.QUARANTINE:
+            # Quarantined: only a person lifts it (clusterops.quarantine); never resumed for a recheck.
+            skipped[name] = NodeResult(name, "skipped", detail=f"quarantined: {info.reason}")
         elif snap.drained:
             if opts.via == "ssh":
                 check.append(name)       # ssh reaches a drained node without touching Slurm
@@ -328,6 +332,7 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
         medians = mark_stragglers(st.results, opts.straggler_tolerance)
         mark_version_outliers(st.results, {n: opts.partition or _first_partition(st.infos.get(n))
                                            for n in st.results})
+        mark_sdc_outliers(st.results)   # before the plan: a minority digest is a fail it drains
         pair_results: List[dict] = []
         if opts.pairs and opts.via == "slurm":
             # Rechecked nodes sit in the sweep's maintenance reservation: not paired.
@@ -344,6 +349,8 @@ def run_sweep(opts: SweepOptions, *, slurm=None, history=None, on_result: Option
                              medians, plan, applied, st.errors, pair_results)
         report.exit_code = _exit_code(report, opts)
         _record(report, history)
+        if history is not None and st.slurm is not None and opts.drain and not opts.dry_run:
+            _quarantine(st, report, history, guard)
         return report
     except BaseException:
         if st.recheck and st.slurm is not None and not opts.dry_run:
@@ -458,6 +465,23 @@ def _record(report: SweepReport, history) -> None:
     except ClusteropsError as e:
         report.errors.append(f"history not recorded: {e.message}")
         report.exit_code = EXIT_CANNOT_RUN
+
+
+def _quarantine(st: _SweepState, report: SweepReport, history, guard) -> None:
+    """Repeat offenders among the nodes failing this sweep are quarantined (clusterops.quarantine)."""
+    from clusterops import quarantine
+
+    failing = [n for n, r in st.results.items() if r.status == "fail"]
+    if not failing:
+        return
+    try:
+        q = quarantine.load_settings(None)
+        found = history.offenders(q.blames, q.window_s, report.finished)
+    except ClusteropsError as e:
+        report.errors.append(f"quarantine not decided: {e.message}")
+        return
+    decided = quarantine.decide(found, failing, q.window_s)
+    report.applied += quarantine.apply(st.slurm, decided, guard or drains.GuardSettings())
 
 
 def _restore_drains(slurm, nodes: Sequence[str], infos: Mapping[str, object], errors: List[str]) -> None:

@@ -6,9 +6,10 @@ subclass here): each call is recorded in ``calls``, reads answer from ``node_inf
 ``job_infos``, and what a test has not scripted raises ``UnexpectedCall``. The subclasses
 are the scripted worlds of the fast tests: ``SweepSlurm`` (a sweep's check jobs answering on
 a fake clock), ``PairSlurm`` (the --pairs jobs), ``FleetSlurm`` (an in-memory controller
-for the drain guard), ``StepSlurm`` (a supervised job's steps) and ``RecordingSlurm``
-(a launch's submit). ``ScriptedRunner`` is the runner stand-in (``run`` with ``Runner.run``'s
-signature): each call answers with the next scripted outcome, or from ``answer(argv)``.
+for the drain guard), ``StepSlurm`` (a supervised job's steps), ``RecordingSlurm``
+(a launch's submit) and ``FlakySlurm`` (a controller that times out on chosen calls).
+``ScriptedRunner`` is the runner stand-in (``run`` with ``Runner.run``'s signature): each
+call answers with the next scripted outcome, or from ``answer(argv)``.
 """
 
 from __future__ import annotations
@@ -390,6 +391,43 @@ class StepSlurm(FakeSlurm):
             raise self.requeue_error
 
 
+class FlakySlurm(FakeSlurm):
+    """``FakeSlurm`` whose controller times out now and then: ``fail`` names, per method
+    (``"job"``, ``"node"``, ``"requeue"``), which of its calls (1 = the first) raise
+    ``SlurmUnavailable`` as a timed-out command does, and ``when(method)``, when given, makes
+    any call it returns True for raise too; each call is recorded first, as ``FakeSlurm``
+    records it, and ``failed`` lists the (method, call number) that raised."""
+
+    def __init__(self, nodes: Iterable[NodeInfo] = (), jobs: Iterable[JobInfo] = (), *,
+                 fail: Optional[Mapping[str, Iterable[int]]] = None,
+                 when: Optional[Callable[[str], bool]] = None):
+        super().__init__(nodes, jobs)
+        self.fail = {k: set(v) for k, v in (fail or {}).items()}
+        self.when = when
+        self.counts: Dict[str, int] = {}
+        self.failed: List[Tuple[str, int]] = []
+
+    def _maybe_fail(self, what: str) -> None:
+        n = self.counts[what] = self.counts.get(what, 0) + 1
+        if n in self.fail.get(what, ()) or (self.when is not None and self.when(what)):
+            self.failed.append((what, n))
+            raise SlurmUnavailable(f"Slurm did not answer after 2 attempts: {what} timed out after 10 s")
+
+    def job(self, job_id: Union[int, str]) -> JobInfo:
+        found = super().job(job_id)
+        self._maybe_fail("job")
+        return found
+
+    def node(self, name: str) -> NodeInfo:
+        found = super().node(name)
+        self._maybe_fail("node")
+        return found
+
+    def requeue(self, job_id: Union[int, str], *, hold: bool = False) -> None:
+        self._maybe_fail("requeue")
+        super().requeue(job_id, hold=hold)
+
+
 class RecordingSlurm(FakeSlurm):
     """Slurm at ``submit``: records each submitted script's text, answers job 4242 (or
     raises ``fail``)."""
@@ -456,5 +494,5 @@ def replay(result: Mapping[str, object]) -> Callable[[List[str]], Outcome]:
     return answer
 
 
-SLURM_FAKES = (FakeSlurm, SweepSlurm, PairSlurm, FleetSlurm, StepSlurm, RecordingSlurm)
+SLURM_FAKES = (FakeSlurm, SweepSlurm, PairSlurm, FleetSlurm, StepSlurm, RecordingSlurm, FlakySlurm)
 RUNNER_FAKES = (ScriptedRunner,)
