@@ -96,6 +96,23 @@ def test_error_on_one_node_only_is_tried_without_it_then_blamed_when_the_run_get
     assert only(acts, DrainNodes)[0].nodes == ("n2",) and "n2" in s.memory.bad_nodes
 
 
+def test_a_peers_own_traceback_about_the_failed_rank_does_not_clear_the_suspect():
+    # As on the dev cluster: rank 1 raises on n2 only, rank 0 then prints its own gloo error
+    # (a consequence, another line), and is terminated or exits 1 itself.
+    s = Supervisor(P(nodes=2, spare_nodes=1, drain_bad_nodes=False), ["n1", "n2", "n3"])
+    s.start(1000.0)
+    err = "RuntimeError: scratch on n2 is not writable"
+    text = tb(1, err) + tb(0, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:19342")
+    acts = s.handle(exited(1010.0, [("n2", 1, "Exited with exit code 1"), ("n1", 0, "Terminated")], text, ckpt=10))
+    assert records(acts, "step_exit")[0].data["error"] == err and not records(acts, "node_suspect")
+    acts = s.handle(exited(1020.0, [("n2", 1, "Exited with exit code 1"), ("n1", 0, "Exited with exit code 1")],
+                           text, ckpt=10))
+    e = records(acts, "step_exit")[0].data
+    assert e["cause"] == "program_error" and e["blamed"] == [] and e["error"] == err
+    assert records(acts, "node_suspect")[0].data["decision"] == "trial"
+    assert only(acts, Launch)[0].nodes == ("n1", "n3")
+
+
 def test_error_on_one_node_that_follows_the_rank_elsewhere_is_the_programs():
     s = Supervisor(P(nodes=3, spare_nodes=1, drain_bad_nodes=True), ["n1", "n2", "n3", "n4"])
     s.start(1000.0)

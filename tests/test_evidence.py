@@ -66,6 +66,25 @@ def test_a_launcher_wrapper_error_does_not_hide_the_childs():
     assert read_task_output(text)[0].error == "ZeroDivisionError: division by zero"
 
 
+def test_torch_rank_prefixed_tracebacks_are_read():
+    # torch.distributed's exception hook writes "[rankN]: " before every line (torch 2.13,
+    # seen on the dev cluster): rank 1 raised, rank 0 then lost its gloo peer.
+    text = "\n".join([
+        "1: [rank1]: Traceback (most recent call last):",
+        '1: [rank1]:   File "user_ddp.py", line 28, in <module>',
+        '1: [rank1]:     raise RuntimeError(f"scratch on {a.raise_on_node} is not writable")',
+        "1: [rank1]: RuntimeError: scratch on node2 is not writable",
+        "0: [rank0]: Traceback (most recent call last):",
+        '0: [rank0]:   File "user_ddp.py", line 34, in <module>',
+        "0: [rank0]:     loss.backward()",
+        "0: [rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer",
+        "srun: error: node2: task 1: Exited with exit code 1",
+    ])
+    said = read_task_output(text)
+    assert said[1].error == "RuntimeError: scratch on node2 is not writable"
+    assert said[0].error.startswith("RuntimeError: [../third_party/gloo")
+
+
 @pytest.mark.parametrize("line,name", [
     ("RuntimeError: CUDA error: an illegal memory access was encountered", "cuda_error"),
     ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",

@@ -48,6 +48,9 @@ MAX_ERROR_CHARS = 200
 
 # "3: text" or " 3: text" (srun --label); group 2 keeps the text's own indentation.
 _LABELLED = re.compile(r"^\s*(\d+): ?(.*)$")
+# torch.distributed prefixes what a rank with a process group writes to stderr through its
+# exception hook and logging with "[rank3]:" (so a traceback reads "3: [rank3]:   File ...").
+_TORCH_RANK = re.compile(r"^\[rank\d+\]: ?")
 _TRACEBACK_HEAD = "Traceback (most recent call last):"
 
 
@@ -86,7 +89,7 @@ def read_task_output(text: str) -> Dict[int, TaskOutput]:
         m = _LABELLED.match(line)
         if m is None:
             continue
-        task, body = int(m.group(1)), m.group(2).rstrip()
+        task, body = int(m.group(1)), _TORCH_RANK.sub("", m.group(2).rstrip(), count=1)
         if task not in signs:
             name = sign_of(body)
             if name is not None:

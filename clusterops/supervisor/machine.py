@@ -1044,10 +1044,12 @@ class Supervisor:
         ends the crash loop as for any program error."""
         if v.cause != Cause.PROGRAM_ERROR or not v.error:
             return            # another failure (a kill, a hang) neither confirms nor clears it
-        sites = sorted({f.node for f in ev.failures if f.node and f.rank in ev.task_output
-                        and ev.task_output[f.rank].error})
+        # Only ranks that printed this very error count: a peer's own traceback about the
+        # failed rank ("Connection closed by peer", a collective timing out) is a consequence.
+        said = [f for f in ev.failures if f.node and ev.task_output.get(f.rank, TaskOutput()).error == v.error]
+        sites = sorted({f.node for f in said})
         s = self.suspect
-        ranks = [f.rank for f in ev.failures if f.node in sites and ev.task_output.get(f.rank, TaskOutput()).error]
+        ranks = [f.rank for f in said]
         if len(sites) != 1 or v.error in self.everywhere or (s is not None and s.error == v.error
                                                               and s.node != sites[0]):
             # The same error from several nodes: the program's (no node is suspected of it again).
