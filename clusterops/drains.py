@@ -12,6 +12,7 @@ Pure functions only: plain values in, a decision out (the Slurm calls stay in
     clusterops:supervisor: <why>: <detail>             a training job's supervisor judged it bad
     clusterops:admin: <detail>                         someone ran `clusterops slurm drain`
     clusterops:quarantine: <node|GPU uuid>: <detail>   blamed K times in a window (clusterops.quarantine)
+    clusterops:sdc: <ranks>: <detail>                  a job's replicas disagreed and this node's differed
 
 Reasons written before origins existed (``clusterops: <probe>: <detail>``) are still
 ours; they read as origin ``legacy``. Anything else is foreign and never resumed.
@@ -28,6 +29,9 @@ ours; they read as origin ``legacy``. Anything else is foreign and never resumed
   ``legacy`` drains; ``flapping`` ones only once the node's k-of-n window is clean; and
   ``health`` drains under the same re-checked rule as a health check (a fast sweep does
   not undo a deep drain).
+- an ``sdc`` drain (the supervisor's replica check named the node) is lifted only by a
+  check or sweep that ran the ``sdc`` probe and passed it (``deep`` has it): a fast
+  profile does not see silent data corruption, so it does not undo the drain.
 - a ``quarantine`` drain is lifted by no check and no sweep: only by a person
   (``clusterops health quarantine clear``, which also clears the blames; ``clusterops
   slurm resume`` lifts it too, but leaves the blames counting).
@@ -63,9 +67,9 @@ from typing import (Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Pro
 from clusterops.errors import InputError
 
 PREFIX = "clusterops:"
-HEALTH, SWEEP, STRAGGLER, FLAPPING, SUPERVISOR, ADMIN, QUARANTINE, LEGACY = (
-    "health", "sweep", "straggler", "flapping", "supervisor", "admin", "quarantine", "legacy")
-ORIGINS = (HEALTH, SWEEP, STRAGGLER, FLAPPING, SUPERVISOR, ADMIN, QUARANTINE)
+HEALTH, SWEEP, STRAGGLER, FLAPPING, SUPERVISOR, ADMIN, QUARANTINE, SDC, LEGACY = (
+    "health", "sweep", "straggler", "flapping", "supervisor", "admin", "quarantine", "sdc", "legacy")
+ORIGINS = (HEALTH, SWEEP, STRAGGLER, FLAPPING, SUPERVISOR, ADMIN, QUARANTINE, SDC)
 # Who asks to lift a drain.
 BY_HEALTH, BY_SWEEP, BY_ADMIN = "health", "sweep", "admin"
 # Built-in profiles by depth: a check lifts only drains of a profile no deeper than its own.
@@ -199,6 +203,10 @@ def may_resume(reason: Optional[str], who: Resumer) -> Tuple[bool, str]:
         return True, f"an administrator lifts the {r.origin} drain"
     if r.origin == QUARANTINE:
         return False, "quarantined (repeat offender): only `clusterops health quarantine clear` lifts it"
+    if r.origin == SDC:
+        if who.kind in (BY_HEALTH, BY_SWEEP) and "sdc" in who.rechecked:
+            return True, "the sdc probe re-checked it and passes"
+        return False, "sdc drain: waits for a check or sweep that runs the sdc probe (profile deep), or an administrator"
     if r.origin in (HEALTH, LEGACY) and who.kind in (BY_HEALTH, BY_SWEEP):
         if r.origin == LEGACY and who.kind == BY_SWEEP:
             return True, "passes the sweep (drain from before origins)"

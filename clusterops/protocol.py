@@ -85,10 +85,11 @@ ENV_RESTART_COUNT = "CLUSTEROPS_RESTART_COUNT"
 ENV_HEARTBEAT_ADDR = "CLUSTEROPS_HEARTBEAT_ADDR"
 ENV_RESUME_HINT = "CLUSTEROPS_RESUME_HINT"
 ENV_RDZV_ADDR = "CLUSTEROPS_RDZV_ADDR"
+ENV_REPLICA_CHECK_EVERY = "CLUSTEROPS_REPLICA_CHECK_EVERY"
 
 #: Every variable of the contract, and nothing else.
 CONTRACT_ENV = (ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_HEARTBEAT_DIR, ENV_STOP_FILE, ENV_RESTART_COUNT,
-                ENV_HEARTBEAT_ADDR, ENV_RESUME_HINT, ENV_RDZV_ADDR)
+                ENV_HEARTBEAT_ADDR, ENV_RESUME_HINT, ENV_RDZV_ADDR, ENV_REPLICA_CHECK_EVERY)
 
 #: ENV_HEARTBEAT_ADDR's value that selects the per-node file channel (the forced fallback):
 #: ``file/TOKEN`` (the supervisor's, a fresh token per attempt, so that the node-local
@@ -268,9 +269,11 @@ def heartbeat_path(job_dir: os.PathLike, attempt: int, rank: int) -> Path:
 
 
 def rank_env(*, ckpt_dir: os.PathLike, resume_from: str, attempt: os.PathLike, restart_count: int,
-             heartbeat_addr: str = "", resume_hint: str = "", rdzv_addr: str = "") -> Dict[str, str]:
+             heartbeat_addr: str = "", resume_hint: str = "", rdzv_addr: str = "",
+             replica_check_every: int = 0) -> Dict[str, str]:
     """The contract variables for every rank of an attempt (directory ``attempt``)."""
     return {
+        ENV_REPLICA_CHECK_EVERY: str(int(replica_check_every)),
         ENV_RESUME_HINT: resume_hint,
         ENV_CKPT_DIR: str(ckpt_dir),
         ENV_RESUME_FROM: resume_from,
@@ -407,6 +410,33 @@ def read_stopped(hb_dir: os.PathLike) -> Optional[dict]:
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}
+
+
+#: The replica check's latest word (``sdk.check_replicas``), in the heartbeat directory.
+REPLICAS_FILE = "replicas"
+
+
+def write_replicas(hb_dir: os.PathLike, report: Mapping[str, object]) -> Path:
+    """The replica check's latest result, atomically and private to the user (0600):
+    ``{"step", "agree", "suspects": [rank...], "ambiguous", "ranks", "digests": {digest: [rank...]}}``.
+    OSError when it cannot be written."""
+    return write_private(os.path.join(hb_dir, REPLICAS_FILE), (json.dumps(dict(report)) + "\n").encode())
+
+
+def read_replicas(hb_dir: os.PathLike) -> Optional[dict]:
+    """The replica check's latest result (None: none yet, or unreadable: a word that cannot be
+    read is no evidence of anything)."""
+    try:
+        with open(os.path.join(hb_dir, REPLICAS_FILE)) as f:
+            body = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("step"), int) or not isinstance(body.get("agree"), bool):
+        return None
+    sus = body.get("suspects")
+    if not isinstance(sus, list) or not all(isinstance(r, int) for r in sus):
+        return None
+    return body
 
 
 def stopped_line(step: int, path: Optional[os.PathLike], reason: str) -> str:

@@ -544,6 +544,10 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
     _policy("replace_stragglers", "bool", "when a straggler is found and a spare node is free: stop the ranks "
             "with a checkpoint, relaunch on the spare without the slow node (no step lost), keep it out (drained "
             "with a `clusterops:straggler:` reason when `drain_bad_nodes`); without a spare only record it", False),
+    _budget("replica_check_every", "steps between the replica checks of a script that calls "
+            "`sdk.check_replicas` (a digest of every rank's parameters compared across the replicas; a rank "
+            "that differs is an `sdc_suspect`: rolled back to the last agreeing check, its node kept out); 0: off",
+            100),
     _f("verify_deep", "bool", "hash-check the checkpoint a restart resumes from, not only sizes (a flipped "
        "byte is caught, not loaded)", default=True),
     _f("step_wait_s", "int", "`srun --wait` for the supervisor's training steps", min=1, max=86400,

@@ -134,6 +134,8 @@ class _Runtime:
         self.prev_handlers = {}
         self.step_hook = None   # clusterops.recover: told of every heartbeat's step
         self.resume_hook = None  # clusterops.recover: told of every resume (what it loaded, seconds)
+        self.flip_done = False   # the replica test hook flipped its bit (once per process)
+        self.replicas_bad_reported = False   # a disagreement was reported: later checks keep it
 
 
 _rt = _Runtime()
@@ -527,6 +529,83 @@ def heartbeat(step: int, *, loss=None, grad_norm=None, force: bool = False) -> b
         log.warning("heartbeat of rank %d in %s failed: %s", rank, d, e)
         return False
     return True
+
+
+def check_replicas(step: int, tensors, *, every: Optional[int] = None, group=None):
+    """Compare this rank's copy of the replicated parameters with the other replicas'.
+
+    Call it once per step after the optimizer step, with what every rank of ``group`` (the
+    whole world by default: DDP; for HSDP the replicate dimension's group) holds identically:
+    ``model.parameters()``, and optionally the all-reduced gradients (``p.grad``). Every
+    ``every`` steps (default: the contract variable ``protocol.ENV_REPLICA_CHECK_EVERY``, set by the supervisor from
+    ``supervise: replica_check_every``, else 100; 0: never) each rank digests its tensors
+    (clusterops.replicas: two int64 sums of their bits, one pass over the memory) and the group
+    all-gathers the digests (16 bytes a rank): one small collective. Other steps cost a modulo.
+
+    Returns None on a step without a check, else a :class:`clusterops.replicas.Verdict`:
+    ``agree``, or the ``suspects`` (global ranks outside the strict majority) or ``ambiguous``
+    (no strict majority: with two replicas nobody can be named). Under the supervisor the
+    lowest rank reports it (``protocol.write_replicas``); on a disagreement the supervisor
+    kills the step and rolls back to the newest checkpoint at or before the last agreeing
+    check, keeping the suspects' nodes out. All ranks of the world must call it at the same
+    steps (it is a collective). Test hook: ``CLUSTEROPS_REPLICA_FLIP`` (clusterops.replicas).
+    """
+    from clusterops import replicas as rp
+
+    if every is None:
+        every = _env_int(protocol.ENV_REPLICA_CHECK_EVERY, default=rp.DEFAULT_EVERY)
+    if every <= 0:
+        return None
+    hb_dir = os.environ.get(protocol.ENV_HEARTBEAT_DIR) or None
+    flip = rp.parse_flip(os.environ.get(rp.FLIP_ENV))
+    if flip is not None and step == flip[0] and _rank() == flip[1] and not _rt.flip_done:
+        tensors = list(tensors)
+        _rt.flip_done = True
+        if rp.claim_flip(hb_dir):
+            rp.flip_one_bit(tensors, flip[2])
+            log.warning("%s: flipped bit %d of rank %d's parameters at step %d (test hook)", rp.FLIP_ENV,
+                        flip[2], flip[1], step)
+    if step % every:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return rp.Verdict(step, True)
+    world_group = group is None
+    backend = dist.get_backend(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    mine = rp.digest(tensors, device=dev)
+    n = dist.get_world_size(group)
+    got = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(got, mine, group=group)
+    verdict = rp.judge(step, [(int(g[0]), int(g[1])) for g in got])
+    members = list(range(n)) if world_group else [dist.get_global_rank(group, i) for i in range(n)]
+    suspects = tuple(members[i] for i in verdict.suspects)
+    ambiguous = verdict.ambiguous
+    if not world_group:
+        # Several replica groups: one more small all-gather over the world, so that one rank
+        # can report every group's word (suspect, ambiguous) in one file.
+        me = torch.tensor([int(dist.get_rank() in suspects), int(ambiguous)], dtype=torch.int64, device=dev)
+        allw = [torch.empty_like(me) for _ in range(dist.get_world_size())]
+        dist.all_gather(allw, me)
+        suspects = tuple(r for r, t in enumerate(allw) if int(t[0]))
+        ambiguous = any(int(t[1]) for t in allw)
+    groups = {k: [members[i] for i in v] for k, v in verdict.groups.items()}
+    verdict = rp.Verdict(step, not suspects and not ambiguous, suspects, ambiguous and not suspects, groups)
+    if not verdict.agree:
+        log.warning("replica check at step %d: %s", step,
+                    f"ranks {list(suspects)} differ from the majority" if suspects
+                    else "replicas differ and no majority says which")
+    # The first disagreement stays the word (a later check must not hide the step it was
+    # first seen at, should the supervisor look only after it).
+    if hb_dir and dist.get_rank() == 0 and not _rt.replicas_bad_reported:
+        _rt.replicas_bad_reported = not verdict.agree
+        try:
+            protocol.write_replicas(hb_dir, verdict.report(dist.get_world_size()))
+        except OSError as e:
+            log.warning("replica check report in %s not written: %s", hb_dir, e)
+    return verdict
 
 
 def _watch_supervisor(sender, rank: int) -> None:

@@ -93,11 +93,15 @@ def _loss_of(outputs):
 class ClusteropsCallback(pl.Callback):
     """Heartbeat, stop-and-save, atomic checkpoints and the requeue rule (module docstring)."""
 
-    def __init__(self, every_n_steps: int = 0, *, root: Optional[os.PathLike] = None):
+    def __init__(self, every_n_steps: int = 0, *, root: Optional[os.PathLike] = None,
+                 check_replicas: Optional[bool] = None):
         if every_n_steps < 0:
             raise ValueError(f"every_n_steps must be >= 0, got {every_n_steps}")
         self.every_n_steps = every_n_steps
         self.root = root
+        # sdk.check_replicas after every step: None = when the strategy replicates the whole
+        # model on every rank (DDP); sharded strategies (FSDP, DeepSpeed) hold different shards.
+        self.check_replicas = check_replicas
         self.stopped = False          # fit ended on a stop request (a checkpoint was committed)
         self.last_saved: Optional[int] = None
         self.data_skips: List[Tuple[int, int]] = []   # (at_step, batches): rollbacks' data skips
@@ -153,6 +157,8 @@ class ClusteropsCallback(pl.Callback):
     # -- every step ----------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
+        if self._replicated(trainer):
+            sdk.check_replicas(step, pl_module.parameters())   # a collective every N steps, else a modulo
         sdk.heartbeat(step, loss=_loss_of(outputs))
         stop = sdk.should_stop()       # a collective: every rank calls it here, every batch
         due = self.every_n_steps and step % self.every_n_steps == 0 and step != self.last_saved
@@ -163,6 +169,11 @@ class ClusteropsCallback(pl.Callback):
             self.stopped = True
             trainer.should_stop = True
             log.info("clusterops: stop requested (%s); checkpoint at step %d, ending fit", sdk.stop_reason(), step)
+
+    def _replicated(self, trainer) -> bool:
+        if self.check_replicas is not None:
+            return self.check_replicas
+        return trainer.world_size > 1 and type(trainer.strategy).__name__ == "DDPStrategy"
 
     def on_train_end(self, trainer, pl_module) -> None:
         sdk.heartbeat(trainer.global_step, force=True)

@@ -106,8 +106,11 @@ def resume_path(root: Optional[os.PathLike] = None) -> Optional[str]:
 class ClusteropsTrainerCallback(TrainerCallback):
     """Heartbeat, stop-and-save and atomic commits for ``transformers.Trainer`` (module docstring)."""
 
-    def __init__(self, *, root: Optional[os.PathLike] = None):
+    def __init__(self, *, root: Optional[os.PathLike] = None, check_replicas: Optional[bool] = None):
         self.root = root
+        # sdk.check_replicas after every step: None = under plain DDP (every rank holds the
+        # whole model); not with FSDP or DeepSpeed, whose ranks hold different shards.
+        self.check_replicas = check_replicas
         self.stopped = False          # train ended on a stop request (a checkpoint was committed)
         self.last_committed: Optional[Path] = None
         self.data_skips: List[Tuple[int, int]] = []   # (at_step, batches): rollbacks' data skips
@@ -152,6 +155,9 @@ class ClusteropsTrainerCallback(TrainerCallback):
         sdk.heartbeat(state.global_step, force=True)
 
     def on_step_end(self, args, state, control, **kwargs):
+        model = kwargs.get("model")
+        if model is not None and self._replicated(args):
+            sdk.check_replicas(state.global_step, model.parameters())   # a collective every N steps
         sdk.heartbeat(state.global_step)
         if sdk.should_stop():          # a collective: every rank calls it here, every step
             self.stopped = True
@@ -159,6 +165,12 @@ class ClusteropsTrainerCallback(TrainerCallback):
             control.should_training_stop = True
             log.info("clusterops: stop requested (%s); saving at step %d", sdk.stop_reason(), state.global_step)
         return control
+
+    def _replicated(self, args) -> bool:
+        if self.check_replicas is not None:
+            return self.check_replicas
+        return (args.world_size > 1 and str(getattr(args.parallel_mode, "value", args.parallel_mode)) == "distributed"
+                and not args.fsdp and not args.deepspeed)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         # The Trainer's logged loss and grad norm (every `logging_steps`) for the supervisor's

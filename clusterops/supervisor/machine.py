@@ -196,6 +196,9 @@ class Heartbeats(Event):
     #: rank -> (step, loss, grad norm) of its latest beat that carried them (None: not
     #: reported), for the stability guard (clusterops.supervisor.stability).
     signals: Mapping[int, Tuple[int, Optional[float], Optional[float]]] = field(default_factory=dict)
+    #: the replica checks' latest words (``protocol.read_replicas``): (source, report) per
+    #: replica group's file of the current attempt (clusterops.replicas).
+    replicas: Tuple[Tuple[str, Mapping], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -408,11 +411,12 @@ class Memory:
     # them across requeues) and the hint still open (the next incarnation's launch carries it).
     rollbacks: List[int] = field(default_factory=list)
     hint: Optional[stb.ResumeHint] = None
+    replica_agree: Optional[int] = None   # the step of the last replica check that agreed
 
     def to_dict(self) -> dict:
         return {"bad_nodes": dict(self.bad_nodes), "attempts": self.attempts, "restarts": self.restarts,
                 "no_progress": self.no_progress, "last_ckpt_step": self.last_ckpt_step,
-                "rollbacks": list(self.rollbacks),
+                "rollbacks": list(self.rollbacks), "replica_agree": self.replica_agree,
                 "hint": None if self.hint is None else json.loads(self.hint.to_json())}
 
     @classmethod
@@ -421,7 +425,8 @@ class Memory:
         return cls(bad_nodes=dict(d.get("bad_nodes") or {}), attempts=int(d.get("attempts") or 0),
                    restarts=int(d.get("restarts") or 0), no_progress=int(d.get("no_progress") or 0),
                    last_ckpt_step=d.get("last_ckpt_step"), rollbacks=[int(a) for a in d.get("rollbacks") or []],
-                   hint=None if hint is None else stb.ResumeHint.from_json(json.dumps(hint)))
+                   hint=None if hint is None else stb.ResumeHint.from_json(json.dumps(hint)),
+                   replica_agree=d.get("replica_agree"))
 
 
 @dataclass(frozen=True)
@@ -497,8 +502,15 @@ class Supervisor:
         self.replacing: Optional[str] = None        # the straggler a planned stop will replace
         self.straggler_why: Dict[str, Tuple[str, str]] = {}   # node -> (why, drain reason)
         # The stability guard (supervise: stability:), its decision while the step is killed.
+        # The loss is watched only with a stability config; a job whose script may check its
+        # replicas (replica_check_every) gets a guard that records only, for the rollback and
+        # checkpoint bookkeeping a disagreement needs (clusterops.replicas).
+        self.watch_loss = stability is not None
+        if stability is None and policy.replica_check_every:
+            stability = stb.StabilityConfig(on_nan=stb.Action.RECORD.value, on_spike=stb.Action.RECORD.value)
         self.stability = (stb.Guard(stability, rollbacks=self.memory.rollbacks, hint=self.memory.hint)
                           if stability is not None else None)   # the rollbacks list is shared
+        self.replicas_seen: Dict[str, int] = {}   # report source -> the newest step handled
         self.stability_decision: Optional[stb.Decision] = None
         self.rollback_to_pick: Optional[stb.Decision] = None   # a rollback whose target the disk must confirm
         if self.stability is not None and self.memory.last_ckpt_step is not None:
@@ -707,7 +719,7 @@ class Supervisor:
                 slowest = self.detector.slowest() if self.detector is not None else None
                 if slowest is not None:
                     rec["slowest"] = [slowest[0], slowest[1]]   # node, its ratio to the others (metrics)
-                if self.stability is not None and ev.signals:    # the loss curve of the timeline chart
+                if self.watch_loss and ev.signals:    # the loss curve of the timeline chart
                     s = stb.sample_of(ev.signals)
                     if s is not None and s.loss is not None:
                         rec["loss"] = s.loss if math.isfinite(s.loss) else str(s.loss)
@@ -734,7 +746,11 @@ class Supervisor:
             out.append(CaptureStacks(self.hung_ranks, nodes))
             out += self._kill(ev.now, KillCause.HANG)
             return out
-        if self.stability is not None and ev.signals:
+        if ev.replicas and self.stability is not None:
+            out += self._replicas(ev)
+            if self.state != RUNNING:
+                return out
+        if self.watch_loss and ev.signals:
             out += self._stability(ev)
             if self.state != RUNNING:
                 return out
@@ -762,6 +778,49 @@ class Supervisor:
             # (_on_rollback_picked): it says where the job really goes back to, if anywhere.
             return out + self._kill(ev.now, KillCause.ROLLBACK)
         return out + self._kill(ev.now, KillCause.DIVERGED)
+
+    def _replicas(self, ev: Heartbeats) -> List[Action]:
+        """The replica checks' words (clusterops.replicas): an agreement moves the last good
+        step; a disagreement is silent data corruption on the ranks outside the majority. The
+        step is killed (nothing saved), the job rolls back to the newest checkpoint at or
+        before the last check that agreed, and the suspects' nodes are kept out (drained with
+        the ``sdc`` origin under ``drain_bad_nodes``); with no strict majority the evidence is
+        ambiguous: the rollback happens, nobody is blamed."""
+        out: List[Action] = []
+        for source, rep in ev.replicas:
+            step = int(rep["step"])
+            if step <= self.replicas_seen.get(source, -1):
+                continue
+            self.replicas_seen[source] = step
+            if rep["agree"]:
+                if self.memory.replica_agree is None or step > self.memory.replica_agree:
+                    self.memory.replica_agree = step
+                continue
+            last = self.memory.replica_agree
+            ranks = [int(r) for r in rep.get("suspects") or []]
+            ambiguous = bool(rep.get("ambiguous")) or not ranks
+            nodes = sorted({n for n in (self.rank_node(r) for r in ranks) if n})
+            f = stb.Finding(stb.Kind.SDC, step, (last + 1) if last is not None else 0, "replicas", float("nan"),
+                            ranks=tuple(ranks))
+            d = self.stability.decide_sdc(f)
+            out.append(Record(E.SDC_SUSPECT, {"step": step, "last_agree": last, "ranks": ranks, "nodes": nodes,
+                                              "ambiguous": ambiguous, "groups": rep.get("digests") or {},
+                                              "decision": str(d.action), "why": d.why}))
+            if d.hold is not None:
+                out.append(HoldCheckpoint(d.hold, f"replicas: newest checkpoint at or before the last agreeing "
+                                                  f"check (step {last})"))
+            if not ambiguous:
+                for node in nodes:
+                    why = (f"sdc_suspect: rank(s) {','.join(map(str, ranks))} held parameters that differ from "
+                           f"the other replicas at step {step}")
+                    self._mark_bad(node, why, ev.now, out,
+                                   reason=drains.make_reason(drains.SDC, f"ranks {','.join(map(str, ranks))}",
+                                                             f"replicas differ at step {step}"))
+            self.stability_decision = d
+            self.memory.hint = self.stability.hint
+            return out + self._kill(ev.now, KillCause.ROLLBACK if d.action == stb.Action.ROLLBACK
+                                    else KillCause.DIVERGED)
+        return out
 
     def _exited_on_stability(self, ev: StepExited, out: List[Action]) -> List[Action]:
         """The step the stability guard killed is gone: relaunch from the rollback's
@@ -975,6 +1034,12 @@ class Supervisor:
         self.memory.last_ckpt_step = ev.step
         if self.stability is not None:
             self.stability.launched(ev.step)
+        # A new attempt checks its replicas from the resumed state on: its reports start over,
+        # and what agreed after the resume point belongs to a discarded timeline.
+        self.replicas_seen.clear()
+        if ev.step is not None:
+            a = self.memory.replica_agree
+            self.memory.replica_agree = ev.step if a is None else min(a, ev.step)
         if self.state == RUNNING:
             self.ckpt_at_launch = ev.step
         return [Record(E.RESUME, {"step": ev.step, "path": ev.path, "skipped": list(ev.skipped)})]

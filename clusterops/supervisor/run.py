@@ -416,6 +416,7 @@ class SupervisorRun:
         self.train: Optional[Process] = None
         self.train_log: Optional[Path] = None
         self.attempt_dir: Optional[Path] = None
+        self.replicas_stat: Optional[Tuple[str, int, int]] = None   # the replica report last read
         self.step_name: Optional[str] = None
         self.step_id: Optional[str] = None
         self.stop_file: Optional[Path] = None
@@ -558,7 +559,7 @@ class SupervisorRun:
                     timing = self.channel.timings()
                     self.next_timing = now + max(1.0, self.sup.expected_ranks / TIMING_RANKS_PER_S)
                 events.append(sv.Heartbeats(now, self.channel.snapshot(self.sup.expected_ranks), timing=timing,
-                                            signals=self._signals()))
+                                            signals=self._signals(), replicas=self._replica_reports()))
             rc = self.train.poll()
             if rc is not None:
                 events.append(self._step_exited(now, rc))
@@ -719,9 +720,28 @@ class SupervisorRun:
                 return False
         return True
 
+    def _replica_reports(self) -> Tuple[Tuple[str, dict], ...]:
+        """The replica check's latest word in this attempt (``sdk.check_replicas`` writes it),
+        read again only when the file changed (one stat a poll otherwise)."""
+        if self.attempt_dir is None or not self.cfg.policy.replica_check_every:
+            return ()
+        path = protocol.heartbeat_dir(self.attempt_dir) / protocol.REPLICAS_FILE
+        try:
+            st = path.stat()
+        except OSError:
+            return ()
+        key = (str(path), st.st_mtime_ns, st.st_size)
+        if key == self.replicas_stat:
+            return ()
+        report = protocol.read_replicas(path.parent)
+        if report is None:
+            return ()
+        self.replicas_stat = key
+        return ((protocol.REPLICAS_FILE, report),)
+
     def _signals(self) -> Dict[int, Tuple[int, Optional[float], Optional[float]]]:
         """The ranks' loss and grad norm for the stability guard (none without one)."""
-        if self.sup.stability is None:
+        if not self.sup.watch_loss:
             return {}
         if self.progress_reader is not None and self.progress_reader.loss_regex is not None:
             return dict(self.progress_reader.signals)
@@ -877,7 +897,8 @@ class SupervisorRun:
         env.update({
             **protocol.rank_env(ckpt_dir=cfg.ckpt_dir, resume_from=resume, attempt=d, restart_count=a.restart_count,
                                 heartbeat_addr=self.channel.env_value,
-                                resume_hint=hint.to_json() if hint is not None else ""),
+                                resume_hint=hint.to_json() if hint is not None else "",
+                                replica_check_every=cfg.policy.replica_check_every),
             "MASTER_ADDR": self.slurm.node_address(nodes[0]),
             "MASTER_PORT": str(free_port()),
         })

@@ -75,6 +75,7 @@ class Kind(str, Enum):
 
     SPIKE = "loss_spike"
     NAN = "nan"
+    SDC = "sdc_suspect"        # replicas that disagree (clusterops.replicas), decided by decide_sdc
 
     def __str__(self) -> str:
         return self.value
@@ -306,6 +307,31 @@ class Guard:
         self.ckpt_steps = [s for s in self.ckpt_steps if s <= target]
         return Decision(Action.ROLLBACK, f, hint=self.hint, hold=target, before=before,
                         why=f"newest checkpoint at least {c.rollback_steps} steps before step {f.began}")
+
+    def decide_sdc(self, f: Finding) -> Decision:
+        """Replicas that disagree (``f.kind`` SDC, ``f.began`` the step after the last check that
+        agreed): roll back to the newest checkpoint at or before that check -- any later one may
+        hold the corruption -- with nothing skipped and the learning rate unchanged (the data
+        was not at fault, so the replay must be the same run). The rollback budget
+        (``max_rollbacks`` within ``rollback_window_steps``) and the holds are the guard's."""
+        self.findings += 1
+        before = f.began - 1
+        keep = rollback_target(self.ckpt_steps, before)
+        c = self.cfg
+        recent = [a for a in self.rollbacks if abs(f.began - a) <= c.rollback_window_steps]
+        if len(recent) >= c.max_rollbacks:
+            return Decision(Decision.GIVE_UP, f, why=f"{len(recent)} rollbacks within {c.rollback_window_steps} "
+                                                     f"steps (max_rollbacks {c.max_rollbacks})", hold=keep)
+        if keep is None:
+            return Decision(Decision.GIVE_UP, f, why=f"no checkpoint at or before step {before}, the last check "
+                                                     "that agreed", hold=None)
+        self._undo = (self.hint, list(self.ckpt_steps))
+        self.rollbacks.append(f.began)
+        self.hint = ResumeHint(from_step=keep, skip_batches=0, lr_factor=1.0, anomaly_step=f.began,
+                               rollback=len(self.rollbacks))
+        self.ckpt_steps = [s for s in self.ckpt_steps if s <= keep]
+        return Decision(Action.ROLLBACK, f, hint=self.hint, hold=keep, before=before,
+                        why=f"newest checkpoint at or before step {before}, the last replica check that agreed")
 
     def retarget(self, d: Decision, step: Optional[int], problems: str = "") -> Decision:
         """Rollback ``d`` once the disk was looked at: ``step`` is the newest checkpoint at

@@ -46,6 +46,7 @@ class EventKind(str, Enum):
     NODE_DOWN = "node_down"
     NODE_BAD = "node_bad"
     NODE_SUSPECT = "node_suspect"     # one program error from one node only, weighed across relaunches
+    SDC_SUSPECT = "sdc_suspect"       # replicas that disagree (sdk.check_replicas): the ranks outside the majority
     STOP_REQUESTED = "stop_requested"
     STOP_TIMEOUT = "stop_timeout"
     KILL_ESCALATED = "kill_escalated"
@@ -125,7 +126,7 @@ FAULT_KINDS = {E.SUPERVISOR_LOST, E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.S
 DECISION_KINDS = {E.TAKEOVER, E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED,
                   E.DONE, E.INPROC_FIRST_STEP, E.INPROC_FALLBACK}
 # Findings that are neither a fault nor a decision: a slow node (drawn in orange).
-FINDING_KINDS = {E.STRAGGLER, E.LOSS_SPIKE, E.NAN, E.NODE_SUSPECT}
+FINDING_KINDS = {E.STRAGGLER, E.LOSS_SPIKE, E.NAN, E.NODE_SUSPECT, E.SDC_SUSPECT}
 
 
 class Timeline:
