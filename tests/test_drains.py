@@ -415,3 +415,13 @@ def test_excess_drain_orders_by_time_then_name_and_unknown_times_last():
 def test_reason_never_ends_with_a_double_quote_that_scontrol_would_drop():
     text = make_reason("admin", "ticket", 'user said "drain it"')
     assert text == 'clusterops:admin: ticket: user said "drain it".' and parse_reason(text).origin == "admin"
+
+
+def test_an_sdc_drain_is_lifted_only_by_a_passing_sdc_probe():
+    r = drains.make_reason(drains.SDC, "ranks 1", "replicas differ at step 25")
+    assert drains.parse_reason(r).origin == drains.SDC
+    assert not drains.may_resume(r, Resumer(BY_HEALTH, "fast", frozenset({"nvml", "host"})))[0]
+    assert not drains.may_resume(r, Resumer(BY_SWEEP, "fast", frozenset({"nvml"})))[0]
+    assert drains.may_resume(r, Resumer(BY_HEALTH, "deep", frozenset({"nvml", "sdc"})))[0]
+    assert drains.may_resume(r, Resumer(BY_SWEEP, "deep", frozenset({"sdc"})))[0]
+    assert drains.may_resume(r, Resumer(BY_ADMIN))[0]
