@@ -134,9 +134,12 @@ PING_MARK = b'"kind":"ping"'
 
 @dataclass(frozen=True)
 class Beacon:
-    """The supervisor's answer to a ping: alive; gone once silent for ``lost_ms``."""
+    """The supervisor's answer to a ping: alive; gone once silent for ``lost_ms``. ``dump``:
+    the supervisor's latest request for the ranks' flight-recorder dumps (0: none), which
+    a hang's stack capture raises (clusterops.supervisor.flightrec)."""
     seq: int
     lost_ms: int
+    dump: int = 0
 
 
 # ------------------------------------------------------------------------ codec
@@ -261,9 +264,11 @@ def decode(data: bytes, token: Optional[str] = None) -> Datagram:
     return Datagram(tok, node, seq, tuple(beats), kind)
 
 
-def encode_beacon(token: str, seq: int, lost_ms: int) -> bytes:
-    return json.dumps({"v": VERSION, "tok": token, "kind": KIND_BEACON, "seq": int(seq),
-                       "lost_ms": int(lost_ms)}, separators=(",", ":")).encode()
+def encode_beacon(token: str, seq: int, lost_ms: int, dump: int = 0) -> bytes:
+    body = {"v": VERSION, "tok": token, "kind": KIND_BEACON, "seq": int(seq), "lost_ms": int(lost_ms)}
+    if dump:
+        body["dump"] = int(dump)      # optional: an older watch ignores it
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def decode_beacon(data: bytes, token: str) -> Beacon:
@@ -281,9 +286,10 @@ def decode_beacon(data: bytes, token: str) -> Beacon:
             or body.get("kind") != KIND_BEACON):
         raise BadDatagram("not this attempt's beacon")
     seq, lost = body.get("seq"), body.get("lost_ms")
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (seq, lost)) or lost <= 0:
-        raise BadDatagram("beacon seq and lost_ms must be integers, lost_ms > 0")
-    return Beacon(seq, lost)
+    dump = body.get("dump", 0)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (seq, lost, dump)) or lost <= 0 or dump < 0:
+        raise BadDatagram("beacon seq, lost_ms and dump must be integers, lost_ms > 0, dump >= 0")
+    return Beacon(seq, lost, dump)
 
 
 def _num_in(text: str) -> Optional[float]:

@@ -439,6 +439,39 @@ def read_replicas(hb_dir: os.PathLike) -> Optional[dict]:
     return body
 
 
+#: The ranks' flight-recorder dumps for a hang (one JSON file a rank, in the heartbeat directory).
+FLIGHTREC_DIR = "flightrec"
+
+
+def write_flightrec(hb_dir: os.PathLike, rank: int, doc: Mapping[str, object]) -> Path:
+    """One rank's answer to dump request ``doc["request"]`` (0600); OSError when it cannot."""
+    d = os.path.join(hb_dir, FLIGHTREC_DIR)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return write_private(os.path.join(d, f"rank{int(rank)}.json"), json.dumps(dict(doc)).encode())
+
+
+def read_flightrecs(hb_dir: os.PathLike, request: int) -> Dict[int, dict]:
+    """rank -> its dump for request ``request`` (older answers and unreadable files left out)."""
+    out: Dict[int, dict] = {}
+    d = os.path.join(hb_dir, FLIGHTREC_DIR)
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return out
+    for name in names:
+        m = re.fullmatch(r"rank(\d+)\.json", name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(d, name)) as f:
+                doc = json.loads(f.read(1 << 22))
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and doc.get("request") == request:
+            out[int(m.group(1))] = doc
+    return out
+
+
 def stopped_line(step: int, path: Optional[os.PathLike], reason: str) -> str:
     """The output line by which a script without the marker says it stopped on request."""
     return f"stopped step={int(step)} path={path} reason={reason}"

@@ -608,6 +608,33 @@ def check_replicas(step: int, tensors, *, every: Optional[int] = None, group=Non
     return verdict
 
 
+def _dump_flight_recorder(request: int) -> None:
+    """Answer the supervisor's dump request ``request`` (a hang's stack capture) from the
+    watch thread: torch's flight recorder (the process groups' collective sequence numbers
+    and the last entries; ``TORCH_FR_BUFFER_SIZE``, which the supervisor sets) as JSON in the
+    heartbeat directory. Never raises; a build without the recorder writes why."""
+    import json
+
+    d = os.environ.get(protocol.ENV_HEARTBEAT_DIR)
+    if not d:
+        return
+    rank = _rank()
+    try:
+        import torch._C._distributed_c10d as c10d
+
+        body = json.loads(c10d._dump_fr_trace_json(True, False))
+        doc = {"rank": rank, "request": request, "version": body.get("version"),
+               "pg_status": body.get("pg_status") or {}, "pg_config": body.get("pg_config") or {},
+               "entries": [{k: e.get(k) for k in ("collective_seq_id", "profiling_name", "state", "process_group")}
+                           for e in (body.get("entries") or [])[-16:]]}
+    except Exception as e:  # noqa: BLE001 - no recorder, no process group: say so
+        doc = {"rank": rank, "request": request, "error": f"{type(e).__name__}: {e}"[:300]}
+    try:
+        protocol.write_flightrec(d, rank, doc)
+    except OSError as e:
+        log.warning("flight-recorder dump of rank %d not written: %s", rank, e)
+
+
 def _watch_supervisor(sender, rank: int) -> None:
     """Watch the supervisor through the two-way channel (clusterops.watchdog): when the
     batch host is lost, the ranks save if they can and requeue the job."""
@@ -615,7 +642,7 @@ def _watch_supervisor(sender, rank: int) -> None:
 
     if _rt.watchdog is not None:
         _rt.watchdog.close()
-    _rt.watchdog = Watchdog(sender, rank=rank, on_lost=request_stop)
+    _rt.watchdog = Watchdog(sender, rank=rank, on_lost=request_stop, on_dump=_dump_flight_recorder)
     if not _rt.watchdog_at_exit:
         _rt.watchdog_at_exit = True
         atexit.register(lambda: _rt.watchdog is not None and _rt.watchdog.at_exit())

@@ -212,8 +212,14 @@ class Watchdog:
     def __init__(self, sender: hbc.NodeSender, *, rank: int, job_id: Optional[str] = None,
                  incarnation: Optional[int] = None, on_lost: Optional[Callable[[str], None]] = None,
                  slurm_factory: Callable[[], object] = _slurm, clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep, start: bool = True):
+                 sleep: Callable[[float], None] = time.sleep, start: bool = True,
+                 on_dump: Optional[Callable[[int], None]] = None):
         self.sender = sender
+        # The supervisor's flight-recorder dump requests (a hang's stack capture): the newest
+        # number heard on this node, and the newest this rank answered (on_dump, once each).
+        self.on_dump = on_dump
+        self.dump_heard = 0
+        self.dump_done = 0
         self.rank = int(rank)
         self.job_id = job_id if job_id is not None else os.environ.get("SLURM_JOB_ID", "")
         self.incarnation = (int(os.environ.get("SLURM_RESTART_COUNT") or 0)
@@ -261,6 +267,8 @@ class Watchdog:
         try:
             fields = hbc._read_small(self.beacon_path).split()
             t, lost_ms = float(fields[0]), int(fields[1])
+            if len(fields) > 2:
+                self.dump_heard = max(self.dump_heard, int(fields[2]))
             if best is None or t > best:
                 best = t
                 if self.lost_s is None:
@@ -297,6 +305,7 @@ class Watchdog:
         now = self.clock()
         self._maybe_ping(now)
         self._receive(self.sender.interval_s / 2)
+        self._maybe_dump()
         now = self.clock()
         if self.retired or self.took_over is not None:
             return
@@ -317,6 +326,20 @@ class Watchdog:
             # Hung in a collective with the lost node's ranks: this rank may never exit.
             self._marker_next = now + MARKER_POLL_S
             self.take_over(self.gone_why)
+
+    def _maybe_dump(self) -> None:
+        """Answer the supervisor's newest dump request once (its beacon, or a neighbour's
+        note of it in the node's beacon file). The callback runs on this thread: the rank's
+        main thread may be blocked in the collective that hangs."""
+        if self.on_dump is None:
+            return
+        self.heard()
+        if self.dump_heard > self.dump_done:
+            self.dump_done = self.dump_heard
+            try:
+                self.on_dump(self.dump_done)
+            except Exception as e:  # noqa: BLE001 - a dump must never end the training
+                log.warning("flight-recorder dump of rank %d: %s", self.rank, e)
 
     def _maybe_ping(self, now: float) -> None:
         slot = int((now - self.sender.phase_s) // self.sender.interval_s)
@@ -369,8 +392,9 @@ class Watchdog:
                 continue
             now = self.clock()
             self.heard_at, self.lost_s = now, b.lost_ms / 1000.0
+            self.dump_heard = max(self.dump_heard, b.dump)
             try:
-                protocol.write_private(self.beacon_path, f"{now!r} {b.lost_ms}\n".encode())
+                protocol.write_private(self.beacon_path, f"{now!r} {b.lost_ms} {b.dump}\n".encode())
             except OSError:
                 pass
 

@@ -11,6 +11,8 @@
 - ``evidence``: what a failed step's ranks said themselves: a traceback's last line, a
   CUDA/NCCL/GPU error sign (pure; the machine blames a node only on evidence).
 - ``stacks``: Python stacks of hung ranks (run on each node as a step).
+- ``flightrec``: a hang with a name: the rank that never entered the collective the others
+  wait in, from the ranks' flight-recorder dumps (pure).
 - ``channel``: the supervisor's end of the heartbeat channel (a UDP receiver and the
   file fallback).
 - ``stragglers``: the slow node of a running job from its heartbeats (pure).

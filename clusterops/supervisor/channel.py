@@ -106,6 +106,7 @@ class Receiver:
         self.token = token
         self.lost_ms = max(1, round(1000 * lost_after_s))
         self.beacons = 0          # pings answered
+        self.dump = 0             # the latest flight-recorder dump request (carried by every beacon)
         self.clock = clock
         self.bind_host = bind_host
         self.sock = _udp_socket(bind_host, port)
@@ -206,7 +207,7 @@ class Receiver:
             return self.feed(data, self.clock())
         self.beacons += 1
         try:
-            self.sock.sendto(hbc.encode_beacon(self.token, d.seq, self.lost_ms), src)
+            self.sock.sendto(hbc.encode_beacon(self.token, d.seq, self.lost_ms, self.dump), src)
         except OSError:
             pass            # the rank's socket is gone; its next ping asks again
         return True
@@ -320,6 +321,15 @@ class Channel:
         why = r.error or "the receiver thread ended"
         r.restart()
         return why
+
+    def request_dump(self) -> Optional[int]:
+        """Ask the ranks for their flight-recorder dumps: the next beacons carry a new request
+        number, which each rank's supervisor watch answers once (clusterops.watchdog). None
+        without a network channel (the file channel has no beacons)."""
+        if self.receiver is None:
+            return None
+        self.receiver.dump += 1
+        return self.receiver.dump
 
     @property
     def env_value(self) -> str:

@@ -54,6 +54,7 @@ __all__ = [
     "CheckpointCommitted",
     "ResumeChosen",
     "RollbackPicked",
+    "HangNamed",
     "RequeueFailed",
     "Tick",
     "Action",
@@ -235,6 +236,17 @@ class ResumeChosen(Event):
     step: Optional[int] = None
     path: str = ""
     skipped: Tuple[str, ...] = ()     # newer checkpoints found bad and passed over
+
+
+@dataclass(frozen=True)
+class HangNamed(Event):
+    """What the ranks' flight recorders say of a hang (clusterops.supervisor.flightrec),
+    gathered before the kill: the ranks that never entered the collective the others wait
+    in (empty: none named), why, and the ranks that sent no dump."""
+
+    ranks: Tuple[int, ...] = ()
+    why: str = ""
+    silent: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -1044,6 +1056,21 @@ class Supervisor:
             self.ckpt_at_launch = ev.step
         return [Record(E.RESUME, {"step": ev.step, "path": ev.path, "skipped": list(ev.skipped)})]
 
+    def _on_hang_named(self, ev: HangNamed) -> List[Action]:
+        """The flight recorders' word on a hang being killed: the ranks that never entered the
+        collective the others wait in become the hang's culprits (blamed at the step's end,
+        dropped at ``node_fail_threshold`` blames: a node named twice is left out). Without a
+        name the heartbeats' culprits stand."""
+        if self.state != KILLING or self.kill_cause != KillCause.HANG:
+            return []
+        nodes = sorted({n for n in (self.rank_node(r) for r in ev.ranks) if n})
+        out: List[Action] = [Record(E.HANG_NAMED, {"ranks": list(ev.ranks), "nodes": nodes, "why": ev.why,
+                                                   "silent": list(ev.silent), "source": "flight_recorder",
+                                                   "heartbeat_culprits": list(self.hang_culprits)})]
+        if ev.ranks:
+            self.hang_culprits = tuple(ev.ranks)
+        return out
+
     def _on_requeue_failed(self, ev: RequeueFailed) -> List[Action]:
         return self._exit(EXIT_FAILED, f"requeue failed: {ev.error}", [])
 
@@ -1289,6 +1316,7 @@ class Supervisor:
         Tick: _on_tick,
         ResumeChosen: _on_resume_chosen,
         RollbackPicked: _on_rollback_picked,
+        HangNamed: _on_hang_named,
         RequeueFailed: _on_requeue_failed,
         StepExited: _on_step_exited,
     }

@@ -265,6 +265,11 @@ class RunConfig:
 
 
 # ------------------------------------------------------------------------------ torchrun
+#: How long a hang's kill waits for the ranks' flight-recorder dumps (each rank's watch
+#: thread answers the next beacon, about one heartbeat interval).
+FLIGHTREC_WAIT_S = 8.0
+#: The flight recorder's ring buffer, set for the ranks unless the job's env sets one.
+FLIGHTREC_BUFFER = "2000"
 STEP_LOG_TAIL_CHARS = 1 << 20   # how much of a failed step's log is read for the ranks' own words
 REQUEUE_SIGTERM_WAIT_S = 1.0   # after `scontrol requeue`: how long the ExcNodeList update waits for the batch SIGTERM
 FINISHED_STEP_GRACE_S = 3.0   # in-process: srun's own end, after every rank finished, a node lost
@@ -904,6 +909,8 @@ class SupervisorRun:
         })
         for var in TORCHRUN_VARS:   # not from the job's env: either, see TORCHRUN_VARS
             env.pop(var, None)
+        if "TORCH_FR_BUFFER_SIZE" not in env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+            env["TORCH_FR_BUFFER_SIZE"] = FLIGHTREC_BUFFER    # a hang's name (flightrec)
         self._close_rdzv()
         if cfg.inprocess is not None and cfg.launcher != "torchrun":
             spares = [n for n in self.sup.spares if n not in nodes] if cfg.inprocess.standbys_per_node else []
@@ -1150,10 +1157,36 @@ class SupervisorRun:
             # its tasks go with it (srun's exit ends the step).
             kill_group(self.train)
 
+    def _name_the_hang(self) -> None:
+        """Ask every rank for its flight recorder (a dump request in the beacons, answered by
+        each rank's watch thread), wait for the answers (bounded), and tell the machine which
+        rank never entered the collective the others wait in (clusterops.supervisor.flightrec)."""
+        from clusterops.supervisor.flightrec import name_hang
+
+        if self.channel is None or self.attempt_dir is None:
+            return
+        request = self.channel.request_dump()
+        if request is None:
+            return
+        hb = protocol.heartbeat_dir(self.attempt_dir)
+        ranks = list(range(self.sup.expected_ranks))
+        deadline = self.clock() + min(FLIGHTREC_WAIT_S, self.cfg.stacks_timeout_s)
+        dumps = protocol.read_flightrecs(hb, request)
+        while len(dumps) < len(ranks) and self.clock() < deadline:
+            self.sleep(0.25)
+            dumps = protocol.read_flightrecs(hb, request)
+        n = name_hang(dumps, ranks)
+        self._do(self.sup.handle(sv.HangNamed(self.clock(), n.ranks, n.why, n.silent)))
+
     def _act_capture_stacks(self, a: sv.CaptureStacks) -> None:
-        """py-spy dumps of the stuck ranks, all nodes at once, bounded in time (then the kill)."""
+        """The hung ranks' flight recorders (who never entered the collective), then py-spy
+        dumps of the stuck ranks, all nodes at once, bounded in time (then the kill)."""
         if self.attempt_dir is None or not self.cfg.job_id:
             return
+        try:
+            self._name_the_hang()
+        except (OSError, ClusteropsError) as e:
+            self._record(E.WARNING, {"what": f"flight-recorder dumps: {e}"})
         step = self._find_step_id()
         out = self.attempt_dir / "stacks"
         out.mkdir(exist_ok=True)

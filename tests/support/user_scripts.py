@@ -20,6 +20,8 @@ USER_SCRIPT = textwrap.dedent('''\
     p.add_argument("--raise-on-node", default=None)
     p.add_argument("--raise-at", type=int, default=0)
     p.add_argument("--check-replicas", action="store_true")
+    p.add_argument("--hang-on-node", default=None)
+    p.add_argument("--hang-at", type=int, default=0)
     a = p.parse_args()
 
     torch.manual_seed(0)
@@ -36,6 +38,8 @@ USER_SCRIPT = textwrap.dedent('''\
     for step in range(start + 1, a.steps + 1):
         if a.raise_on_node and os.environ.get("SLURMD_NODENAME") == a.raise_on_node and step == a.raise_at:
             raise RuntimeError(f"scratch on {a.raise_on_node} is not writable")
+        if a.hang_on_node and os.environ.get("SLURMD_NODENAME") == a.hang_on_node and step == a.hang_at:
+            time.sleep(3600)          # stuck outside any collective (a data loader, a bad device)
         g = torch.Generator().manual_seed(1000 * step + d.rank)
         x = torch.randn(16, 8, generator=g)
         y = x.sum(dim=1, keepdim=True)
