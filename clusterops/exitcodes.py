@@ -60,6 +60,9 @@ class Supervise(_Codes):
     ROLLBACK_BUDGET = 9, "training diverged again and again: max_rollbacks spent", \
         "the stability guard gave up: `max_rollbacks` rollbacks within `rollback_window_steps`, or no "\
         "checkpoint early enough to roll back to; the last good checkpoint is kept"
+    SCRIPT_STOP = 10, "the training script asked to stop (its exit code maps to stop: 17, 93)", \
+        "the training script asked not to be restarted: its exit code maps to `stop` in `exit_codes` (Megatron-LM's "\
+        "17, nvidia-resiliency-ext's 93 by default)"
 
 
 class HealthCheck(_Codes):

@@ -439,6 +439,46 @@ def read_replicas(hb_dir: os.PathLike) -> Optional[dict]:
     return body
 
 
+#: What a script names as suspect before an exit it maps to ``relaunch_without_suspects``
+#: (``sdk.report_suspects``): one JSON file per reporting rank in this directory.
+SUSPECTS_DIR = "suspects"
+
+
+def write_suspects(hb_dir: os.PathLike, rank: int, nodes: List[str], ranks: List[int], why: str) -> Path:
+    d = os.path.join(hb_dir, SUSPECTS_DIR)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return write_private(os.path.join(d, f"rank{int(rank)}.json"),
+                         json.dumps({"nodes": list(nodes), "ranks": list(ranks), "why": str(why)[:300]}).encode())
+
+
+def read_suspects(hb_dir: os.PathLike) -> Dict[str, list]:
+    """Every reporting rank's suspects, merged: ``{"nodes": [...], "ranks": [...], "why": [...]}``;
+    what cannot be read (or is not a name or a rank) is left out."""
+    nodes: List[str] = []
+    ranks: List[int] = []
+    whys: List[str] = []
+    d = os.path.join(hb_dir, SUSPECTS_DIR)
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return {"nodes": nodes, "ranks": ranks, "why": whys}
+    for name in names:
+        try:
+            with open(os.path.join(d, name)) as f:
+                doc = json.loads(f.read(1 << 16))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict):
+            continue
+        nodes += [n for n in doc.get("nodes") or [] if isinstance(n, str) and re.fullmatch(r"[\w.\-]{1,200}", n)
+                  and n not in nodes]
+        ranks += [r for r in doc.get("ranks") or [] if isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                  and r not in ranks]
+        if doc.get("why"):
+            whys.append(str(doc["why"])[:300])
+    return {"nodes": nodes, "ranks": ranks, "why": whys}
+
+
 #: The ranks' flight-recorder dumps for a hang (one JSON file a rank, in the heartbeat directory).
 FLIGHTREC_DIR = "flightrec"
 

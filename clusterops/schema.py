@@ -108,9 +108,16 @@ class Field:
 
 # Kinds of the job spec, as the docs name them. "text" may span lines, "str" may not.
 _KIND_NAMES = {"url": "http(s) URL", "text": "text", "path": "path", "hostlist": "hostlist", "time": "Slurm time",
-               "mem": "size", "lines": "lines", "profile": "profile or false"}
+               "mem": "size", "lines": "lines", "profile": "profile or false",
+               "exitcodes": "mapping exit code -> action"}
 # Kinds whose YAML scalars are taken as written (no 1.1 booleans, octal, floats).
 TEXT_KINDS = frozenset({"str", "url", "text", "path", "hostlist", "time", "mem", "lines"})
+
+
+#: What a training script's exit code may ask of the supervisor (``supervise: exit_codes:``).
+EXIT_ACTIONS = ("relaunch", "relaunch_without_suspects", "requeue", "stop")
+#: Exit codes whose meaning is published by the frameworks that use them (docs/supervisor.md).
+DEFAULT_EXIT_CODES = {16: "relaunch_without_suspects", 17: "stop", 93: "stop"}
 
 
 def _f(name, kind, doc="", **kw) -> Field:
@@ -544,6 +551,10 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
     _policy("replace_stragglers", "bool", "when a straggler is found and a spare node is free: stop the ranks "
             "with a checkpoint, relaunch on the spare without the slow node (no step lost), keep it out (drained "
             "with a `clusterops:straggler:` reason when `drain_bad_nodes`); without a spare only record it", False),
+    _f("exit_codes", "exitcodes", "what a training step's exit code asks: `{CODE: ACTION}` with actions "
+       + ", ".join(f"`{a}`" for a in EXIT_ACTIONS) + " (docs/supervisor.md, \"Exit codes as a contract\"); "
+       "merged over the defaults 16: relaunch_without_suspects (Megatron-LM), 17: stop (Megatron-LM), "
+       "93: stop (nvidia-resiliency-ext)", default_text="16, 17, 93 as named"),
     _budget("replica_check_every", "steps between the replica checks of a script that calls "
             "`sdk.check_replicas` (a digest of every rank's parameters compared across the replicas; a rank "
             "that differs is an `sdc_suspect`: rolled back to the last agreeing check, its node kept out); 0: off",
@@ -910,8 +921,27 @@ def _check_map(c: Checker, v: Dict[Any, Any], f: Field, path: Path_, what: str) 
     return v
 
 
+def _k_exitcodes(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    """``{CODE: ACTION}``: codes 1-255 (an int, or digits as YAML may quote them), actions
+    from :data:`EXIT_ACTIONS`; -> ``{int: action}``."""
+    if not isinstance(v, dict):
+        raise c.error(path, f"must be a mapping of exit code -> action, got {_name(v)}")
+    out = {}
+    for key, action in v.items():
+        code = key if isinstance(key, int) and not isinstance(key, bool) else (
+            int(key) if isinstance(key, str) and key.strip().isdigit() else None)
+        if code is None or not 1 <= code <= 255:
+            raise c.error(path + (key,), f"exit codes are whole numbers from 1 to 255, got {key!r}")
+        if action not in EXIT_ACTIONS:
+            raise c.error(path + (key,), f"unknown action {action!r}{suggest(str(action), EXIT_ACTIONS)}; "
+                                         f"valid: {', '.join(EXIT_ACTIONS)}")
+        out[code] = action
+    return out
+
+
 #: The kinds of the health profiles and the site config (``validate``).
 KINDS: Dict[str, KindCheck] = {
+    "exitcodes": _k_exitcodes,
     "bool": _k_bool, "int": _k_number, "number": _k_number, "str": _k_str, "url": _k_url,
     "enum": _k_enum, "version": _k_version, "regex": _k_regex, "list": _k_list, "union": _k_union,
     "probe": _k_probe, "map": _k_map, "dict": _k_dict, "any": lambda c, v, f, path: v,

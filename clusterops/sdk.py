@@ -608,6 +608,23 @@ def check_replicas(step: int, tensors, *, every: Optional[int] = None, group=Non
     return verdict
 
 
+def report_suspects(*, nodes=(), ranks=(), why: str = "") -> bool:
+    """Name the nodes (by Slurm name) and/or ranks this run suspects, before exiting with a
+    code the job maps to ``relaunch_without_suspects`` (Megatron-LM's 16 by default): the
+    supervisor leaves them out of the relaunch (drained with ``drain_bad_nodes``). Any rank
+    may call it; what several ranks name is merged. ``nodes=[socket.gethostname()]`` does not
+    name a Slurm node: use ``os.environ["SLURMD_NODENAME"]``. Never raises; True when written."""
+    d = os.environ.get(protocol.ENV_HEARTBEAT_DIR)
+    if not d:
+        return False
+    try:
+        protocol.write_suspects(d, _rank(), [str(n) for n in nodes], [int(r) for r in ranks], why)
+    except (OSError, ValueError) as e:
+        log.warning("suspects not reported: %s", e)
+        return False
+    return True
+
+
 def _dump_flight_recorder(request: int) -> None:
     """Answer the supervisor's dump request ``request`` (a hang's stack capture) from the
     watch thread: torch's flight recorder (the process groups' collective sequence numbers

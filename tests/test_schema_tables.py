@@ -75,7 +75,8 @@ def test_policy_is_made_from_the_table():
     assert run_only == {"ckpt_dir", "job_dir", "job_dir_mode", "verify_deep", "step_wait_s",
                         "progress", "checkpoint_glob", "resume_args",   # these three: no-SDK scripts
                         "stability",    # the stability guard's own settings (StabilityConfig)
-                        "inprocess"}   # in-process recovery: the run's rendezvous (supervisor/rendezvous.py)
+                        "inprocess",   # in-process recovery: the run's rendezvous (supervisor/rendezvous.py)
+                        "exit_codes"}   # the exit-code contract (code -> action, merged over the defaults)
     assert SUPERVISE_NAMES - run_only <= {f.name for f in fields}
     # ... and the class spells none of them itself.
     tree = ast.parse((PACKAGE / "supervisor" / "machine.py").read_text())

@@ -54,8 +54,9 @@ def _setting_option(f: schema.Field):
         "str": lambda: click.STRING,
         "list": lambda: click.STRING,   # JSON, e.g. '["--resume", "{ckpt}"]'
         "map": lambda: click.STRING,    # JSON, e.g. '{"regex": "step=(\\d+)"}'
+        "exitcodes": lambda: click.STRING,   # JSON, e.g. '{"42": "requeue"}'
     }
-    if f.kind in ("list", "map"):
+    if f.kind in ("list", "map", "exitcodes"):
         text += " (JSON)"
     return click.option(*names, f.name, type=types[f.kind](), default=None, help=text)
 

@@ -551,6 +551,12 @@ class TaskFailure:
     def kind(self) -> FailureKind:
         return failure_kind(self.reason)
 
+    @property
+    def exit_code(self) -> Optional[int]:
+        """The task's own exit code when srun says it exited with one ("Exited with exit code N")."""
+        m = re.search(r"[Ee]xit(?:ed with exit)? code (\d+)", self.reason)
+        return int(m.group(1)) if m else None
+
 
 def parse_srun_failures(text: str) -> Tuple[List[TaskFailure], List[str]]:
     """Per-task failures in the order srun reported them, and the nodes srun saw fail

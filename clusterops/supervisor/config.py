@@ -16,7 +16,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 from clusterops import protocol, schema
 from clusterops.errors import InputError
@@ -96,6 +96,23 @@ def inprocess_settings(value: Any):
         if k not in known:
             raise InputError(f"supervise.inprocess.{k}: unknown key")
     return InprocessSettings(**{k: type(known[k].default)(v) for k, v in value.items()})
+
+
+def exit_codes(sup: Mapping[str, Any]) -> Dict[int, str]:
+    """``supervise: exit_codes:`` merged over the published defaults -> {code: action}
+    (validated with the spec; a flag gives it as JSON); InputError for a bad one."""
+    v = sup.get("exit_codes")
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise InputError(f"--exit-codes: not valid JSON ({e})") from None
+    merged = dict(schema.DEFAULT_EXIT_CODES)
+    if v is not None:
+        c = schema.Checker(schema.KINDS, lambda path, message: InputError(
+            f"spec: supervise.exit_codes{''.join('.' + str(p) for p in path[2:])}: {message}"))
+        merged.update(c.check(v, schema.supervise_field("exit_codes"), ("supervise", "exit_codes")))
+    return merged
 
 
 def plain_contract(sup: Mapping[str, Any]):
@@ -293,6 +310,7 @@ def run_config(spec: Mapping[str, Any], command: Sequence[str], settings: Mappin
     extra["notify_urls"] = list(spec.get("notify") or [])
     extra["plain"] = plain
     extra["stability"] = stability_config(sup)
+    extra["exit_codes"] = exit_codes(sup)
     if spec.get("signal_lead_s"):
         extra["signal_lead_s"] = int(spec["signal_lead_s"])
     if spec.get("launcher") == "torchrun":

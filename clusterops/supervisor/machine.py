@@ -40,6 +40,7 @@ __all__ = [
     "EXIT_STOPPED_NO_REQUEUE",
     "EXIT_DIVERGED",
     "EXIT_ROLLBACK_BUDGET",
+    "EXIT_SCRIPT_STOP",
     "LIVENESS",
     "Policy",
     "Event",
@@ -93,6 +94,7 @@ EXIT_TOO_FEW_NODES = ExitCode.TOO_FEW_NODES
 EXIT_STOPPED_NO_REQUEUE = ExitCode.STOPPED_NO_REQUEUE
 EXIT_DIVERGED = ExitCode.DIVERGED
 EXIT_ROLLBACK_BUDGET = ExitCode.ROLLBACK_BUDGET
+EXIT_SCRIPT_STOP = ExitCode.SCRIPT_STOP
 
 
 # --------------------------------------------------------------------------------------
@@ -182,6 +184,9 @@ class StepExited(Event):
     #: task (rank) -> what its own output says (clusterops.supervisor.evidence): the last
     #: line of its traceback, a hardware sign. Tasks that printed neither are absent.
     task_output: Mapping[int, TaskOutput] = field(default_factory=dict)
+    #: what the script named before exiting (sdk.report_suspects): Slurm node names, ranks
+    suspect_nodes: Tuple[str, ...] = ()
+    suspect_ranks: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -478,8 +483,10 @@ class Supervisor:
 
     def __init__(self, policy: Policy, nodes: Sequence[str], *, slurm_restart_count: int = 0,
                  memory: Optional[Memory] = None, ckpt_step: Optional[int] = None,
-                 stability: Optional[stb.StabilityConfig] = None):
+                 stability: Optional[stb.StabilityConfig] = None, exit_codes: Optional[Mapping[int, str]] = None):
         self.policy = policy
+        # What a script's own exit code asks (supervise: exit_codes:, over the published defaults).
+        self.exit_codes: Dict[int, str] = dict(schema.DEFAULT_EXIT_CODES if exit_codes is None else exit_codes)
         self.allocation: List[str] = list(nodes)
         self.slurm_restart_count = slurm_restart_count
         self.memory = memory or Memory()
@@ -1239,6 +1246,9 @@ class Supervisor:
             rec["sign"] = list(v.sign)
         if v.error:
             rec["error"] = v.error
+        code, action = self._exit_contract(ev)
+        if action is not None:
+            rec["exit_code"], rec["exit_action"] = code, action
         out.append(Record(E.STEP_EXIT, rec))
         self.last_error = v.error
         if self.replacing:
@@ -1252,12 +1262,50 @@ class Supervisor:
         if self.pending_stop:
             self.stop_reason = self.pending_stop
             return self._requeue(f"stopped for {self.pending_stop}", out)
+        if action is not None:
+            return self._exited_by_contract(ev, cause, code, action, out)
         given_up = self._count_failed_attempt(ev, cause, out)
         if given_up is not None:
             return given_up
         self._weigh_error(v, ev, out)
         self._blame(blamed, cause, ev.now, out)
         self.last_cause = cause
+        return self._check_then_relaunch(ev.now, out)
+
+    def _exit_contract(self, ev: StepExited) -> Tuple[Optional[int], Optional[str]]:
+        """(code, action) when the first rank that exited on its own exited with a code the
+        job maps (``exit_codes``); a rank killed by a signal is no such word. (None, None) else."""
+        first = next((f for f in ev.failures if f.kind == FailureKind.EXITED), None)
+        code = first.exit_code if first is not None else (ev.returncode if not ev.failures else None)
+        if code is None or code not in self.exit_codes:
+            return None, None
+        return code, self.exit_codes[code]
+
+    def _exited_by_contract(self, ev: StepExited, cause: Cause, code: int, action: str,
+                            out: List[Action]) -> List[Action]:
+        """The script said with its exit code what should happen (``exit_codes``): stop (no
+        restart), requeue, or relaunch -- without the nodes it named (``sdk.report_suspects``:
+        drained with ``drain_bad_nodes``, through the fleet guard, else only left out). The
+        script's word replaces the blame rules; the restart budgets still hold."""
+        suspects = sorted({n for n in ev.suspect_nodes if n in self.allocation}
+                          | {n for n in (self.rank_node(r) for r in ev.suspect_ranks) if n})
+        rec = {"code": code, "action": action}
+        if action == "relaunch_without_suspects":
+            rec["suspects"] = suspects
+            if not suspects:
+                rec["note"] = "the script named no suspect (sdk.report_suspects): relaunched on the same nodes"
+        out.append(Record(E.EXIT_CONTRACT, rec))
+        self.last_cause = cause
+        if action == "stop":
+            return self._exit(EXIT_SCRIPT_STOP, f"the script exited with {code}, which asks not to restart "
+                                                f"(exit_codes: {code}: stop)", out)
+        if action == "requeue":
+            return self._requeue(f"the script exited with {code} (exit_codes: {code}: requeue)", out)
+        given_up = self._count_failed_attempt(ev, cause, out)
+        if given_up is not None:
+            return given_up
+        for node in suspects:
+            self._mark_bad(node, f"exit_code {code}: the script named it suspect", ev.now, out)
         return self._check_then_relaunch(ev.now, out)
 
     def _count_failed_attempt(self, ev: StepExited, cause: Cause, out: List[Action]) -> Optional[List[Action]]:

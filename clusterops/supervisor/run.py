@@ -37,9 +37,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from clusterops import drains
+from clusterops import drains, schema
 from clusterops import protocol
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
@@ -237,6 +237,8 @@ class RunConfig:
     heartbeat: str = field(default_factory=hbchannel.mode_from_env)   # channel mode, see channel.py
     supervisor_lost_s: float = field(default_factory=hbchannel.lost_from_env)  # beacons' silence: gone
     stability: Optional[StabilityConfig] = None   # supervise: stability: (None: no guard)
+    #: supervise: exit_codes: merged over the defaults (code -> action, schema.EXIT_ACTIONS)
+    exit_codes: Mapping[int, str] = field(default_factory=lambda: dict(schema.DEFAULT_EXIT_CODES))
     job_dir_mode: int = 0o700               # mode of a job directory the supervisor creates
     inprocess: Optional[InprocessSettings] = None   # supervise: inprocess: (rendezvous.py); None: off
     # The spec's signal_lead_s (0: none asked): a lead signal lost before the handlers were
@@ -499,7 +501,8 @@ class SupervisorRun:
         latest = self._latest_ckpt(deep=False)
         self.seen_ckpt = latest
         self.sup = sv.Supervisor(cfg.policy, cfg.nodes, slurm_restart_count=cfg.slurm_restart_count,
-                                 memory=memory, ckpt_step=latest, stability=cfg.stability)
+                                 memory=memory, ckpt_step=latest, stability=cfg.stability,
+                                 exit_codes=cfg.exit_codes)
         if self.sup.stability is not None:      # the checkpoints a rollback may go back to
             for step in self._ckpt_steps():
                 self.sup.stability.checkpoint(step)
@@ -979,9 +982,12 @@ class SupervisorRun:
         stopped_by = None
         if rc == 0 and not failures:
             stopped_by = self._external_stop(text)
+        named = protocol.read_suspects(protocol.heartbeat_dir(self.attempt_dir)) if self.attempt_dir else {}
         return sv.StepExited(now, returncode=rc, failures=tuple(failures), ckpt_step=ckpt,
                              node_failure=tuple(lost), stopped_by=stopped_by,
-                             task_output={t: o for t, o in said.items() if t in {f.rank for f in failures}})
+                             task_output={t: o for t, o in said.items() if t in {f.rank for f in failures}},
+                             suspect_nodes=tuple(named.get("nodes") or ()),
+                             suspect_ranks=tuple(named.get("ranks") or ()))
 
     def _poll_rdzv(self) -> None:
         """The in-process rendezvous's records into the timeline; its fallback kills the step

@@ -39,6 +39,7 @@ class EventKind(str, Enum):
     PROGRESS = "progress"
     CHECKPOINT = "checkpoint"
     HEARTBEAT_LOST = "heartbeat_lost"
+    EXIT_CONTRACT = "exit_contract"   # a script's exit code mapped by exit_codes: what it asked
     HANG_NAMED = "hang_named"         # the flight recorders' word on a hang: the rank that never entered
     STRAGGLER = "straggler"
     LOSS_SPIKE = "loss_spike"
@@ -124,7 +125,7 @@ E = EventKind
 # Event kinds drawn as markers on the chart, and how.
 FAULT_KINDS = {E.SUPERVISOR_LOST, E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.STEP_EXIT, E.STOP_TIMEOUT,
                E.KILL_ESCALATED, E.ROLLBACK, E.INPROC_FAULT}
-DECISION_KINDS = {E.TAKEOVER, E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED,
+DECISION_KINDS = {E.EXIT_CONTRACT, E.TAKEOVER, E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED,
                   E.DONE, E.INPROC_FIRST_STEP, E.INPROC_FALLBACK}
 # Findings that are neither a fault nor a decision: a slow node (drawn in orange).
 FINDING_KINDS = {E.STRAGGLER, E.LOSS_SPIKE, E.NAN, E.NODE_SUSPECT, E.SDC_SUSPECT, E.HANG_NAMED}
