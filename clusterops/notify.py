@@ -16,8 +16,9 @@ Who sends what: the sweep ``node_drained``, ``node_resumed``, ``guard_tripped`` 
 ``sweep_cannot_run``; ``health check --drain-on-fail`` (the site config's ``notify:``)
 ``node_drained``, ``node_resumed`` and ``guard_tripped`` for its own node; the supervisor
 ``job_requeued``, ``job_given_up`` (with the exit code, the program's last error line and the timeline's summary),
-``job_rolled_back`` (a stability rollback: to which step, what is skipped) and ``job_diverged``
-(the stability guard stopped the job or gave up; instead of ``job_given_up``) to the
+``job_rolled_back`` (a stability rollback: to which step, what is skipped), ``job_diverged``
+(the stability guard stopped the job or gave up; instead of ``job_given_up``) and
+``job_node_drained`` (a node of the job drained by someone else: replaced or kept) to the
 site config's webhooks and to the job spec's ``notify:`` URLs (generic JSON). Every send runs on its own daemon thread: :meth:`Notifier.send`
 returns at once, :meth:`Notifier.close` waits for the deliveries at most ``max_wait_s`` in
 all, and a webhook that is down, slow or refusing only yields a one-line ``error`` in
@@ -50,7 +51,8 @@ from urllib.parse import urlsplit
 from clusterops.errors import InputError
 
 FORMATS = ("json", "slack")
-EVENTS = ("node_drained", "node_resumed", "guard_tripped", "sweep_cannot_run", "job_given_up", "job_requeued", "job_rolled_back", "job_diverged")
+EVENTS = ("node_drained", "node_resumed", "guard_tripped", "sweep_cannot_run", "job_given_up", "job_requeued", "job_rolled_back", "job_diverged",
+          "job_node_drained")
 TARGET_KEYS = {"url", "format", "events", "timeout_s", "retries"}
 MAX_RETRIES = 10
 DEFAULT_RETRIES = 1

@@ -555,6 +555,9 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
        + ", ".join(f"`{a}`" for a in EXIT_ACTIONS) + " (docs/supervisor.md, \"Exit codes as a contract\"); "
        "merged over the defaults 16: relaunch_without_suspects (Megatron-LM), 17: stop (Megatron-LM), "
        "93: stop (nvidia-resiliency-ext)", default_text="16, 17, 93 as named"),
+    _policy("drain_grace_s", "number", "a node of the job drained by someone else (a reason clusterops did not "
+            "write) with no spare to take its place: stop with a checkpoint and requeue without it this long after "
+            "the drain was seen (the stop starts `stop_timeout_s` earlier); 0: keep running on it", 0.0, min=0),
     _budget("replica_check_every", "steps between the replica checks of a script that calls "
             "`sdk.check_replicas` (a digest of every rank's parameters compared across the replicas; a rank "
             "that differs is an `sdc_suspect`: rolled back to the last agreeing check, its node kept out); 0: off",

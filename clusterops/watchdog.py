@@ -38,7 +38,9 @@ two-way (:mod:`clusterops.heartbeat`: a ``ping`` per node and interval, answered
    nothing at all. Otherwise it pings once more and waits for the answer, at most until the
    silence reaches ``lost_ms``: a live supervisor answers within milliseconds, so an
    ordinary fault costs no time. No answer is again only a question for Slurm (as in 2,
-   at most :data:`EXIT_CONFIRM_S`); without Slurm's "gone" the rank leaves without acting.
+   for as long as Slurm takes to see a node go: SlurmdTimeout and two intervals, between
+   :data:`EXIT_CONFIRM_S` and :data:`EXIT_CONFIRM_MAX_S`, ended early by a relaunch); without
+   Slurm's "gone" the rank leaves without acting.
 4. **One requeue, retried.** The ranks that Slurm told the batch host is gone elect one:
    each waits ``STAGGER_S`` per rank below it (capped at :data:`MAX_STAGGER`), then
    claims the attempt's ``takeover`` marker on the shared job directory by an exclusive
@@ -70,6 +72,7 @@ import enum
 import json
 import logging
 import os
+import re
 import select
 import socket
 import threading
@@ -94,6 +97,8 @@ CONFIRM_EVERY_S = 5.0
 #: At exit, how long a rank waits for Slurm's word (two confirmation intervals: a read that
 #: failed is asked again once).
 EXIT_CONFIRM_S = 2 * CONFIRM_EVERY_S + 1.0
+#: ... and at most this long, however long Slurm takes to see a node go (SlurmdTimeout).
+EXIT_CONFIRM_MAX_S = 660.0
 #: At exit, how long a rank waits for another rank's takeover to settle (it claims the next
 #: generation itself when that one is released or its lease passes in this time).
 EXIT_TAKEOVER_S = 30.0
@@ -218,6 +223,7 @@ class Watchdog:
         # The supervisor's flight-recorder dump requests (a hang's stack capture): the newest
         # number heard on this node, and the newest this rank answered (on_dump, once each).
         self.on_dump = on_dump
+        self._slurmd_timeout: Optional[float] = None
         self.dump_heard = 0
         self.dump_done = 0
         self.rank = int(rank)
@@ -437,6 +443,19 @@ class Watchdog:
             pass                    # the node's other ranks ask in a later interval
         return verdict, why
 
+    def _slurmd_timeout_s(self) -> float:
+        """Slurm's SlurmdTimeout (how long it takes to see a node go), read once; 300 s (Slurm's
+        default) when it cannot be read."""
+        if self._slurmd_timeout is None:
+            self._slurmd_timeout = 300.0
+            try:
+                m = re.search(r"^SlurmdTimeout\s*=\s*(\d+)", self.slurm_factory().show_config(), re.MULTILINE)
+                if m:
+                    self._slurmd_timeout = float(m.group(1))
+            except Exception as e:  # noqa: BLE001 - the default then
+                log.warning("supervisor watch: SlurmdTimeout not read (%s): %g s assumed", e, self._slurmd_timeout)
+        return self._slurmd_timeout
+
     def ask_slurm(self) -> Tuple[str, str]:
         """Slurm's word on the job's batch host, read now (two reads, no cache)."""
         if not self.job_id:
@@ -499,15 +518,22 @@ class Watchdog:
                 return False
 
     def _confirm_at_exit(self) -> bool:
-        """No answer at exit: ask Slurm (the node's word), at most EXIT_CONFIRM_S."""
+        """No answer at exit: ask Slurm (the node's word) until it says the batch host is gone,
+        for as long as Slurm takes to see a node go (``SlurmdTimeout`` and two confirmation
+        intervals, at least EXIT_CONFIRM_S, at most EXIT_CONFIRM_MAX_S): a power cut leaves the
+        host "up" in Slurm's view for that long, and a rank that left at Slurm's first "fine"
+        would leave the job running with no batch script. A relaunch by the supervisor (it was
+        there after all) ends the wait at once."""
         since = self.clock()
-        end = since + EXIT_CONFIRM_S
+        end = since + min(EXIT_CONFIRM_MAX_S, max(EXIT_CONFIRM_S, self._slurmd_timeout_s() + 2 * CONFIRM_EVERY_S))
         verdict, why = UNKNOWN, "not asked"
         while self.clock() < end:
             verdict, why = self.confirm(self.clock(), since=since, prefix=EXIT_ASK_PREFIX)
-            if verdict != UNKNOWN:
+            if verdict == GONE:
                 break
-            self.sleep(0.1)
+            if self.relaunched():
+                return False        # the supervisor is there: this exit was an ordinary fault
+            self.sleep(0.5 if verdict == UNKNOWN else 1.0)
         if verdict == GONE:
             self.confirmed, self.gone_why = True, why
             return True

@@ -245,6 +245,7 @@ def test_no_answer_at_exit_without_slurms_word_does_nothing(setup, tmp_path, mon
     (every time), is no loss: the rank leaves without a takeover."""
     monkeypatch.setattr(wd, "CONFIRM_EVERY_S", 0.2)
     monkeypatch.setattr(wd, "EXIT_CONFIRM_S", 0.7, raising=False)
+    monkeypatch.setattr(wd, "EXIT_CONFIRM_MAX_S", 1.2, raising=False)   # the fake has no SlurmdTimeout
     rx, addr, att = setup(lost_s=1.0)
     if world == "host up":
         slurm = slurm_with()
@@ -426,5 +427,44 @@ def test_a_requeue_that_kills_its_asker_still_counts(setup, tmp_path):
         w.at_exit()
         assert w.took_over is True
         assert [r.get("asked") for r in tl.read(att.parent) if r["event"] == "takeover"] == [True]
+    finally:
+        w.close()
+
+
+class SlurmSeesItLate(FakeSlurm):
+    """The batch host "up" for the first reads after a power cut, then NOT_RESPONDING, as Slurm
+    sees a lost node only after SlurmdTimeout (the dev cluster's CI run that found this)."""
+
+    def __init__(self, *a, up_reads=2, slurmd_timeout=3, **kw):
+        super().__init__(*a, **kw)
+        self.up_reads, self.timeout = up_reads, slurmd_timeout
+
+    def show_config(self) -> str:
+        return f"SlurmctldTimeout        = 120 sec\nSlurmdTimeout           = {self.timeout} sec\n"
+
+    def node(self, name):
+        n = super().node(name)
+        if name == "node1":
+            self.up_reads -= 1
+            if self.up_reads < 0:
+                return NodeInfo("node1", "down", frozenset({"NOT_RESPONDING"}))
+        return n
+
+
+def test_an_exiting_rank_waits_for_slurm_to_see_the_host_go_then_takes_over(setup, tmp_path, monkeypatch):
+    """A rank whose collective failed with the batch host (a power cut) exits before Slurm has
+    marked the host down: it keeps asking (once per node and interval) until Slurm says gone,
+    within SlurmdTimeout and two intervals, and then requeues the job."""
+    monkeypatch.setattr(wd, "CONFIRM_EVERY_S", 0.3)
+    rx, addr, att = setup(lost_s=1.0)
+    slurm = slurm_with(cls=SlurmSeesItLate)
+    w, _ = watch(addr, att, tmp_path, 1, "node2", slurm, start=False)
+    try:
+        w.tick()
+        wait_for(lambda: (w.tick(), w.heard())[1] is not None)
+        rx.close()
+        w.at_exit()
+        assert w.confirmed and w.took_over is True, slurm.calls
+        assert [c for c in slurm.calls if c[0] == "requeue"] == [("requeue", "77")]
     finally:
         w.close()

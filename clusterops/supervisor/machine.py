@@ -128,6 +128,7 @@ class StopReason(str, Enum):
     USER = "user"                # any other signal (an operator's SIGINT)
     SIGNAL = "signal"            # the ranks stopped on a signal that did not come through us
     STRAGGLER = "straggler"      # a planned stop to replace a slow node
+    DRAINED = "node_drained"     # a planned stop to move off a node someone else drained
 
     def __str__(self) -> str:
         return self.value
@@ -210,6 +211,9 @@ class Heartbeats(Event):
 @dataclass(frozen=True)
 class NodesDown(Event):
     nodes: Mapping[str, str] = field(default_factory=dict)   # node -> state text
+    #: nodes of the allocation drained by someone else (a reason clusterops did not write):
+    #: node -> the reason, left as it is
+    drained: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -518,7 +522,9 @@ class Supervisor:
         self.everywhere: Set[str] = set()         # error lines seen from two nodes: the program's for good
         self.exit_code: Optional[int] = None
         self.detector: Optional[Detector] = None   # straggler detection of the current step
-        self.replacing: Optional[str] = None        # the straggler a planned stop will replace
+        self.replacing: Optional[str] = None        # the node (straggler, drained) a planned stop will replace
+        self.foreign_drains: Dict[str, str] = {}     # node -> someone else's drain reason, seen while we run
+        self.drain_deadline: Optional[float] = None  # drain_grace_s: when to stop and requeue without them
         self.straggler_why: Dict[str, Tuple[str, str]] = {}   # node -> (why, drain reason)
         # The stability guard (supervise: stability:), its decision while the step is killed.
         # The loss is watched only with a stability config; a job whose script may check its
@@ -925,7 +931,62 @@ class Supervisor:
                 Record(E.STOP_REQUESTED, {"reason": StopReason.STRAGGLER, "state": RUNNING, "node": f.node}),
                 RequestStop(StopReason.STRAGGLER)]
 
+    def _foreign_drains(self, ev: NodesDown) -> List[Action]:
+        """Nodes of the allocation an administrator (anyone but clusterops) drained while the
+        job runs: a planned replacement. A spare free: stop the ranks with a checkpoint now
+        and relaunch on the spare (0 steps lost). None: keep running and say so; with
+        ``drain_grace_s`` stop with a checkpoint and requeue without the node before the grace
+        ends. A drained spare is only dropped. The drain and its reason are never touched."""
+        out: List[Action] = []
+        for node, reason in sorted(ev.drained.items()):
+            if node not in self.allocation or node in self.foreign_drains or node in self.bad:
+                continue
+            self.foreign_drains[node] = reason
+            rec = {"node": node, "reason": reason}
+            if node not in self.active:
+                if node in self.spares:
+                    self.spares.remove(node)
+                self.bad[node] = f"drained by someone else: {reason}"
+                out.append(Record(E.NODE_DRAINED, dict(rec, action="spare dropped")))
+                continue
+            free = [n for n in self.spares if n not in self.bad]
+            if free and self.state == RUNNING and not self.replacing:
+                self.replacing = node
+                self.stop_reason = StopReason.DRAINED
+                self._enter(STOPPING)
+                self.stop_deadline = ev.now + self.policy.stop_timeout_s
+                out += [Record(E.NODE_DRAINED, dict(rec, action="replace", spare=free[0])),
+                        Record(E.STOP_REQUESTED, {"reason": StopReason.DRAINED, "state": RUNNING, "node": node}),
+                        RequestStop(StopReason.DRAINED)]
+                continue
+            grace = self.policy.drain_grace_s
+            if grace:
+                at = ev.now + max(0.0, grace - self.policy.stop_timeout_s)
+                self.drain_deadline = at if self.drain_deadline is None else min(self.drain_deadline, at)
+            out.append(Record(E.NODE_DRAINED, dict(
+                rec, action="keep running", why="no spare node" if not free else "a stop is already under way",
+                **({"stop_in_s": round(self.drain_deadline - ev.now, 1)} if grace else {}))))
+        return out
+
+    def _drain_grace_over(self, now: float) -> List[Action]:
+        """``drain_grace_s`` ran out for a drained node with no spare: stop with a save and
+        requeue without the drained nodes (left out, never drained again by us)."""
+        self.drain_deadline = None
+        out: List[Action] = []
+        for node, reason in self.foreign_drains.items():
+            if node in self.active:
+                self._mark_bad(node, f"drained by someone else: {reason}", now, out, drain=False)
+        out.append(Record(E.STOP_REQUESTED, {"reason": StopReason.DRAINED, "state": RUNNING,
+                                             "nodes": sorted(self.foreign_drains)}))
+        self.stop_reason = StopReason.DRAINED
+        self._enter(STOPPING)
+        self.stop_deadline = now + self.policy.stop_timeout_s
+        return out + [RequestStop(StopReason.DRAINED)]
+
     def _mark_straggler(self, node: str, now: float, out: List[Action]) -> None:
+        if node in self.foreign_drains:     # replaced for someone else's drain: left out, the drain left alone
+            self._mark_bad(node, f"drained by someone else: {self.foreign_drains[node]}", now, out, drain=False)
+            return
         why, reason = self.straggler_why.get(node, ("straggler", drains.make_reason(drains.STRAGGLER, "straggler")))
         self._mark_bad(node, why, now, out, reason=reason)
 
@@ -973,7 +1034,7 @@ class Supervisor:
         return [KillStep(cause)]
 
     def _on_nodes_down(self, ev: NodesDown) -> List[Action]:
-        out: List[Action] = []
+        out: List[Action] = self._foreign_drains(ev)
         fresh = {n: s for n, s in ev.nodes.items() if n in self.allocation and n not in self.down_seen}
         for node, st in sorted(fresh.items()):
             self.down_seen.add(node)
@@ -1037,6 +1098,8 @@ class Supervisor:
 
     def _on_tick(self, ev: Tick) -> List[Action]:
         out: List[Action] = []
+        if self.state == RUNNING and self.drain_deadline is not None and ev.now >= self.drain_deadline:
+            return self._drain_grace_over(ev.now)
         if self.state == STOPPING and self.stop_deadline is not None and ev.now > self.stop_deadline:
             out.append(Record(E.STOP_TIMEOUT, {"after_s": self.policy.stop_timeout_s}))
             out += self._kill(ev.now, KillCause.STOP_TIMEOUT)

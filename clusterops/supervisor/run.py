@@ -651,6 +651,9 @@ class SupervisorRun:
             note = blame_bad_node(str(a.data.get("node")), str(a.data.get("why") or ""), self.cfg.job_id)
             if note:
                 self.echo(f"[clusterops supervise] {note}")
+        if a.kind == E.NODE_DRAINED and a.data.get("action") != "spare dropped":
+            self._notify("job_node_drained", f"job {self.cfg.job_id}: node {a.data.get('node')} drained by someone "
+                                             f"else ({a.data.get('action')})", dict(a.data), wait_s=2.0)
         if a.kind == E.ROLLBACK:
             self._notify("job_rolled_back", f"job {self.cfg.job_id} rolled back to step {a.data.get('to_step')}",
                          dict(a.data), wait_s=2.0)
@@ -1400,4 +1403,7 @@ class SupervisorRun:
                 self.signals.append(self._missed_lead())
         down = {n.name: (n.state + ("+" + "+".join(sorted(n.flags)) if n.flags else ""))
                 for n in infos if n.is_down}
-        return sv.NodesDown(now, down) if down else None
+        # Drained by someone else (a reason clusterops did not write): the same read, no other.
+        drained = {n.name: n.reason or "" for n in infos
+                   if n.drained and not n.is_down and drains.is_foreign(n.reason)}
+        return sv.NodesDown(now, down, drained) if down or drained else None

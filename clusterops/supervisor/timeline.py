@@ -47,6 +47,7 @@ class EventKind(str, Enum):
     ROLLBACK = "rollback"
     NODE_DOWN = "node_down"
     NODE_BAD = "node_bad"
+    NODE_DRAINED = "node_drained"     # drained by someone else while the job runs: replaced, or kept
     NODE_SUSPECT = "node_suspect"     # one program error from one node only, weighed across relaunches
     SDC_SUSPECT = "sdc_suspect"       # replicas that disagree (sdk.check_replicas): the ranks outside the majority
     STOP_REQUESTED = "stop_requested"

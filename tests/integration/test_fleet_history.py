@@ -108,7 +108,7 @@ def test_migrates_from_the_first_release_schema(history_target):
         assert h.checks() == [] and h.rows(source="check") == []
     # A writer migrates it: old rows kept, new features work.
     with History.open(history_target) as h:
-        assert h.schema_version() == SCHEMA_VERSION == 2 and h.has_source
+        assert h.schema_version() == SCHEMA_VERSION == 3 and h.has_source and h.has_blames
         assert h.fail_history(["node1"], 5) == {"node1": [True, False, True]}
         assert h.record_check(dict(check_report("node1", "fail", t=2000.0), id="c1", host="h")) == 3
         h.record(sweep_report("s3", 3000.0, {"node1": "pass"}))
@@ -116,6 +116,8 @@ def test_migrates_from_the_first_release_schema(history_target):
         assert h.fail_history(["node1"], 5) == {"node1": [False, True, False, True]}
         assert [r.source for r in h.rows(node="node1", probe="check")] == ["sweep"] * 3 + ["check", "sweep"]
         assert [s["id"] for s in h.sweeps()] == ["s3", "s2"]
+        # The failed check is a blame (schema 3); the old sweeps' rows are not replayed as blames.
+        assert [(b["node"], b["source"]) for b in h.blames()] == [("node1", "check")]
     # Opening again applies nothing more.
     with History.open(history_target) as h:
         assert h.migrate() == []

@@ -204,6 +204,9 @@ def test_batch_host_lost_in_process_ranks_requeue_resumed_bitwise(cluster, tmp_p
                       step_sleep=0.2, script=SCRIPT, supervise={"inprocess": {"standbys_per_node": 1}})
     job.submit(env={"CLUSTEROPS_SUPERVISOR_LOST_S": "3"})
     job.wait_step(20, timeout_s=300)
+    # The cut comes after the step-20 checkpoint committed (a step reported is not yet a
+    # checkpoint saved: rank 0 commits it, and the cut takes rank 0).
+    fk.wait_for(lambda: (job.ckpt_dir / "step_00000020").is_dir(), 60, "the step-20 checkpoint")
     assert slurm.job(job.job_id).batch_host == "node1"
     cluster.kill_node("node1", power_cut=True)
     info = job.wait_end(slurm, timeout_s=400)
