@@ -2,8 +2,9 @@
 """Device check for a GPU machine: the real NVML probe (with the driver-570 fields: recovery
 action, clocks, slowdown counters, VBIOS), the torch-distributed test and all-reduce
 bandwidth over the local GPUs (NCCL), matmul per GPU (bf16), the copy bandwidths
-(pinned H2D/D2H, P2P per pair, device memory) and the sdc digest (reproducible across runs,
-processes and GPUs; changed by the fault hook), with figures printed next to the published
+(pinned H2D/D2H, P2P per pair, device memory), the sdc digest (reproducible across runs,
+processes and GPUs; changed by the fault hook) and the replica check's digest of a 1B-parameter
+bf16 state (per check), with figures printed next to the published
 ones (max achievable bf16 matmul: 794 TFLOPS on H100 SXM / H200, 271 on A100 SXM, target
 within 10%; Azure's H100 floors 48 GB/s H2D/D2H and 335 GB/s P2P).
 
@@ -116,9 +117,33 @@ def main() -> int:
     out["copybw"] = [r.to_dict() for r in cres]
 
     out["sdc"] = run_sdc(ctx)
+    out["replica_digest"] = run_replica_digest()
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2, default=str))
     return 0
+
+
+def run_replica_digest() -> dict:
+    """The replica check's cost per check for a 1B-parameter bf16 state on cuda:0
+    (clusterops.replicas.digest over 1e9 elements in four tensors), median of 5."""
+    import statistics
+
+    import torch
+
+    from clusterops.replicas import digest
+
+    n = 1_000_000_000
+    tensors = [torch.empty(n // 4, dtype=torch.bfloat16, device="cuda:0").normal_() for _ in range(4)]
+    digest(tensors)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        digest(tensors).cpu()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    print(f"== replica digest: 1B bf16 parameters on cuda:0: {med * 1e3:.2f} ms per check (median of 5)")
+    return {"seconds_per_check_1B_bf16": med, "runs": times}
 
 
 def run_sdc(ctx) -> dict:
