@@ -5,26 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from support.machine import P, only, records
 from clusterops import supervisor as sv
 from clusterops.errors import InputError
 from clusterops.launch.spec import load_spec
-from clusterops.supervisor import (DrainNodes, Exit, Launch, Policy, RankFailure, Record, Requeue, ResumeChosen,
+from clusterops.supervisor import (DrainNodes, Exit, Launch, RankFailure, Requeue, ResumeChosen,
                                    StepExited, Supervisor)
 from clusterops.supervisor.config import exit_codes
-
-
-def P(**kw):
-    kw.setdefault("preflight", None)
-    kw.setdefault("liveness_check", False)
-    return Policy(**kw)
-
-
-def records(actions, kind):
-    return [a for a in actions if isinstance(a, Record) and a.kind == kind]
-
-
-def only(actions, kind):
-    return [a for a in actions if isinstance(a, kind)]
 
 
 def test_defaults_and_the_spec_merges_over_them():

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
+from support.machine import P, only, records
 from clusterops import heartbeat as hbc
 from clusterops import protocol
-from clusterops.supervisor import (HangNamed, Heartbeats, Launch, Policy, Record, ResumeChosen, StepExited,
+from clusterops.supervisor import (HangNamed, Heartbeats, Launch, ResumeChosen, StepExited,
                                    StepLaunched, Supervisor)
 from clusterops.supervisor.flightrec import name_hang
 
@@ -56,16 +57,6 @@ def test_beacon_carries_the_dump_request_and_old_beacons_still_decode():
     plain = json.dumps({"v": hbc.VERSION, "tok": "t" * 32, "kind": "beacon", "seq": 1, "lost_ms": 9},
                        separators=(",", ":")).encode()
     assert hbc.decode_beacon(plain, "t" * 32).dump == 0
-
-
-def P(**kw):
-    kw.setdefault("preflight", None)
-    kw.setdefault("liveness_check", False)
-    return Policy(**kw)
-
-
-def records(actions, kind):
-    return [a for a in actions if isinstance(a, Record) and a.kind == kind]
 
 
 def _hang(s, now, named):

@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-from clusterops.supervisor import (CheckpointCommitted, DrainNodes, Launch, NodesDown, Policy, Record, Requeue,
+from support.machine import P, only, records
+from clusterops.supervisor import (CheckpointCommitted, DrainNodes, Launch, NodesDown, Requeue,
                                    RequestStop, ResumeChosen, StepExited, Supervisor, Tick)
-
-
-def P(**kw):
-    kw.setdefault("preflight", None)
-    kw.setdefault("liveness_check", False)
-    return Policy(**kw)
-
-
-def records(actions, kind):
-    return [a for a in actions if isinstance(a, Record) and a.kind == kind]
-
-
-def only(actions, kind):
-    return [a for a in actions if isinstance(a, kind)]
 
 
 def _running(**kw):

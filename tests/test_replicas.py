@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from support.machine import P, only, records
 from clusterops import drains, protocol
 from clusterops import replicas as rp
-from clusterops.supervisor import (CheckpointCommitted, DrainNodes, Heartbeats, Launch, Policy, Record, ResumeChosen,
+from clusterops.supervisor import (CheckpointCommitted, DrainNodes, Heartbeats, Launch, ResumeChosen,
                                    StepExited, Supervisor)
 from clusterops.supervisor.machine import HoldCheckpoint, KillStep as Kill, PickRollback, RollbackPicked, SetAside
 
@@ -119,19 +120,6 @@ def test_sdk_check_on_three_gloo_ranks_names_the_flipped_rank_and_reports(tmp_pa
 
 
 # -- the supervisor's decision -----------------------------------------------------------------
-
-def P(**kw):
-    kw.setdefault("preflight", None)
-    kw.setdefault("liveness_check", False)
-    return Policy(**kw)
-
-
-def records(actions, kind):
-    return [a for a in actions if isinstance(a, Record) and a.kind == kind]
-
-
-def only(actions, kind):
-    return [a for a in actions if isinstance(a, kind)]
 
 
 def _running(policy, nodes):
