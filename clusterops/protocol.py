@@ -439,6 +439,40 @@ def read_replicas(hb_dir: os.PathLike) -> Optional[dict]:
     return body
 
 
+#: A rank's own last words (``sdk``'s exception hook): the last line of the traceback it died
+#: of, one small file per rank. srun can drop a dying task's last stderr when it ends the
+#: step; the process's own record cannot be dropped that way.
+ERRORS_DIR = "errors"
+
+
+def write_error(hb_dir: os.PathLike, rank: int, line: str) -> Path:
+    d = os.path.join(hb_dir, ERRORS_DIR)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return write_private(os.path.join(d, f"rank{int(rank)}"), " ".join(str(line).split())[:300].encode())
+
+
+def read_errors(hb_dir: os.PathLike) -> Dict[int, str]:
+    """rank -> the last line of the traceback it reported (unreadable files left out)."""
+    out: Dict[int, str] = {}
+    d = os.path.join(hb_dir, ERRORS_DIR)
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return out
+    for name in names:
+        m = re.fullmatch(r"rank(\d+)", name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(d, name), "rb") as f:
+                text = f.read(400).decode("utf-8", "replace").strip()
+        except OSError:
+            continue
+        if text:
+            out[int(m.group(1))] = text
+    return out
+
+
 #: What a script names as suspect before an exit it maps to ``relaunch_without_suspects``
 #: (``sdk.report_suspects``): one JSON file per reporting rank in this directory.
 SUSPECTS_DIR = "suspects"

@@ -136,9 +136,39 @@ class _Runtime:
         self.resume_hook = None  # clusterops.recover: told of every resume (what it loaded, seconds)
         self.flip_done = False   # the replica test hook flipped its bit (once per process)
         self.replicas_bad_reported = False   # a disagreement was reported: later checks keep it
+        self.replicas_last_agree: Optional[int] = None   # this process's last check that agreed
 
 
 _rt = _Runtime()
+
+
+def _report_uncaught(exc_type, exc, tb) -> None:
+    """sys.excepthook under a supervisor: the last line of the traceback this process dies
+    of, into the heartbeat directory (``protocol.write_error``), then the previous hook. The
+    supervisor reads it as the rank's own word (a program error, not the node's), also when
+    srun dropped the task's last stderr. Never raises."""
+    try:
+        import traceback
+
+        d = os.environ.get(protocol.ENV_HEARTBEAT_DIR)
+        if d and not issubclass(exc_type, (KeyboardInterrupt, SystemExit)):
+            last = "".join(traceback.format_exception_only(exc_type, exc)).strip().splitlines()
+            if last:
+                protocol.write_error(d, _rank(), last[-1])
+    except Exception:  # noqa: BLE001 - the original error must still be printed
+        pass
+    _report_uncaught.previous(exc_type, exc, tb)
+
+
+def _install_error_report() -> None:
+    """Wrap the current sys.excepthook once (a supervised run: the heartbeat directory is set)."""
+    if os.environ.get(protocol.ENV_HEARTBEAT_DIR) and sys.excepthook is not _report_uncaught \
+            and not hasattr(_report_uncaught, "previous"):
+        _report_uncaught.previous = sys.excepthook
+        sys.excepthook = _report_uncaught
+
+
+_install_error_report()
 
 
 def _reset() -> None:
@@ -593,6 +623,8 @@ def check_replicas(step: int, tensors, *, every: Optional[int] = None, group=Non
         ambiguous = any(int(t[1]) for t in allw)
     groups = {k: [members[i] for i in v] for k, v in verdict.groups.items()}
     verdict = rp.Verdict(step, not suspects and not ambiguous, suspects, ambiguous and not suspects, groups)
+    if verdict.agree:
+        _rt.replicas_last_agree = step
     if not verdict.agree:
         log.warning("replica check at step %d: %s", step,
                     f"ranks {list(suspects)} differ from the majority" if suspects
@@ -602,7 +634,8 @@ def check_replicas(step: int, tensors, *, every: Optional[int] = None, group=Non
     if hb_dir and dist.get_rank() == 0 and not _rt.replicas_bad_reported:
         _rt.replicas_bad_reported = not verdict.agree
         try:
-            protocol.write_replicas(hb_dir, verdict.report(dist.get_world_size()))
+            protocol.write_replicas(hb_dir, dict(verdict.report(dist.get_world_size()),
+                                                 last_agree=_rt.replicas_last_agree))
         except OSError as e:
             log.warning("replica check report in %s not written: %s", hb_dir, e)
     return verdict

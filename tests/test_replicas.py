@@ -170,6 +170,16 @@ def test_ambiguous_disagreement_rolls_back_and_blames_nobody():
     assert only(acts, PickRollback)[0].before == 25
 
 
+def test_the_ranks_own_last_agreement_counts_when_the_supervisor_missed_its_report():
+    s, _ = _running(P(nodes=3, spare_nodes=1, replica_check_every=5), ["n1", "n2", "n3", "n4"])
+    s.handle(_beat(1040.0, 15, {"step": 15, "agree": True, "suspects": []}))
+    # The report of step 20 (agreed) was rewritten by step 25's before the supervisor looked.
+    acts = s.handle(_beat(1041.0, 25, {"step": 25, "agree": False, "suspects": [1], "last_agree": 20}))
+    assert records(acts, "sdc_suspect")[0].data["last_agree"] == 20
+    acts = s.handle(StepExited(1045.0, returncode=-9))
+    assert only(acts, PickRollback)[0].before == 20
+
+
 def test_a_resume_trusts_its_checkpoint_and_forgets_the_discarded_timelines_reports():
     s, _ = _running(P(nodes=3, spare_nodes=1, replica_check_every=5), ["n1", "n2", "n3", "n4"])
     s.handle(_beat(1040.0, 35, {"step": 35, "agree": True, "suspects": []}))

@@ -821,7 +821,12 @@ class Supervisor:
                 if self.memory.replica_agree is None or step > self.memory.replica_agree:
                     self.memory.replica_agree = step
                 continue
+            # The ranks' own last agreeing check of this attempt counts too: the supervisor
+            # reads the report file when it looks, and a fast run rewrites it in between.
+            own = rep.get("last_agree")
             last = self.memory.replica_agree
+            if isinstance(own, int) and not isinstance(own, bool) and own < step and (last is None or own > last):
+                last = self.memory.replica_agree = own
             ranks = [int(r) for r in rep.get("suspects") or []]
             ambiguous = bool(rep.get("ambiguous")) or not ranks
             nodes = sorted({n for n in (self.rank_node(r) for r in ranks) if n})

@@ -46,7 +46,7 @@ from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Process, Runner, current_user, free_port, kill_group, wait_exit
 from clusterops.slurm.api import Backoff, SlurmAPI, exclude_from_requeued
 from clusterops.slurm.parse import parse_srun_failures
-from clusterops.supervisor.evidence import read_task_output
+from clusterops.supervisor.evidence import TaskOutput, read_task_output
 from clusterops.slurm.steps import srun_argv, standby_step_argv
 from clusterops.supervisor import channel as hbchannel
 from clusterops.supervisor.rendezvous import InprocessSettings, RendezvousHost
@@ -968,6 +968,13 @@ class SupervisorRun:
         # What the ranks said themselves (srun --label: "RANK: text"): a traceback's last line,
         # a CUDA/NCCL error. A dying rank's words are at the end of a long log: read its tail.
         said = read_task_output(text[-STEP_LOG_TAIL_CHARS:])
+        if self.attempt_dir is not None:
+            # The SDK's exception hook wrote the error line itself: it counts when srun
+            # dropped the dying task's last stderr as it ended the step.
+            for rank, line in protocol.read_errors(protocol.heartbeat_dir(self.attempt_dir)).items():
+                got = said.get(rank)
+                if got is None or not got.error:
+                    said[rank] = TaskOutput(line, got.sign if got is not None else None)
         if self.rdzv is not None:
             self._poll_rdzv()
             healed = self.rdzv.membership.lost_tasks()

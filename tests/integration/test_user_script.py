@@ -106,6 +106,7 @@ def test_error_from_one_node_only_is_weighed_then_blamed_without_a_drain(cluster
 
 RAISES_ON_RANK2 = textwrap.dedent("""\
     import os, time
+    from clusterops import sdk          # a user's script with the SDK (its error report)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     print("step=0", flush=True)
     if rank == 2:
