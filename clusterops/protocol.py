@@ -451,25 +451,34 @@ def write_error(hb_dir: os.PathLike, rank: int, line: str) -> Path:
     return write_private(os.path.join(d, f"rank{int(rank)}"), " ".join(str(line).split())[:300].encode())
 
 
-def read_errors(hb_dir: os.PathLike) -> Dict[int, str]:
-    """rank -> the last line of the traceback it reported (unreadable files left out)."""
-    out: Dict[int, str] = {}
-    d = os.path.join(hb_dir, ERRORS_DIR)
+def _rank_files(hb_dir: os.PathLike, sub: str, suffix: str, limit: int) -> List[Tuple[int, bytes]]:
+    """(rank, first ``limit`` bytes) of each ``rank<R><suffix>`` file in ``hb_dir/sub`` that
+    can be read (the per-rank reports below)."""
+    d = os.path.join(hb_dir, sub)
     try:
         names = os.listdir(d)
     except OSError:
-        return out
+        return []
+    out = []
     for name in names:
-        m = re.fullmatch(r"rank(\d+)", name)
+        m = re.fullmatch(r"rank(\d+)" + re.escape(suffix), name)
         if not m:
             continue
         try:
             with open(os.path.join(d, name), "rb") as f:
-                text = f.read(400).decode("utf-8", "replace").strip()
+                out.append((int(m.group(1)), f.read(limit)))
         except OSError:
             continue
+    return out
+
+
+def read_errors(hb_dir: os.PathLike) -> Dict[int, str]:
+    """rank -> the last line of the traceback it reported (unreadable files left out)."""
+    out: Dict[int, str] = {}
+    for rank, data in _rank_files(hb_dir, ERRORS_DIR, "", 400):
+        text = data.decode("utf-8", "replace").strip()
         if text:
-            out[int(m.group(1))] = text
+            out[rank] = text
     return out
 
 
@@ -491,16 +500,10 @@ def read_suspects(hb_dir: os.PathLike) -> Dict[str, list]:
     nodes: List[str] = []
     ranks: List[int] = []
     whys: List[str] = []
-    d = os.path.join(hb_dir, SUSPECTS_DIR)
-    try:
-        names = sorted(os.listdir(d))
-    except OSError:
-        return {"nodes": nodes, "ranks": ranks, "why": whys}
-    for name in names:
+    for _, data in sorted(_rank_files(hb_dir, SUSPECTS_DIR, ".json", 1 << 16)):
         try:
-            with open(os.path.join(d, name)) as f:
-                doc = json.loads(f.read(1 << 16))
-        except (OSError, ValueError):
+            doc = json.loads(data)
+        except ValueError:
             continue
         if not isinstance(doc, dict):
             continue
@@ -527,22 +530,13 @@ def write_flightrec(hb_dir: os.PathLike, rank: int, doc: Mapping[str, object]) -
 def read_flightrecs(hb_dir: os.PathLike, request: int) -> Dict[int, dict]:
     """rank -> its dump for request ``request`` (older answers and unreadable files left out)."""
     out: Dict[int, dict] = {}
-    d = os.path.join(hb_dir, FLIGHTREC_DIR)
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return out
-    for name in names:
-        m = re.fullmatch(r"rank(\d+)\.json", name)
-        if not m:
-            continue
+    for rank, data in _rank_files(hb_dir, FLIGHTREC_DIR, ".json", 1 << 22):
         try:
-            with open(os.path.join(d, name)) as f:
-                doc = json.loads(f.read(1 << 22))
-        except (OSError, ValueError):
+            doc = json.loads(data)
+        except ValueError:
             continue
         if isinstance(doc, dict) and doc.get("request") == request:
-            out[int(m.group(1))] = doc
+            out[rank] = doc
     return out
 
 

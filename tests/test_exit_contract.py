@@ -97,3 +97,13 @@ def test_a_signal_is_no_exit_code_word():
     s = _sup(nodes=2)
     acts = s.handle(StepExited(1010.0, returncode=137, failures=(RankFailure("b", 1, "Killed"),)))
     assert not records(acts, "exit_contract")
+
+
+def test_suspect_reports_are_merged_and_junk_is_left_out(tmp_path):
+    from clusterops import protocol
+
+    protocol.write_suspects(tmp_path, 1, ["node2"], [1], "rerun differs")
+    protocol.write_suspects(tmp_path, 3, ["node2", "bad name;rm"], [3, -1], "")
+    (tmp_path / protocol.SUSPECTS_DIR / "rank5.json").write_text("{torn")
+    got = protocol.read_suspects(tmp_path)
+    assert got == {"nodes": ["node2"], "ranks": [1, 3], "why": ["rerun differs"]}
