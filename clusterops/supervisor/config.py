@@ -98,15 +98,20 @@ def inprocess_settings(value: Any):
     return InprocessSettings(**{k: type(known[k].default)(v) for k, v in value.items()})
 
 
+def _json_flag(value: Any, flag: str) -> Any:
+    """A setting that a flag gives as JSON text (the spec gives it as YAML): parsed, else as is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise InputError(f"{flag}: not valid JSON ({e})") from None
+
+
 def exit_codes(sup: Mapping[str, Any]) -> Dict[int, str]:
     """``supervise: exit_codes:`` merged over the published defaults -> {code: action}
     (validated with the spec; a flag gives it as JSON); InputError for a bad one."""
-    v = sup.get("exit_codes")
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except ValueError as e:
-            raise InputError(f"--exit-codes: not valid JSON ({e})") from None
+    v = _json_flag(sup.get("exit_codes"), "--exit-codes")
     merged = dict(schema.DEFAULT_EXIT_CODES)
     if v is not None:
         c = schema.Checker(schema.KINDS, lambda path, message: InputError(
@@ -166,12 +171,7 @@ def stability_config(sup: Mapping[str, Any]):
     when off; InputError ``spec: supervise.stability.KEY: ...`` for a bad value."""
     from clusterops.supervisor.stability import StabilityConfig
 
-    v = sup.get("stability")
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except ValueError as e:
-            raise InputError(f"--stability: not valid JSON ({e})") from None
+    v = _json_flag(sup.get("stability"), "--stability")
     if v is None or v is False:
         return None
     if v is True:
