@@ -497,7 +497,8 @@ STABILITY_FIELDS: Tuple[Field, ...] = (
     _f("rollback_steps", "int", "roll back to the newest checkpoint at least this many steps before the "
        "anomaly began", default=100, min=0, max=10**9),
     _f("skip_batches", "int", "batches the script skips after a rollback (from the data position of the "
-       "checkpoint)", default=200, min=0, max=10**9),
+       "checkpoint); more when that would not reach skip_batches - rollback_steps past the last step seen "
+       "anomalous", default=200, min=0, max=10**9),
     _f("lr_factor", "number", "learning-rate factor the script is told to apply after a rollback", default=1.0,
        min=0, gt=True, max=1000),
     _f("max_rollbacks", "int", "rollbacks within `rollback_window_steps` before giving up (exit 9)", default=3,
