@@ -249,13 +249,16 @@ class ResumeChosen(Event):
 
 @dataclass(frozen=True)
 class HangNamed(Event):
-    """What the ranks' flight recorders say of a hang (clusterops.supervisor.flightrec),
-    gathered before the kill: the ranks that never entered the collective the others wait
-    in (empty: none named), why, and the ranks that sent no dump."""
+    """What the ranks' flight recorders say of a hang (clusterops.supervisor.flightrec), and
+    NCCL's RAS report where it answered (clusterops.supervisor.ncclras), gathered before the
+    kill: the ranks that never entered the collective the others wait in (empty: none
+    named), why, the ranks that sent no dump, and which of the two named them."""
 
     ranks: Tuple[int, ...] = ()
     why: str = ""
     silent: Tuple[int, ...] = ()
+    source: str = "flight_recorder"     # or "nccl_ras" (clusterops.supervisor.ncclras)
+    ras: str = ""                       # what NCCL's RAS report said, when it was read
 
 
 @dataclass(frozen=True)
@@ -1140,8 +1143,9 @@ class Supervisor:
             return []
         nodes = sorted({n for n in (self.rank_node(r) for r in ev.ranks) if n})
         out: List[Action] = [Record(E.HANG_NAMED, {"ranks": list(ev.ranks), "nodes": nodes, "why": ev.why,
-                                                   "silent": list(ev.silent), "source": "flight_recorder",
-                                                   "heartbeat_culprits": list(self.hang_culprits)})]
+                                                   "silent": list(ev.silent), "source": ev.source,
+                                                   "heartbeat_culprits": list(self.hang_culprits),
+                                                   **({"ras": ev.ras} if ev.ras else {})})]
         if ev.ranks:
             self.hang_culprits = tuple(ev.ranks)
         return out

@@ -1192,7 +1192,29 @@ class SupervisorRun:
             self.sleep(0.25)
             dumps = protocol.read_flightrecs(hb, request)
         n = name_hang(dumps, ranks)
-        self._do(self.sup.handle(sv.HangNamed(self.clock(), n.ranks, n.why, n.silent)))
+        named, why, source, ras = n.ranks, n.why, "flight_recorder", ""
+        r = self._ask_nccl_ras(dumps)
+        if r is not None:
+            ras = f"{', '.join(map(str, r.ranks)) or 'nobody'}: {r.why}"
+            if not named and r.ranks:
+                named, why, source = r.ranks, r.why, "nccl_ras"
+        self._do(self.sup.handle(sv.HangNamed(self.clock(), named, why, n.silent, source=source, ras=ras)))
+
+    def _ask_nccl_ras(self, dumps: Mapping[int, Mapping]):
+        """NCCL's RAS report on the hang (clusterops.supervisor.ncclras), matched to this job by
+        the process ids in the ranks' dumps; None without a JSON report from a RAS listener
+        (gloo, NCCL before 2.24 or RAS off: the port refuses at once). The raw answer goes to
+        the attempt's directory for a person."""
+        from clusterops.supervisor import ncclras
+
+        pids = [int(d["pid"]) for d in dumps.values() if isinstance(d.get("pid"), int)]
+        naming, raw = ncclras.ask(os.environ, pids)
+        if raw is not None and self.attempt_dir is not None:
+            try:
+                (self.attempt_dir / "ncclras.txt").write_text(raw)
+            except OSError:
+                pass
+        return naming
 
     def _act_capture_stacks(self, a: sv.CaptureStacks) -> None:
         """The hung ranks' flight recorders (who never entered the collective), then py-spy
