@@ -648,6 +648,9 @@ JOB_SPEC = Field("job spec", "map", fields=(
     _f("exclude", "hostlist", "nodes never to use (`--exclude`); a string or a list"),
     _f("nodelist", "hostlist", "nodes to use (`--nodelist`); a string or a list"),
     _f("constraint", "str", "node features (`--constraint`)"),
+    _f("segment", "int", "nodes per topology segment (`--segment`, Slurm 24.05+ with topology/block): the "
+       "job's nodes, spares included, come in groups of this many, each group within one block; a divisor "
+       "of them, at most the partition's nodes (checked at submit)", min=1, max=100000),
     _f("workdir", "path", "the job's working directory (`--chdir`); relative to the spec file's directory",
        default_text="the spec file's directory"),
     _f("log_dir", "path", "batch log, per-node logs and the submitted script (created by `submit`)",

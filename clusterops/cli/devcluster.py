@@ -40,10 +40,15 @@ def devcluster() -> None:
 @click.option("--slurm-prefix", metavar="DIR", default=None,
               help="Run Slurm from DIR/bin and DIR/sbin (e.g. /opt/slurm-25.11) instead of PATH "
                    "(env CLUSTEROPS_SLURM_PREFIX).")
+@click.option("--topology", type=click.Choice(["tree", "block"]), default=None,
+              help="A Slurm topology: topology/block (Slurm 23.11+) or topology/tree (a leaf switch per domain).")
+@click.option("--domain", "domains", multiple=True, metavar="HOSTLIST",
+              help="One topology domain (a block or a leaf switch), e.g. node[1,3]; repeat. "
+                   "Default: consecutive pairs.")
 @_state_dir_option
 @json_option
-def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, slurm_prefix, state_dir: str,
-       as_json: bool) -> None:
+def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, slurm_prefix, topology, domains,
+       state_dir: str, as_json: bool) -> None:
     """Bring the cluster up and wait until every node is idle (idempotent).
 
     With --slurm-prefix the daemons and clients come from that installation; clusterops
@@ -60,7 +65,8 @@ def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, 
     if slurm_prefix is not None:
         slurm_prefix = str(check_prefix(slurm_prefix, source))
     cfg = DevClusterConfig(nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type, cpus_per_node=cpus_per_node,
-                           port_base=port_base or DEFAULT_PORT_BASE, slurm_prefix=slurm_prefix)
+                           port_base=port_base or DEFAULT_PORT_BASE, slurm_prefix=slurm_prefix,
+                           topology=topology, domains=tuple(domains))
     info = DevCluster(state_dir).up(cfg)
     if as_json:
         echo_json(info)

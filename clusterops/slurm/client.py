@@ -159,6 +159,17 @@ class Slurm:
             raise InputError(f"bad user name {user!r}")
         return self._read(["sacctmgr", "--noheader", "--parsable2", "show", "user", user, "format=AdminLevel"])
 
+    def topology(self) -> Dict[str, str]:
+        """{node: topology domain} (``scontrol show topology``: the block, or the leaf switch);
+        {} where the cluster has no topology plugin."""
+        try:
+            text = self._read(["scontrol", "show", "topology"])
+        except SlurmError as e:
+            if "no topology" in str(e).lower():
+                return {}
+            raise
+        return parse.parse_topology(text)
+
     def controller_version(self) -> Tuple[int, ...]:
         """The running slurmctld's version (``scontrol show config``: SLURM_VERSION)."""
         return parse.parse_config_version(self._read(["scontrol", "show", "config"]))

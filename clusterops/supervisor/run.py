@@ -502,7 +502,7 @@ class SupervisorRun:
         self.seen_ckpt = latest
         self.sup = sv.Supervisor(cfg.policy, cfg.nodes, slurm_restart_count=cfg.slurm_restart_count,
                                  memory=memory, ckpt_step=latest, stability=cfg.stability,
-                                 exit_codes=cfg.exit_codes)
+                                 exit_codes=cfg.exit_codes, domains=self._domains())
         if self.sup.stability is not None:      # the checkpoints a rollback may go back to
             for step in self._ckpt_steps():
                 self.sup.stability.checkpoint(step)
@@ -1199,6 +1199,23 @@ class SupervisorRun:
             if not named and r.ranks:
                 named, why, source = r.ranks, r.why, "nccl_ras"
         self._do(self.sup.handle(sv.HangNamed(self.clock(), named, why, n.silent, source=source, ras=ras)))
+
+    def _domains(self) -> Dict[str, str]:
+        """The allocation's nodes -> topology domain (Slurm's block or leaf switch), read once
+        at start; a replacement comes from the lost node's domain first. {} without a
+        topology, when there is no Slurm job, or when the read fails (said in the timeline:
+        replacements then go in allocation order)."""
+        if not self.cfg.job_id or len(self.cfg.nodes) < 2:
+            return {}
+        try:
+            topo = self.slurm.topology()
+        except (ClusteropsError, ValueError) as e:
+            self._record(E.WARNING, {"what": f"scontrol show topology: {e}; spares in allocation order"})
+            return {}
+        doms = {n: topo[n] for n in self.cfg.nodes if n in topo}
+        if doms:
+            self._record(E.TOPOLOGY, {"domains": doms})
+        return doms
 
     def _ask_nccl_ras(self, dumps: Mapping[int, Mapping]):
         """NCCL's RAS report on the hang (clusterops.supervisor.ncclras), matched to this job by
