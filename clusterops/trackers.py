@@ -255,7 +255,9 @@ class WandbTracker(Tracker):
     def open(self, state):
         import wandb
 
-        run_id = state.get("run_id") or wandb.util.generate_id()
+        import secrets
+
+        run_id = state.get("run_id") or secrets.token_hex(6)   # W&B ids: letters and digits
         s = self.settings
         settings = wandb.Settings(console="off", x_disable_stats=True, silent=True)
         self.run = wandb.init(project=s["project"], entity=s.get("entity"), name=s.get("name"),
