@@ -262,7 +262,7 @@ class WandbTracker(Tracker):
         settings = wandb.Settings(console="off", x_disable_stats=True, silent=True)
         self.run = wandb.init(project=s["project"], entity=s.get("entity"), name=s.get("name"),
                               group=s.get("group"), mode=s["mode"], dir=s["dir"], id=run_id, resume="allow",
-                              config={"slurm_job_id": self.job_id}, settings=settings, reinit="create_new")
+                              config={"slurm_job_id": self.job_id}, settings=settings)
         self.run.define_metric(f"{PREFIX}step")
         self.run.define_metric(f"{PREFIX}*", step_metric=f"{PREFIX}step")
         return {"run_id": run_id}
