@@ -33,6 +33,7 @@ import json
 import math
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
@@ -371,7 +372,6 @@ class TrackerSink:
         self.thread: Optional[threading.Thread] = None
         self.dropped = 0
         self.delivered_t: Optional[float] = None
-        self.outcome: Optional[str] = None
         self.closed = threading.Event()
         self.state_warned = False
 
@@ -400,8 +400,12 @@ class TrackerSink:
         if self.thread is None or self.closed.is_set():
             return True
         self.closed.set()
-        self.q.put(("close", outcome))
-        self.thread.join(max(0.0, wait_s))
+        deadline = time.monotonic() + max(0.0, wait_s)
+        try:
+            self.q.put(("close", outcome), timeout=max(0.001, wait_s))   # a full queue: wait for room
+        except queue.Full:
+            pass
+        self.thread.join(max(0.0, deadline - time.monotonic()))
         if self.thread.is_alive():
             self.warn(f"trackers: still writing after {wait_s:g} s; left behind (the next incarnation "
                       "delivers what is missing)")

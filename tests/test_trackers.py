@@ -196,3 +196,19 @@ def test_importing_clusterops_and_the_sink_loads_no_tracker_library():
             "print(sorted(m for m in ('tensorboard', 'wandb', 'mlflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_trackers_flag_reaches_the_run_config(tmp_path, monkeypatch):
+    from clusterops.supervisor.config import run_config
+
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    cfg = run_config({}, ["--", "true"], {"job_dir": str(tmp_path / "job"), "nodes": 2,
+                                          "trackers": '[{"kind": "wandb", "project": "p"}, {"kind": "mlflow"}]'})
+    assert [(t.kind, dict(t.settings)) for t in cfg.trackers] == [("wandb", {"project": "p"}), ("mlflow", {})]
+    assert cfg.trackers[1].resolved(cfg.job_dir, cfg.job_name, cfg.job_id)["tracking_uri"] == \
+        f"sqlite:///{tmp_path / 'job' / 'mlflow.db'}"
+    with pytest.raises(InputError, match=r"supervise.trackers\[0\].mode: must be one of offline, online"):
+        run_config({}, ["--", "true"], {"job_dir": str(tmp_path / "job"), "nodes": 2,
+                                        "trackers": '[{"kind": "wandb", "mode": "x"}]'})
