@@ -624,6 +624,8 @@ class SupervisorRun:
             except ClusteropsError as e:
                 self._record(E.WARNING, {"what": f"{type(a).__name__} failed: {e.message}"})
                 if isinstance(a, sv.Requeue):
+                    if self.trackers is not None and self.trackers.closed.is_set():
+                        self._start_trackers()   # closed for the requeue that did not happen: resumed
                     self._do(self.sup.handle(sv.RequeueFailed(self.clock(), e.message)))
                 elif isinstance(a, sv.Launch):
                     # Could not even start srun: count it as a failed attempt.
