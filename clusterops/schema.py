@@ -536,6 +536,9 @@ TRACKER_FIELDS: Tuple[Field, ...] = (
              _f("tracking_uri", "str", "the tracking store: `sqlite:///PATH`, or an `http(s)://` tracking server",
                 default_text="`sqlite:///<job_dir>/mlflow.db`"),
              _f("experiment", "str", "the experiment (made when missing)", default_text="the job's name"),
+             _f("artifact_location", "path", "where a new experiment keeps its artifacts (`clusterops/events.txt`); "
+                "an existing experiment keeps its own", default_text="`mlflow-artifacts/` beside a `sqlite:///` "
+                "store; the server's choice otherwise"),
              _f("run_name", "str", "the run's name", default_text="`<name>-<job id>`")),
 )
 

@@ -79,6 +79,10 @@ class TrackerSpec:
             s.setdefault("dir", str(job_dir))
         elif self.kind == "mlflow":
             s.setdefault("tracking_uri", f"sqlite:///{job_dir / 'mlflow.db'}")
+            db = s["tracking_uri"][len("sqlite:///"):] if s["tracking_uri"].startswith("sqlite:///") else None
+            if db and "artifact_location" not in s:
+                # MLflow's own default is ./mlruns in the current directory (the job's workdir)
+                s["artifact_location"] = str(Path(db).parent / "mlflow-artifacts")
             s.setdefault("experiment", job_name)
             s.setdefault("run_name", run)
         return s
@@ -300,7 +304,8 @@ class MlflowTracker(Tracker):
                 self.client.update_run(run_id, status="RUNNING")
         else:
             exp = self.client.get_experiment_by_name(s["experiment"])
-            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(s["experiment"])
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(
+                s["experiment"], artifact_location=s.get("artifact_location"))
             run_id = self.client.create_run(exp_id, run_name=s["run_name"],
                                             tags={"clusterops.slurm_job_id": str(self.job_id or "")}).info.run_id
         self.run_id = run_id

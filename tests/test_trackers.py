@@ -139,6 +139,7 @@ def test_three_trackers_written_and_read_back_across_a_requeue(tmp_path):
     lost = client.get_metric_history(run.info.run_id, "clusterops/steps_lost_total")
     assert max(m.value for m in lost) == 10.0
     assert [m.step for m in client.get_metric_history(run.info.run_id, "clusterops/events/requeue")] == [7]
+    assert list((tmp_path / "mlflow-artifacts").rglob("events.txt")), "artifacts beside the store, not in ./mlruns"
     local = Path(client.download_artifacts(run.info.run_id, "clusterops/events.txt", str(tmp_path / "dl")))
     lines = local.read_text().splitlines()
     assert len(lines) == 7 and "ROLLBACK" in lines[3] and lines[-1].startswith("step 10 [1] DONE")
