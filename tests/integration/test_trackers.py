@@ -98,3 +98,4 @@ def test_kill_rollback_requeue_read_back_with_each_trackers_reader(cluster, slur
     local = client.download_artifacts(run.info.run_id, "clusterops/events.txt", str(tmp_path / "dl"))
     lines = open(local).read().splitlines()
     assert any("ROLLBACK" in line for line in lines) and "DONE" in lines[-1], lines
+    assert not (j.root / "mlruns").exists()   # artifacts beside the store, not in the job's workdir
