@@ -213,3 +213,16 @@ def test_the_trackers_flag_reaches_the_run_config(tmp_path, monkeypatch):
     with pytest.raises(InputError, match=r"supervise.trackers\[0\].mode: must be one of offline, online"):
         run_config({}, ["--", "true"], {"job_dir": str(tmp_path / "job"), "nodes": 2,
                                         "trackers": '[{"kind": "wandb", "mode": "x"}]'})
+
+
+def test_a_tracker_not_installed_says_which_extra_and_the_others_go_on(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)   # `import wandb` raises ImportError, as when absent
+    warnings: list = []
+    sink = _sink(tmp_path, warnings, trackers.parse([{"kind": "wandb"}, {"kind": "tensorboard"}]))
+    sink.start([])
+    for r in _records(tmp_path, FIRST):
+        sink.feed(r)
+    assert sink.close("requeue", wait_s=60)
+    assert len(warnings) == 1 and warnings[0].startswith("tracker wandb: open failed: ModuleNotFoundError")
+    assert "pip install 'clusterops[wandb]'" in warnings[0]
+    assert len(tensorboard_scalars(tmp_path / "tensorboard")["clusterops/loss"]) == 4
