@@ -244,6 +244,8 @@ class RunConfig:
     # The spec's signal_lead_s (0: none asked): a lead signal lost before the handlers were
     # in is made up for by Slurm's end time (``_lead_passed``).
     signal_lead_s: int = 0
+    trackers: List = field(default_factory=list)   # supervise: trackers: (clusterops.trackers.TrackerSpec)
+    job_name: Optional[str] = None          # the spec's name (the trackers' project, experiment, run)
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -444,6 +446,7 @@ class SupervisorRun:
         self.guard: Optional[drains.GuardSettings] = None
         self.n_checks = 0
         self.notifier = None   # webhooks from the site config's notify: (made when first needed)
+        self.trackers = None   # clusterops.trackers.TrackerSink when supervise: trackers: names some
         self.progress_reader: Optional[ProgressReader] = None
         self.rdzv: Optional[RendezvousHost] = None   # this attempt's in-process rendezvous
         self.rdzv_log_at = 0     # how far the step log was read for srun's task failures
@@ -498,6 +501,7 @@ class SupervisorRun:
             self._record(E.STATE_INVALID, {"error": e.message})   # nothing launched: stop here
             raise
         self.install_signals()
+        self._start_trackers()
         latest = self._latest_ckpt(deep=False)
         self.seen_ckpt = latest
         self.sup = sv.Supervisor(cfg.policy, cfg.nodes, slurm_restart_count=cfg.slurm_restart_count,
@@ -530,6 +534,8 @@ class SupervisorRun:
             if self.channel is not None:
                 self.channel.close()
             self._close_rdzv()
+            self._close_trackers("done" if self.exit_code == sv.EXIT_DONE else
+                                 "give_up" if self.exit_code is not None else "stopped")
         return self.exit_code
 
     def _wait(self, seconds: float) -> None:
@@ -618,6 +624,8 @@ class SupervisorRun:
             except ClusteropsError as e:
                 self._record(E.WARNING, {"what": f"{type(a).__name__} failed: {e.message}"})
                 if isinstance(a, sv.Requeue):
+                    if self.trackers is not None and self.trackers.closed.is_set():
+                        self._start_trackers()   # closed for the requeue that did not happen: resumed
                     self._do(self.sup.handle(sv.RequeueFailed(self.clock(), e.message)))
                 elif isinstance(a, sv.Launch):
                     # Could not even start srun: count it as a failed attempt.
@@ -629,8 +637,34 @@ class SupervisorRun:
 
         rec = self.timeline.append(kind, data or {})
         self.echo(f"[clusterops supervise] {time.strftime('%H:%M:%S', time.gmtime(rec['t']))} {describe(rec)}")
+        if self.trackers is not None:
+            self.trackers.feed(rec)
         if kind not in (E.PROGRESS, E.WARNING):
             self._write_metrics()
+
+    def _start_trackers(self) -> None:
+        """The experiment trackers (``supervise: trackers:``), fed every record from here on;
+        the timeline so far is replayed to them (a requeued job's earlier incarnations)."""
+        if not self.cfg.trackers:
+            return
+        from clusterops.supervisor.timeline import load
+        from clusterops.trackers import TrackerSink
+
+        def warn(text: str) -> None:   # from the trackers' thread: the timeline line alone
+            rec = self.timeline.append(E.WARNING, {"what": text})
+            self.echo(f"[clusterops supervise] {time.strftime('%H:%M:%S', time.gmtime(rec['t']))} warning: {text}")
+
+        try:
+            history = load(self.cfg.job_dir)[0]
+        except InputError:
+            history = []
+        self.trackers = TrackerSink(self.cfg.trackers, self.cfg.job_dir, job_name=self.cfg.job_name or
+                                    self.cfg.job_dir.name, job_id=self.cfg.job_id, warn=warn)
+        self.trackers.start(history)
+
+    def _close_trackers(self, outcome: str, wait_s: float = 30.0) -> None:
+        if self.trackers is not None:
+            self.trackers.close(outcome, wait_s)
 
     def _write_metrics(self) -> None:
         """The job's Prometheus textfile from the whole timeline (all incarnations); a
@@ -1372,6 +1406,8 @@ class SupervisorRun:
             except ClusteropsError as e:
                 self._record(E.WARNING, {"what": f"reading ExcNodeList before the requeue: {e.message}"})
         signals_before = len(self.signals)
+        # Slurm ends this process soon after the requeue: the trackers' runs are closed first.
+        self._close_trackers("requeue", wait_s=30.0)
         try:
             self.slurm.requeue(self.cfg.job_id)
         except ClusteropsError as e:
