@@ -15,7 +15,7 @@ import pytest
 
 from clusterops import launch
 from clusterops import supervisor as sv
-from clusterops.errors import InputError
+from clusterops.errors import ClusteropsError, InputError
 from clusterops.supervisor import Exit, Requeue, StepExited, StopRequested, Supervisor
 from clusterops.supervisor import chain
 from tests.support.machine import P, only, records
@@ -152,3 +152,57 @@ def test_too_few_nodes_hands_on_too_but_a_finish_or_a_give_up_is_final():
     s.start(now=1000.0)
     acts = s.handle(StepExited(1010.0, returncode=1))
     assert only(acts, Exit)[0].code == sv.EXIT_RESTART_BUDGET and records(acts, "give_up")
+
+
+# ---------------------------------------------------------------- the plumbing's start and end
+def _run(tmp_path, generation, length, slurm):
+    from clusterops.supervisor.run import RunConfig, SupervisorRun
+
+    cfg = RunConfig(command=["true"], job_dir=tmp_path / "job", ckpt_dir=tmp_path / "ck", policy=P(nodes=1),
+                    nodes=["node1"], job_id=str(100 + generation),
+                    chain=chain.ChainInfo("100", generation, length))
+    return SupervisorRun(cfg, slurm=slurm, echo=lambda s: None)
+
+
+def test_a_generation_that_finds_the_end_marker_cancels_the_rest_and_trains_nothing(tmp_path):
+    from support.fakes import FakeSlurm
+    from clusterops.supervisor import timeline as tl
+
+    (tmp_path / "job").mkdir(mode=0o700)
+    chain.write_end(tmp_path / "job", {"code": 0, "reason": "training finished", "generation": 1})
+    slurm = FakeSlurm()
+    assert _run(tmp_path, 2, 3, slurm).run() == sv.EXIT_CHAIN_ENDED
+    assert slurm.calls == [("cancel_pending", "100")]          # nothing launched, no step asked for
+    recs = tl.read(tmp_path / "job")
+    assert [r["event"] for r in recs] == ["generation", "chain_end"]
+    assert recs[0]["generation"] == 2 and recs[0]["of"] == 3
+    assert recs[1]["cancelled"] is True and recs[1]["ended_in"] == 1 and recs[1]["reason"] == "training finished"
+    assert not list((tmp_path / "job").glob("attempt-*"))
+
+
+def test_a_final_exit_writes_the_marker_before_it_cancels(tmp_path):
+    from support.fakes import FakeSlurm
+    from clusterops.supervisor import timeline as tl
+
+    seen = []
+
+    class Slurm(FakeSlurm):
+        def cancel_pending(self, job_id):
+            seen.append(chain.read_end(tmp_path / "job"))       # the marker is there already
+            raise ClusteropsError("controller not answering")
+
+    run = _run(tmp_path, 1, 3, Slurm())
+    (tmp_path / "job").mkdir(mode=0o700)
+    run.sup = Supervisor(P(nodes=1), ["node1"], chain_next=True)
+    run._act_exit(Exit(sv.EXIT_DONE, "training finished"))
+    assert run.exit_code == sv.EXIT_DONE
+    assert seen and seen[0]["code"] == 0 and seen[0]["generation"] == 1 and seen[0]["job_id"] == "101"
+    end = [r for r in tl.read(tmp_path / "job") if r["event"] == "chain_end"]
+    # the cancel failed: said so; the next generation will find the marker
+    assert end and end[0]["cancelled"] is False and "controller not answering" in end[0]["error"]
+    # a hand-on writes nothing and cancels nothing
+    run2 = _run(tmp_path / "b", 1, 3, Slurm())
+    (tmp_path / "b" / "job").mkdir(parents=True, mode=0o700)
+    run2.sup = Supervisor(P(nodes=1), ["node1"], chain_next=True)
+    run2._act_exit(Exit(sv.EXIT_GENERATION_END, "stopped for time_limit"))
+    assert chain.read_end(tmp_path / "b" / "job") is None and len(seen) == 1
