@@ -18,7 +18,7 @@ from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.supervisor import Exit, Requeue, StepExited, StopRequested, Supervisor
 from clusterops.supervisor import chain
-from tests.support.machine import P, only, records
+from support.machine import P, only, records
 
 
 def _spec(tmp_path: Path, body: str) -> Path:

@@ -400,6 +400,9 @@ class PyslurmSlurm:
             requeue=bool(j.is_requeueable),
             array_job_id=int(j.array_id) if j.array_id else None,
             array_task_id=int(j.array_task_id) if j.array_task_id is not None else None,
+            # pyslurm's Job: the pending tasks of one record as a string, like scontrol's ArrayTaskId
+            array_tasks=(str(j.array_task_id) if j.array_task_id is not None
+                         else str(getattr(j, "array_tasks_waiting", None) or "")),
             preempt_time=float(j.preempt_time) if j.preempt_time else None,
             user=getattr(j, "user_name", None) or "",
             command=getattr(j, "command", None) or "",

@@ -105,3 +105,16 @@ def write_end(job_dir: os.PathLike, doc: Mapping[str, object]) -> Path:
     os.chmod(tmp, 0o644)
     os.replace(tmp, final)
     return final
+
+
+def tasks_by_generation(infos) -> dict:
+    """generation -> Slurm's record (``JobInfo``) of the chain's tasks as ``job_tasks`` of the
+    array id returns them; pending tasks that share one record (``2-3%1``) each get it."""
+    from clusterops.slurm.parse import array_task_ids
+
+    out = {}
+    for info in infos:
+        ids = [info.array_task_id] if info.array_task_id is not None else array_task_ids(info.array_tasks)
+        for g in ids:
+            out[int(g)] = info
+    return out
