@@ -244,16 +244,29 @@ def chain_summary(records: List[Mapping], tasks: Mapping[int, Any]) -> Optional[
             "why": end[-1].get("reason") if end else None}
 
 
-def _chain_tasks(slurm, info) -> Dict[int, Any]:
+def _chain_tasks(slurm, info, length: int) -> Dict[int, Any]:
     """Slurm's records of the chain ``info`` belongs to ({} for a lone job, or on no answer)."""
     from clusterops.supervisor.chain import tasks_by_generation
 
     if info is None or info.array_job_id is None:
         return {}
     try:
-        return tasks_by_generation(slurm.job_tasks(info.array_job_id))
+        return tasks_by_generation(slurm.job_tasks(info.array_job_id), length)
     except ClusteropsError:
         return {}
+
+
+def _chain_length(loc: Located, records: List[Mapping]) -> int:
+    """The chain's length: its generations' records say it, else the resolved spec."""
+    from clusterops.supervisor.timeline import E
+
+    said = [int(r.get("of") or 0) for r in records if r.get("event") == E.GENERATION]
+    if said:
+        return max(said)
+    try:
+        return int(json.loads(Path(loc.spec_file).read_text()).get("chain") or 1) if loc.spec_file else 1
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
 
 
 def _latest(ckpt_dir: Path) -> Optional[dict]:
@@ -290,7 +303,7 @@ def status(job_id: Any, slurm=None) -> JobStatus:
     loc = locate(job_id, slurm)
     records, _ = tl.load(loc.job_dir) if tl.timeline_path(loc.job_dir).exists() else ([], [])
     info = _slurm_record(slurm, loc.job_id)
-    tasks = _chain_tasks(slurm, info)
+    tasks = _chain_tasks(slurm, info, _chain_length(loc, records))
     view = chain_summary(records, tasks)
     if view is not None and tasks:
         # A chain: Slurm's word is the generation that runs (else waits, else ended last).

@@ -107,14 +107,28 @@ def write_end(job_dir: os.PathLike, doc: Mapping[str, object]) -> Path:
     return final
 
 
-def tasks_by_generation(infos) -> dict:
+#: Slurm's NO_VAL as an array task id: the record left of pending tasks cancelled together
+#: (seen on 22.05: ``ArrayTaskId=4294967294``, state CANCELLED, no way to tell which tasks).
+NO_VAL_TASK = 0xFFFFFFFE
+
+
+def tasks_by_generation(infos, length: int = 0) -> dict:
     """generation -> Slurm's record (``JobInfo``) of the chain's tasks as ``job_tasks`` of the
-    array id returns them; pending tasks that share one record (``2-3%1``) each get it."""
+    array id returns them; pending tasks that share one record (``2-3%1``) each get it, and
+    with ``length`` the generations without a record of their own get the record of the
+    pending tasks cancelled together, where there is one."""
     from clusterops.slurm.parse import array_task_ids
 
     out = {}
+    lumped = None
     for info in infos:
+        if info.array_task_id is not None and info.array_task_id >= NO_VAL_TASK:
+            lumped = info
+            continue
         ids = [info.array_task_id] if info.array_task_id is not None else array_task_ids(info.array_tasks)
         for g in ids:
             out[int(g)] = info
+    if lumped is not None:
+        for g in range(1, length + 1):
+            out.setdefault(g, lumped)
     return out

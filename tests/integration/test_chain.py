@@ -52,18 +52,27 @@ def reference(tmp_path_factory):
     return get
 
 
-def chain_job(tmp_path, name, **kw) -> fk.TrainJob:
+class NoJobDir(fk.TrainJob):
+    """A job whose spec names no job_dir: the supervisor's own rule names it."""
+
+    def spec(self) -> dict:
+        spec = super().spec()
+        spec["supervise"].pop("job_dir")
+        return spec
+
+
+def chain_job(tmp_path, name, cls=fk.TrainJob, **kw) -> fk.TrainJob:
     kw.setdefault("ckpt_every", CKPT_EVERY)
     extra = dict(kw.pop("spec_extra", {}))
     extra.setdefault("chain", 3)
-    return fk.TrainJob(root=tmp_path / name, name=name, spec_extra=extra, **kw)
+    return cls(root=tmp_path / name, name=name, spec_extra=extra, **kw)
 
 
 def tasks(slurm, array_id) -> dict:
     """generation -> JobInfo of the chain's tasks Slurm knows (pending ones may share a record)."""
     from clusterops.supervisor.chain import tasks_by_generation
 
-    return tasks_by_generation(slurm.job_tasks(array_id))
+    return tasks_by_generation(slurm.job_tasks(array_id), 3)
 
 
 def wait_chain_end(job, slurm, timeout_s=300.0) -> dict:
@@ -81,7 +90,7 @@ def wait_chain_end(job, slurm, timeout_s=300.0) -> dict:
         if infos and all(t.category in ("done", "failed") for t in infos):
             from clusterops.supervisor.chain import tasks_by_generation
 
-            return tasks_by_generation(infos)
+            return tasks_by_generation(infos, 3)
         return None
 
     return wait_for(ended, timeout_s, f"{job.name}: chain {job.job_id} to end", interval_s=1,
@@ -154,11 +163,12 @@ def test_first_generation_ends_at_its_time_limit_second_resumes_bitwise_and_fini
 def test_a_give_up_cancels_the_rest_and_job_status_shows_one_run(cluster, slurm, reference, tmp_path):
     # --samples 1: every rank exits 1 right after joining the process group (a crash at start).
     job = chain_job(tmp_path, "ch-gu", nodes=2, steps=60, train_args=["--samples", "1"],
-                    supervise={"no_progress_restarts": 1, "max_restarts": 5, "job_dir": None})
+                    supervise={"no_progress_restarts": 1, "max_restarts": 5}, cls=NoJobDir)
     job.submit()
     ended = wait_chain_end(job, slurm, timeout_s=240)
     # No job_dir: the chain's directory is named by the array's id, shared by its generations.
     jd = Path(job.spec()["log_dir"]) / f"{job.name}-{job.job_id}"
+    assert (jd / "timeline.jsonl").exists(), f"{ended}\n{sorted(os.listdir(jd.parent))}\n{job.batch_log()[-3000:]}"
     recs = tl.read(jd)
     s = f"{job.slurm_says(slurm)}\n{tl.format_text(recs)}"
     assert ended[1].exit_code == sv.EXIT_NO_PROGRESS, s
