@@ -123,13 +123,14 @@ def test_first_generation_ends_at_its_time_limit_second_resumes_bitwise_and_fini
     steps = 900
     ref = reference(2, steps)
     job = chain_job(tmp_path, "ch-tl", nodes=2, steps=steps, ckpt_every=100,
-                    spec_extra={"time": "2", "signal_lead_s": 80}, supervise={"stop_timeout_s": 40})
+                    spec_extra={"time": "10", "signal_lead_s": 80}, supervise={"stop_timeout_s": 40})
     job.submit()
     job.wait_running(slurm)
+    # Generation 1 alone gets a 2-minute limit, the later ones keep 10 minutes to finish in (an
+    # update of the array's pending tasks raced their start: "1_3: No error" on 22.05).
+    slurm.update_job(tasks(slurm, job.job_id)[1].job_id, TimeLimit="2")
     wait_for(lambda: fk.events(job, "stop_requested"), 150, "generation 1's time-limit stop", interval_s=1,
              detail=lambda: story(job, slurm))
-    # The later generations get room to finish (the array's pending tasks take the update).
-    slurm.update_job(job.job_id, TimeLimit="10")
     ended = wait_chain_end(job, slurm, timeout_s=400)
     s = story(job, slurm)
     assert sorted(ended) == [1, 2, 3], (ended, s)
