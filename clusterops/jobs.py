@@ -82,6 +82,10 @@ def _is_admin(slurm) -> bool:
     return level is not None and level >= privilege.Level.OPERATOR
 
 
+#: Whether the caller may read every user's jobs (root, or a Slurm operator or administrator).
+is_admin = _is_admin
+
+
 def locate(job_id: Any, slurm=None) -> Located:
     """Where supervised job ``job_id``'s directory is (see the module). InputError (one line)
     when it is no supervised job, or another user's and the caller no administrator."""
