@@ -125,11 +125,11 @@ def test_first_generation_ends_at_its_time_limit_second_resumes_bitwise_and_fini
     job = chain_job(tmp_path, "ch-tl", nodes=2, steps=steps, ckpt_every=100,
                     spec_extra={"time": "10", "signal_lead_s": 80}, supervise={"stop_timeout_s": 40})
     job.submit()
-    job.wait_running(slurm)
+    # (not job.wait_running: for an array id Slurm lists the pending tasks' record first)
     # Generation 1 alone gets a 2-minute limit, the later ones keep 10 minutes to finish in (an
     # update of the array's pending tasks raced their start: "1_3: No error" on 22.05).
     first = wait_for(lambda: (lambda t: t if t is not None and t.category == "running" and t.array_task_id == 1
-                              else None)(tasks(slurm, job.job_id).get(1)), 120, "generation 1 running", interval_s=0.5)
+                              else None)(tasks(slurm, job.job_id).get(1)), 240, "generation 1 running", interval_s=0.5)
     slurm.update_job(first.job_id, TimeLimit="2")
     assert slurm.job(first.job_id).time_limit_min == 2, job.slurm_says(slurm)
     wait_for(lambda: fk.events(job, "stop_requested"), 150, "generation 1's time-limit stop", interval_s=1,
