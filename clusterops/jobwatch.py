@@ -14,7 +14,8 @@ flags (:func:`assess`, pure):
 
 For each flag: one webhook event ``job_flagged`` (the ``notify:`` targets of a file, as the
 sweep's ``--notify-config``), one series of ``clusterops_watch_job_flagged`` in a Prometheus
-textfile, and with ``cancel`` the job (a chain: its array, every generation) cancelled.
+textfile, and with ``cancel`` the job (a chain: its array, every generation) made not requeueable
+and cancelled (a supervisor takes a plain ``scancel``'s SIGTERM for a preemption and requeues).
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ def scan(rules: Rules, *, slurm=None, cancel: bool = False, now: Optional[float]
     if cancel:
         for f in found:
             try:
+                # A supervisor takes scancel's SIGTERM for a preemption and requeues its job (a
+                # chain's generation hands on): not requeueable first, then the cancel ends it.
+                slurm.update_job(f.job_id, Requeue=0)
                 slurm.cancel(f.job_id)
                 f.cancelled = True
             except ClusteropsError as e:
