@@ -5,8 +5,9 @@ its job, step and node reads and its submit, requeue, hold/release, cancel/signa
 drain/resume go to slurmctld as RPCs in this process instead of starting
 ``squeue``/``scontrol``/``sbatch``/``scancel``. What pyslurm has no API for, or does
 differently, is forwarded to the CLI client, and ``FORWARDED_TO_CLI`` is that list (the
-forwarding methods are made from it): ``cancel_pending`` (a cancel by state), ``update_job`` (free-form ``Key=Value`` fields),
-``partition_nodes``, ``node_states`` (sinfo's state words), ``node_address``, the
+forwarding methods are made from it): ``cancel_pending`` (a cancel by state), ``update_job``
+(free-form ``Key=Value`` fields), ``partition_nodes``, ``node_states`` (sinfo's state words),
+``node_address``, the
 reservations, ``show_config`` and ``admin_level_text``. Two more fall back case by case:
 ``job`` of an array task id (``123_4``), and a ``submit`` with an option outside this
 module's table or with ``SBATCH_*`` input variables set. This module runs no Slurm command

@@ -564,7 +564,8 @@ class SupervisorRun:
             chainmod.write_end(self.cfg.job_dir, doc)
         except OSError as e:
             self._record(E.WARNING, {"what": f"chain end marker not written: {e}"})
-        self._chain_cancel({"code": int(code), "reason": reason, "ended_in": c.generation, "by": "the generation that ended it"})
+        self._chain_cancel({"code": int(code), "reason": reason, "ended_in": c.generation,
+                            "by": "the generation that ended it"})
 
     def _chain_cancel(self, data: dict) -> None:
         c = self.cfg.chain
