@@ -9,7 +9,8 @@ from clusterops.cli.common import echo_json, json_option
 
 @click.group()
 def job():
-    """Inspect supervised jobs: by their Slurm job id (ls, status, watch) or their directory (timeline)."""
+    """Inspect supervised jobs: by their Slurm job id (ls, status, watch) or their directory (timeline);
+    watch without an id checks every job once (for cron)."""
 
 
 @job.command("ls")
