@@ -63,6 +63,13 @@ class Supervise(_Codes):
     SCRIPT_STOP = 10, "the training script asked to stop (its exit code maps to stop: 17, 93)", \
         "the training script asked not to be restarted: its exit code maps to `stop` in `exit_codes` (Megatron-LM's "\
         "17, nvidia-resiliency-ext's 93 by default)"
+    GENERATION_END = 11, ("a chain's generation handed on: a later generation resumes (time limit, preemption, "
+                          "too few nodes)"), \
+        "a generation of a chain (`chain: N`) ended where a lone job would requeue itself (time limit, preemption, "\
+        "too few healthy nodes): the chain's next generation resumes from the latest good checkpoint"
+    CHAIN_ENDED = 12, "this generation found its chain ended already: it cancelled the rest and did nothing", \
+        "a generation of a chain started after an earlier one had ended the chain (its end marker was there, but "\
+        "the queue was not emptied): it cancelled the queued generations and trained nothing"
 
 
 class HealthCheck(_Codes):

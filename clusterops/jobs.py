@@ -82,6 +82,10 @@ def _is_admin(slurm) -> bool:
     return level is not None and level >= privilege.Level.OPERATOR
 
 
+#: Whether the caller may read every user's jobs (root, or a Slurm operator or administrator).
+is_admin = _is_admin
+
+
 def locate(job_id: Any, slurm=None) -> Located:
     """Where supervised job ``job_id``'s directory is (see the module). InputError (one line)
     when it is no supervised job, or another user's and the caller no administrator."""
@@ -112,6 +116,8 @@ def locate(job_id: Any, slurm=None) -> Located:
     if not isinstance(spec, dict) or not isinstance(spec.get("supervise"), dict):
         raise InputError(f"job {jid}: not a supervised clusterops job (its script {info.command or '?'} has no "
                          f"readable clusterops spec beside it)")
+    if info.array_job_id is not None and int(spec.get("chain") or 1) > 1:
+        jid = str(info.array_job_id)   # a generation of a chain: the chain's directory and id
     jd, cd = _dirs_of(spec, jid)
     return Located(jid, jd, cd, spec_file, info.command, "slurm")
 
@@ -140,6 +146,9 @@ class JobStatus:
     exit_code: Optional[int] = None
     finished: bool = False
     last_event: Optional[str] = None
+    # A chain of generations (chain: N; clusterops.supervisor.chain): its length, each
+    # generation's job id, Slurm state and how it ended, and whether and why the chain ended.
+    chain: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -203,6 +212,67 @@ def summarize(loc: Located, records: List[Mapping], info=None, *, now: Optional[
     return st
 
 
+def chain_summary(records: List[Mapping], tasks: Mapping[int, Any]) -> Optional[dict]:
+    """A chain as one run, from its timeline and Slurm's records of its tasks (generation ->
+    JobInfo, ``chain.tasks_by_generation``; {} when Slurm forgot them). None for a lone job.
+    Each generation: its number, job id, Slurm state and exit code, ``ended`` (the timeline's
+    word: generation_end, done, give_up; None when its supervisor did not say, e.g. killed),
+    ``why``. The chain: ``ended`` and ``why`` (the ``chain_end`` record's reason)."""
+    from clusterops.supervisor.timeline import E
+
+    gens = [r for r in records if r.get("event") == E.GENERATION]
+    if not gens and not tasks:
+        return None
+    length = max([int(r.get("of") or 0) for r in gens] + [max(tasks, default=0)])
+    ends = {E.GENERATION_END, E.DONE, E.GIVE_UP}
+    out: List[dict] = []
+    for g in range(1, length + 1):
+        info = tasks.get(g)
+        started = [r for r in gens if r.get("generation") == g]
+        job_ids = {str(r.get("job_id")) for r in started}
+        if info is not None and info.array_task_id is not None:
+            job_ids.add(str(info.job_id))
+        last = [r for r in records if r.get("event") in ends and str(r.get("job_id")) in job_ids]
+        row = {"generation": g, "job_id": (str(info.job_id) if info is not None and info.array_task_id is not None
+                                           else (sorted(job_ids)[-1] if job_ids else None)),
+               "state": info.state if info is not None else None,
+               "exit_code": info.exit_code if info is not None and info.category in ("done", "failed") else None,
+               "started": bool(started), "ended": str(last[-1]["event"]) if last else None,
+               "why": last[-1].get("reason") if last else None}
+        if row["exit_code"] is None and last:
+            row["exit_code"] = last[-1].get("code")
+        out.append(row)
+    end = [r for r in records if r.get("event") == E.CHAIN_END]
+    live = [t for t in tasks.values() if t.category in ("pending", "running")]
+    return {"length": length, "generations": out, "ended": bool(end) or (bool(tasks) and not live),
+            "why": end[-1].get("reason") if end else None}
+
+
+def _chain_tasks(slurm, info, length: int) -> Dict[int, Any]:
+    """Slurm's records of the chain ``info`` belongs to ({} for a lone job, or on no answer)."""
+    from clusterops.supervisor.chain import tasks_by_generation
+
+    if info is None or info.array_job_id is None:
+        return {}
+    try:
+        return tasks_by_generation(slurm.job_tasks(info.array_job_id), length)
+    except ClusteropsError:
+        return {}
+
+
+def _chain_length(loc: Located, records: List[Mapping]) -> int:
+    """The chain's length: its generations' records say it, else the resolved spec."""
+    from clusterops.supervisor.timeline import E
+
+    said = [int(r.get("of") or 0) for r in records if r.get("event") == E.GENERATION]
+    if said:
+        return max(said)
+    try:
+        return int(json.loads(Path(loc.spec_file).read_text()).get("chain") or 1) if loc.spec_file else 1
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
+
+
 def _latest(ckpt_dir: Path) -> Optional[dict]:
     from clusterops.checkpoint import lookup
 
@@ -236,7 +306,19 @@ def status(job_id: Any, slurm=None) -> JobStatus:
         slurm = connect()
     loc = locate(job_id, slurm)
     records, _ = tl.load(loc.job_dir) if tl.timeline_path(loc.job_dir).exists() else ([], [])
-    return summarize(loc, records, _slurm_record(slurm, loc.job_id), latest=_latest(loc.ckpt_dir))
+    info = _slurm_record(slurm, loc.job_id)
+    tasks = _chain_tasks(slurm, info, _chain_length(loc, records))
+    view = chain_summary(records, tasks)
+    if view is not None and tasks:
+        # A chain: Slurm's word is the generation that runs (else waits, else ended last).
+        order = sorted(tasks.items())
+        info = next((t for _, t in order if t.category == "running"), None) or \
+            next((t for _, t in order if t.category == "pending"), None) or order[-1][1]
+    st = summarize(loc, records, info, latest=_latest(loc.ckpt_dir))
+    if view is not None:
+        st.chain = view
+        st.finished = view["ended"] if tasks else st.finished
+    return st
 
 
 def list_jobs(slurm=None, *, all_users: bool = False) -> List[JobStatus]:
@@ -253,10 +335,13 @@ def list_jobs(slurm=None, *, all_users: bool = False) -> List[JobStatus]:
     for info in slurm.jobs():
         if not all_users and info.user and info.user != me:
             continue
+        if str(info.array_job_id or "") in seen:
+            continue        # another generation of a chain listed already
         try:
-            seen[str(info.job_id)] = status(info.job_id, slurm)
+            st = status(info.job_id, slurm)
         except InputError:
             continue        # not a supervised job, or not ours to read
+        seen[st.job_id] = st
     try:
         recorded = sorted(registry_dir().glob("*.json"))
     except OSError:
@@ -343,6 +428,15 @@ def describe_status(st: JobStatus, now: Optional[float] = None) -> List[str]:
     lines.append(f"  latest good checkpoint: {ck['path']} (step {ck['step']})" if ck else "  latest good checkpoint: none")
     if st.nodes_dropped:
         lines.append(f"  nodes dropped: {', '.join(st.nodes_dropped)}")
+    if st.chain:
+        c = st.chain
+        lines.append(f"  chain of {c['length']} generation(s)" + (f": ended ({c['why']})" if c["why"] else
+                                                                 ": ended" if c["ended"] else ""))
+        for g in c["generations"]:
+            how = g["ended"] or ("no word from its supervisor" if g["started"] else "never started")
+            lines.append(f"    generation {g['generation']}: job {g['job_id'] or '?'} {g['state'] or '?'}"
+                         + (f" exit {g['exit_code']}" if g["exit_code"] is not None else "") + f", {how}"
+                         + (f": {g['why']}" if g["why"] else ""))
     lines.append(f"  job dir: {st.job_dir}")
     return lines
 

@@ -65,6 +65,11 @@ CATALOGUE: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "clusterops_sweep_timestamp_seconds": ("When the last sweep finished (epoch seconds).", ()),
     "clusterops_sweep_duration_seconds": ("Wall time of the last sweep.", ()),
     "clusterops_sweep_exit_code": ("Exit code of the last sweep.", ()),
+    # the cron pass over supervised jobs (clusterops job watch without a job id: jobwatch.py)
+    "clusterops_watch_job_flagged": ("1 for each flag the last pass raised on a job (restart_storm, stalled, "
+                                     "chain_dry).", ("job", "user", "flag")),
+    "clusterops_watch_flagged_jobs": ("Jobs flagged by the last pass.", ()),
+    "clusterops_watch_timestamp_seconds": ("When the last pass ran (epoch seconds).", ()),
     # supervised job (its timeline)
     "clusterops_job_restarts": ("In-allocation restarts of the supervised job, all incarnations.", ("job",)),
     "clusterops_job_requeues": ("Times the supervised job was requeued.", ("job",)),

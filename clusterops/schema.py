@@ -706,7 +706,8 @@ JOB_SPEC = Field("job spec", "map", fields=(
        default_text="600, or half the time limit when that is shorter"),
     _f("requeue", "bool", "`--requeue` / `--no-requeue`", default=False,
        default_text="false; true with `supervise`"),
-    _f("chain", "int", "run as a chain of N jobs one after another (`--array=1-N%1`)", default=1, min=1,
+    _f("chain", "int", "run as a chain of N jobs one after another (`--array=1-N%1`); with `supervise:` a chain of "
+       "generations that resume one another and end together (needs `supervise.ckpt_dir`)", default=1, min=1,
        max=1000),
     _f("master_port", "int", "fixed rendezvous port", min=1024, max=65535,
        default_text="derived from the job id"),

@@ -123,7 +123,11 @@ def _exported_families():
             {"t": 5.6, "event": "inproc_fault", "gen": 0}, {"t": 5.7, "event": "inproc_first_step", "gen": 1,
                                                            "fault_to_step_s": 0.1},
             {"t": 6.0, "event": "give_up", "code": 5}]
-    text = health.prometheus_text(hrep) + report.prometheus_text(sdoc) + timeline.prometheus_text(recs, "j")
+    from clusterops import jobwatch
+
+    flagged = [{"job_id": "7", "user": "alice", "flag": "stalled"}]
+    text = health.prometheus_text(hrep) + report.prometheus_text(sdoc) + timeline.prometheus_text(recs, "j") \
+        + jobwatch.prometheus_text(flagged, when=1.0)
     return {f.name for f in text_string_to_metric_families(text)}
 
 

@@ -9,7 +9,8 @@ from clusterops.cli.common import echo_json, json_option
 
 @click.group()
 def job():
-    """Inspect supervised jobs: by their Slurm job id (ls, status, watch) or their directory (timeline)."""
+    """Inspect supervised jobs: by their Slurm job id (ls, status, watch) or their directory (timeline);
+    watch without an id checks every job once (for cron)."""
 
 
 @job.command("ls")
@@ -60,19 +61,46 @@ def status(job_id, as_json):
 
 
 @job.command()
-@click.argument("job_id")
+@click.argument("job_id", required=False)
 @json_option
 @click.option("--interval", type=click.FloatRange(min=0.2), default=2.0, show_default=True,
               help="Seconds between polls.")
-def watch(job_id, as_json, interval):
-    """Follow a supervised job until it ends: its events as they come, and its progress.
+@click.option("--max-restarts", type=click.IntRange(min=0), default=None,
+              help="Without JOB_ID: flag a job with more restarts and requeues than this within --window-s.")
+@click.option("--window-s", type=click.FloatRange(min=1), default=3600.0, show_default=True,
+              help="Without JOB_ID: the window of --max-restarts, in seconds.")
+@click.option("--stall-s", type=click.FloatRange(min=1), default=None,
+              help="Without JOB_ID: flag a running job whose latest good checkpoint is older than this.")
+@click.option("--cancel", is_flag=True, help="Without JOB_ID: cancel each flagged job (a chain: all of it).")
+@click.option("--notify-config", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Without JOB_ID: YAML whose notify: list names the webhooks told of each flag (job_flagged).")
+@click.option("--prometheus", "prom_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Without JOB_ID: write the flags as a Prometheus textfile, atomically.")
+def watch(job_id, as_json, interval, max_restarts, window_s, stall_s, cancel, notify_config, prom_path):
+    """Follow a supervised job until it ends; without JOB_ID, check every supervised job once (cron).
 
-    On a terminal, a live progress line under the events; piped, plain lines (or one JSON
-    object a line with --json: {"event": ...} records and {"status": ...}). Exit 0 when the
-    job completed, 1 when it ended otherwise, 2 when JOB_ID is not a supervised job.
+    With JOB_ID: its events as they come, and its progress. On a terminal, a live progress
+    line under the events; piped, plain lines (or one JSON object a line with --json:
+    {"event": ...} records and {"status": ...}). Exit 0 when the job completed, 1 when it
+    ended otherwise, 2 when JOB_ID is not a supervised job.
+
+    Without JOB_ID: one pass over the supervised jobs and chains Slurm knows (every user's for
+    root or a Slurm administrator, else yours), flagging restart storms (--max-restarts in
+    --window-s), stalled runs (--stall-s) and chains with no generation queued although
+    training has not finished; a line (or --json object) per flag, a webhook event each, the
+    --prometheus textfile, and --cancel. Exit 0 when nothing was flagged, 1 when something
+    was, 2 on a usage error.
     """
     import sys
     import time
+
+    cron = (max_restarts, stall_s, notify_config, prom_path)
+    if job_id is None:
+        _watch_all(max_restarts, window_s, stall_s, cancel, notify_config, prom_path, as_json)
+        return
+    if any(v is not None for v in cron) or cancel:
+        raise click.UsageError("--max-restarts, --stall-s, --cancel, --notify-config and --prometheus "
+                               "check every job: give them without JOB_ID")
 
     from clusterops import jobs
     from clusterops.jsonout import dumps
@@ -113,6 +141,32 @@ def watch(job_id, as_json, interval):
     if not as_json:
         click.echo(terminal(f"job {st.job_id} ended: {st.state}" + (f", {st.outcome}" if st.outcome else "")))
     sys.exit(0 if st.state == "COMPLETED" else 1)
+
+
+def _watch_all(max_restarts, window_s, stall_s, cancel, notify_config, prom_path, as_json):
+    import sys
+    import time
+
+    from clusterops import jobwatch, notify
+    from clusterops.textsafe import terminal
+
+    targets = notify.load_config(notify_config) if notify_config else []
+    rules = jobwatch.Rules(max_restarts=max_restarts, window_s=window_s, stall_s=stall_s)
+    now = time.time()
+    found = jobwatch.scan(rules, cancel=cancel, now=now)
+    failed = jobwatch.notify(found, targets)
+    docs = [f.to_dict() for f in found]
+    if prom_path:
+        jobwatch.metrics(docs, when=now).write_textfile(prom_path)
+    if as_json:
+        echo_json({"flagged": docs, "notify_failed": [d.to_dict() for d in failed]})
+    else:
+        for f in found:
+            click.echo(terminal(f"{f.job_id:>8}  {f.user or '?':<10} {f.flag:<14} {f.detail}"
+                                + ({True: " (cancelled)", False: " (cancel failed)"}.get(f.cancelled, ""))))
+        for d in failed:
+            click.echo(terminal(f"notify: {d.error}"), err=True)
+    sys.exit(1 if found else 0)
 
 
 @job.command()

@@ -623,6 +623,12 @@ def _build_spec(data: Dict[str, Any], locs: _Locations, base_dir: Path, source: 
     if "supervise" in data and data["supervise"] is not None and data["supervise"] is not False:
         supervise = _build_supervise(c, data["supervise"], kw, workdir)
         kw["supervise"] = tuple(supervise.items())
+        given = data["supervise"] if isinstance(data["supervise"], dict) else {}
+        if kw.get("chain", 1) > 1 and given.get("ckpt_dir") in (None, ""):
+            # Each generation resumes from this directory; the default (<workdir>/checkpoints)
+            # is every run's of that workdir, and a chain must not resume another run's.
+            raise c.err("chain", f"a chain of {kw['chain']} generations resumes each one from its checkpoint "
+                                 "directory: set supervise.ckpt_dir (one directory for this run)")
     if "requeue" not in kw:
         # The supervisor requeues the job itself (time limit, preemption): Slurm must allow it.
         kw["requeue"] = supervise is not None

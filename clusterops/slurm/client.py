@@ -266,6 +266,16 @@ class Slurm:
         argv.append(target)
         self._write(argv)
 
+    def cancel_pending(self, job_id: Union[int, str]) -> None:
+        """Cancel what of ``job_id`` still waits in the queue (an array's pending tasks),
+        leaving its running tasks alone: a chain's generation that ends the chain calls it on
+        the chain's array id while it itself still runs. A job Slurm no longer knows, or one
+        with nothing pending, is no error (scancel exits 0 for both)."""
+        jid = str(job_id)
+        if not jid.isdigit():
+            raise InputError(f"job id must be a number, got {job_id!r}")
+        self._write(["scancel", "--state=PENDING", jid])
+
     def signal(self, job_id: Union[int, str], sig: Union[str, int], *, batch: bool = False,
                full: bool = False, step: Optional[int] = None) -> None:
         """Send a signal without ending the job (``--batch``: the batch shell only;

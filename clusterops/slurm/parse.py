@@ -152,6 +152,9 @@ class JobInfo:
     requeue: bool = False
     array_job_id: Optional[int] = None
     array_task_id: Optional[int] = None
+    # ArrayTaskId as scontrol shows it: "3" for one task, "2-3%1" for pending tasks that share
+    # one record (expand with array_task_ids)
+    array_tasks: str = ""
     state_flags: Tuple[str, ...] = ()
     preempt_time: Optional[float] = None   # set once Slurm chose to preempt the job
     user: str = ""           # the owner's name
@@ -228,6 +231,19 @@ def parse_squeue_json(text: str) -> List[JobInfo]:
     return [job_from_json(j) for j in data.get("jobs", [])]
 
 
+def array_task_ids(text: str) -> List[int]:
+    """The task ids of an ``ArrayTaskId`` (``3``, ``2-3%1``, ``1,4-5:2``); [] for anything else."""
+    body = (text or "").split("%", 1)[0]
+    out: List[int] = []
+    for part in body.split(","):
+        rng, _, stride = part.partition(":")
+        lo, _, hi = rng.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (stride and not stride.isdigit()):
+            return []
+        out.extend(range(int(lo), int(hi or lo) + 1, int(stride or 1) or 1))
+    return out
+
+
 def job_from_oneliner(line: str) -> JobInfo:
     """One line of ``scontrol show job --oneliner``."""
     kv = parse_oneliner(line)
@@ -256,6 +272,7 @@ def job_from_oneliner(line: str) -> JobInfo:
         requeue=kv.get("Requeue") == "1",
         array_job_id=int(kv["ArrayJobId"]) if kv.get("ArrayJobId", "").isdigit() else None,
         array_task_id=int(array_task) if array_task and array_task.isdigit() else None,
+        array_tasks=array_task or "",
         preempt_time=parse_iso(kv.get("PreemptTime")),
         user=(kv.get("UserId") or "").split("(", 1)[0],
         command=_null(kv.get("Command")) or "",

@@ -5,10 +5,10 @@ its job, step and node reads and its submit, requeue, hold/release, cancel/signa
 drain/resume go to slurmctld as RPCs in this process instead of starting
 ``squeue``/``scontrol``/``sbatch``/``scancel``. What pyslurm has no API for, or does
 differently, is forwarded to the CLI client, and ``FORWARDED_TO_CLI`` is that list (the
-forwarding methods are made from it): ``update_job`` (free-form ``Key=Value`` fields),
-``partition_nodes``, ``node_states`` (sinfo's state words), ``node_address``, the
-reservations, ``show_config``, ``admin_level_text`` and ``topology``. Two more fall back case by case:
-``job`` of an array task id (``123_4``), and a ``submit`` with an option outside this
+forwarding methods are made from it): ``cancel_pending`` (a cancel by state), ``update_job``
+(free-form ``Key=Value`` fields), ``partition_nodes``, ``node_states`` (sinfo's state words),
+``node_address``, the reservations, ``show_config``, ``admin_level_text`` and ``topology``. Two
+more fall back case by case: ``job`` of an array task id (``123_4``), and a ``submit`` with an option outside this
 module's table or with ``SBATCH_*`` input variables set. This module runs no Slurm command
 itself; the forwarded methods run them through the CLI client's Runner. The shared rules
 (drain reasons, the foreign-resume refusal, submit's checks, retries) are ``api``'s.
@@ -314,6 +314,7 @@ def submit_fields(script_text: str, args: Sequence[str], workdir: Optional[str])
 FORWARDED_TO_CLI = (
     "show_config", "admin_level_text",   # text only scontrol/sacctmgr print
     "topology",            # scontrol show topology's blocks and switches
+    "cancel_pending",      # scancel --state=PENDING: pyslurm has no state filter on a cancel
     "update_job",          # scontrol's free-form field names (ExcNodeList=, TimeLimit=)
     "node_states",         # sinfo's state words with their *, ~ suffixes
     "partition_nodes",     # sinfo's partition membership
@@ -400,6 +401,9 @@ class PyslurmSlurm:
             requeue=bool(j.is_requeueable),
             array_job_id=int(j.array_id) if j.array_id else None,
             array_task_id=int(j.array_task_id) if j.array_task_id is not None else None,
+            # pyslurm's Job: the pending tasks of one record as a string, like scontrol's ArrayTaskId
+            array_tasks=(str(j.array_task_id) if j.array_task_id is not None
+                         else str(getattr(j, "array_tasks_waiting", None) or "")),
             preempt_time=float(j.preempt_time) if j.preempt_time else None,
             user=getattr(j, "user_name", None) or "",
             command=getattr(j, "command", None) or "",

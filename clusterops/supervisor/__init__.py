@@ -22,6 +22,8 @@
 - ``rendezvous``: the rendezvous store (torch's ``TCPStore``) hosted for in-process recovery.
 - ``stability``: loss spikes and non-finite values from the heartbeats, and what to do
   about them: record, stop, or roll back with a data skip and an LR factor (pure).
+- ``chain``: a run longer than one allocation: which generation of its chain this job is,
+  and the chain's end marker that later generations read first.
 """
 
 from clusterops.supervisor.machine import *  # noqa: F401,F403

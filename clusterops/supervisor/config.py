@@ -274,8 +274,10 @@ def run_config(spec: Mapping[str, Any], command: Sequence[str], settings: Mappin
     sup = dict(spec.get("supervise") or {})
     sup.update({k: v for k, v in settings.items() if v is not None and k in sup_keys})
     plain = plain_contract(sup)
-    job_id = os.environ.get("SLURM_JOB_ID", "local")
-    jd = protocol.job_dir_for(dict(spec, supervise=sup), job_id)
+    from clusterops.supervisor import chain
+
+    # A chain's generations share one directory, named by the array's id (chain.run_id).
+    jd = protocol.job_dir_for(dict(spec, supervise=sup), chain.run_id(spec))
     cd = protocol.ckpt_dir_for(dict(spec, supervise=sup), jd)
     if "nodes" not in kw:
         alloc = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
@@ -317,6 +319,7 @@ def run_config(spec: Mapping[str, Any], command: Sequence[str], settings: Mappin
     extra["job_name"] = str(spec.get("name") or jd.name)
     if spec.get("signal_lead_s"):
         extra["signal_lead_s"] = int(spec["signal_lead_s"])
+    extra["chain"] = chain.from_environment(spec)
     if spec.get("launcher") == "torchrun":
         extra["launcher"] = "torchrun"      # one agent per node; the other launchers: srun-native ranks
     return RunConfig.from_environment(cmd, jd, cd, policy, env=env, workdir=spec.get("workdir"),

@@ -41,6 +41,8 @@ __all__ = [
     "EXIT_DIVERGED",
     "EXIT_ROLLBACK_BUDGET",
     "EXIT_SCRIPT_STOP",
+    "EXIT_GENERATION_END",
+    "EXIT_CHAIN_ENDED",
     "LIVENESS",
     "Policy",
     "Event",
@@ -95,6 +97,8 @@ EXIT_STOPPED_NO_REQUEUE = ExitCode.STOPPED_NO_REQUEUE
 EXIT_DIVERGED = ExitCode.DIVERGED
 EXIT_ROLLBACK_BUDGET = ExitCode.ROLLBACK_BUDGET
 EXIT_SCRIPT_STOP = ExitCode.SCRIPT_STOP
+EXIT_GENERATION_END = ExitCode.GENERATION_END
+EXIT_CHAIN_ENDED = ExitCode.CHAIN_ENDED
 
 
 # --------------------------------------------------------------------------------------
@@ -491,11 +495,14 @@ class Supervisor:
     def __init__(self, policy: Policy, nodes: Sequence[str], *, slurm_restart_count: int = 0,
                  memory: Optional[Memory] = None, ckpt_step: Optional[int] = None,
                  stability: Optional[stb.StabilityConfig] = None, exit_codes: Optional[Mapping[int, str]] = None,
-                 domains: Optional[Mapping[str, str]] = None):
+                 domains: Optional[Mapping[str, str]] = None, chain_next: bool = False):
         self.policy = policy
         # node -> its topology domain (Slurm's block or leaf switch: ``scontrol show topology``);
         # a replacement comes from the lost node's domain first (:meth:`_fill`).
         self.domains: Dict[str, str] = dict(domains or {})
+        # A generation of a chain with a later one queued hands on instead of requeueing
+        # (clusterops.supervisor.chain): the next generation is a fresh allocation.
+        self.chain_next = chain_next
         # What a script's own exit code asks (supervise: exit_codes:, over the published defaults).
         self.exit_codes: Dict[int, str] = dict(schema.DEFAULT_EXIT_CODES if exit_codes is None else exit_codes)
         self.allocation: List[str] = list(nodes)
@@ -575,14 +582,17 @@ class Supervisor:
     def _exit(self, code: int, reason: str, out: List[Action]) -> List[Action]:
         self._enter(DONE)
         self.exit_code = code
-        kind = E.DONE if code == EXIT_DONE else E.GIVE_UP
+        kind = E.DONE if code == EXIT_DONE else E.GENERATION_END if code == EXIT_GENERATION_END else E.GIVE_UP
         error = self.last_error if code != EXIT_DONE and self.last_error else ""
         out.append(Record(kind, {"code": code, "reason": reason, **({"error": error} if error else {})}))
         out.append(Exit(code, reason, error))
         return out
 
     def _requeue(self, reason: str, out: List[Action]) -> List[Action]:
-        """Requeue the job (once, only from here) or give up when not allowed."""
+        """Requeue the job (once, only from here) or give up when not allowed; a chain's
+        generation with a later one queued ends instead, and the next one resumes."""
+        if self.chain_next:
+            return self._exit(EXIT_GENERATION_END, f"{reason}; the chain's next generation resumes", out)
         if self.slurm_restart_count >= self.policy.max_requeues:
             return self._exit(EXIT_REQUEUE_BUDGET,
                               f"{reason}; requeue budget spent ({self.slurm_restart_count} of "

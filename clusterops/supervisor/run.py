@@ -48,7 +48,9 @@ from clusterops.slurm.api import Backoff, SlurmAPI, exclude_from_requeued
 from clusterops.slurm.parse import parse_srun_failures
 from clusterops.supervisor.evidence import TaskOutput, read_task_output
 from clusterops.slurm.steps import srun_argv, standby_step_argv
+from clusterops.supervisor import chain as chainmod
 from clusterops.supervisor import channel as hbchannel
+from clusterops.supervisor.chain import ChainInfo
 from clusterops.supervisor.rendezvous import InprocessSettings, RendezvousHost
 from clusterops.supervisor.stability import StabilityConfig
 from clusterops.supervisor.timeline import EventKind as E, Timeline
@@ -246,6 +248,8 @@ class RunConfig:
     signal_lead_s: int = 0
     trackers: List = field(default_factory=list)   # supervise: trackers: (clusterops.trackers.TrackerSpec)
     job_name: Optional[str] = None          # the spec's name (the trackers' project, experiment, run)
+    # A generation of a chain (chain: N; clusterops.supervisor.chain); None: a lone job.
+    chain: Optional["ChainInfo"] = None
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -501,12 +505,15 @@ class SupervisorRun:
             self._record(E.STATE_INVALID, {"error": e.message})   # nothing launched: stop here
             raise
         self.install_signals()
+        if cfg.chain is not None and self._chain_start():
+            return self.exit_code
         self._start_trackers()
         latest = self._latest_ckpt(deep=False)
         self.seen_ckpt = latest
         self.sup = sv.Supervisor(cfg.policy, cfg.nodes, slurm_restart_count=cfg.slurm_restart_count,
                                  memory=memory, ckpt_step=latest, stability=cfg.stability,
-                                 exit_codes=cfg.exit_codes, domains=self._domains())
+                                 exit_codes=cfg.exit_codes, domains=self._domains(),
+                                 chain_next=cfg.chain is not None and cfg.chain.has_next)
         if self.sup.stability is not None:      # the checkpoints a rollback may go back to
             for step in self._ckpt_steps():
                 self.sup.stability.checkpoint(step)
@@ -537,6 +544,44 @@ class SupervisorRun:
             self._close_trackers("done" if self.exit_code == sv.EXIT_DONE else
                                  "give_up" if self.exit_code is not None else "stopped")
         return self.exit_code
+
+    # -- a chain of generations (clusterops.supervisor.chain) ----------------------------
+    def _chain_start(self) -> bool:
+        """Record this generation; True (and exit_code set) when an earlier one ended the
+        chain: then the queued generations are cancelled and nothing trains."""
+        c = self.cfg.chain
+        self._record(E.GENERATION, {"generation": c.generation, "of": c.length, "array_id": c.array_id})
+        ended = chainmod.read_end(self.cfg.job_dir)
+        if ended is None:
+            return False
+        self.echo(f"[clusterops supervise] the chain ended in generation {ended.get('generation')} "
+                  f"({ended.get('reason')}): cancelling the rest")
+        self._chain_cancel({"code": ended.get("code"), "reason": ended.get("reason"),
+                            "ended_in": ended.get("generation"), "by": "a later generation at its start"})
+        self.exit_code = sv.EXIT_CHAIN_ENDED
+        return True
+
+    def _chain_end(self, code: int, reason: str) -> None:
+        """A final exit of a generation: the marker first (so that a later generation knows,
+        should this process die now), then the cancel of the queued generations."""
+        c = self.cfg.chain
+        doc = {"code": int(code), "reason": reason, "generation": c.generation, "job_id": self.cfg.job_id,
+               "t": self.clock()}
+        try:
+            chainmod.write_end(self.cfg.job_dir, doc)
+        except OSError as e:
+            self._record(E.WARNING, {"what": f"chain end marker not written: {e}"})
+        self._chain_cancel({"code": int(code), "reason": reason, "ended_in": c.generation,
+                            "by": "the generation that ended it"})
+
+    def _chain_cancel(self, data: dict) -> None:
+        c = self.cfg.chain
+        try:
+            self.slurm.cancel_pending(c.array_id)
+            data["cancelled"] = True
+        except ClusteropsError as e:
+            data.update(cancelled=False, error=e.message)
+        self._record(E.CHAIN_END, data)
 
     def _wait(self, seconds: float) -> None:
         """Sleep until the next poll, waking at once when the training step exits."""
@@ -1460,6 +1505,8 @@ class SupervisorRun:
             self._notify("job_given_up", f"job {self.cfg.job_id} gave up (exit {a.code}): {a.reason}",
                          {"exit_code": a.code, "reason": a.reason, **({"error": a.error} if a.error else {})},
                          wait_s=10.0)
+        if self.cfg.chain is not None and chainmod.is_final(a.code):
+            self._chain_end(a.code, a.reason)
         self._write_metrics()
         self.exit_code = a.code
 

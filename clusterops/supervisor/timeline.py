@@ -63,6 +63,7 @@ class EventKind(str, Enum):
     REQUEUE = "requeue"
     DONE = "done"
     GIVE_UP = "give_up"
+    GENERATION_END = "generation_end"   # a chain's generation handed on to the next (supervisor.chain)
     WARNING = "warning"
     # the plumbing's own records (clusterops.supervisor.run)
     CHECKPOINT_BAD = "checkpoint_bad"
@@ -75,6 +76,8 @@ class EventKind(str, Enum):
     STACKS = "stacks"
     STATE_INVALID = "state_invalid"
     SUPERVISOR_ERROR = "supervisor_error"
+    GENERATION = "generation"         # a chain's generation starts: its number, the chain's length, its job id
+    CHAIN_END = "chain_end"           # the chain ended: why, and the queued generations cancelled
     # the ranks' own records (clusterops.watchdog): the batch host lost, the job requeued
     SUPERVISOR_LOST = "supervisor_lost"
     TAKEOVER = "takeover"

@@ -105,6 +105,9 @@ class FakeSlurm:
                batch: bool = False, full: bool = False, step: Optional[int] = None) -> None:
         self.calls.append(("cancel", job_id, signal, step))
 
+    def cancel_pending(self, job_id: Union[int, str]) -> None:
+        self.calls.append(("cancel_pending", job_id))
+
     def signal(self, job_id: Union[int, str], sig: Union[str, int], *, batch: bool = False,
                full: bool = False, step: Optional[int] = None) -> None:
         self.cancel(job_id, signal=sig, batch=batch, full=full, step=step)
