@@ -291,3 +291,20 @@ def test_torchrun_node_rank_rotates_the_same_way():
     env_argv = ["bash", "-c", body] + argv[3:]
     got = [run_task(env_argv, p, 0) for p in range(3)]
     assert [g[2] for g in got] == ["--node-rank=2", "--node-rank=0", "--node-rank=1"]
+
+
+def test_replay_for_a_script_without_the_sdk_is_refused_with_exit_2(tmp_path, monkeypatch, capsys):
+    from clusterops.cli import main
+
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    script = tmp_path / "t.py"
+    script.write_text("print('step=1 loss=1.0')\n")
+    spec = {"name": "r", "nodes": 2, "launcher": "srun", "script": str(script),
+            "supervise": {"progress": {"regex": r"step=(\d+)", "loss_regex": r"loss=(\S+)"},
+                          "stability": {"on_nan": "replay"}}}
+    with pytest.raises(SystemExit) as e:
+        main(["supervise", "--job-dir", str(tmp_path / "jd"), "--spec-json", json.dumps(spec), "--", "true"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "supervise.stability.on_nan: replay needs a script that uses the SDK" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "jd").exists()
