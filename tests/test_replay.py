@@ -308,3 +308,23 @@ def test_replay_for_a_script_without_the_sdk_is_refused_with_exit_2(tmp_path, mo
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "supervise.stability.on_nan: replay needs a script that uses the SDK" in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "jd").exists()
+
+
+def test_a_one_node_job_replays_on_a_spare_and_then_names_its_node():
+    s = Supervisor(Policy(nodes=1, spare_nodes=1, preflight=None, liveness_check=False), ["node1", "node2"],
+                   stability=StabilityConfig(on_nan="replay", warmup_steps=0, min_samples=3, patience=1))
+    s.start(now=0.0)
+    s.handle(ResumeChosen(0.5, None, ""))
+    s.handle(StepLaunched(1.0))
+    s.handle(CheckpointCommitted(2.0, 10, "/ck/10"))
+    s.handle(Heartbeats(3.0, {0: (12, 3.0)}, signals={0: (12, 1.0, None)}))
+    s.handle(Heartbeats(4.0, {0: (14, 4.0)}, signals={0: (14, math.nan, None)}, nonfinite={0: (13, "node1")}))
+    s.handle(StepExited(5.0, returncode=137, ckpt_step=10))
+    acts = s.handle(sv.RollbackPicked(5.0, 10, "/ck/10"))
+    launch = only(acts, Launch)[0]
+    assert launch.nodes == ("node2",) and launch.rotate == 0
+    assert records(acts, "launch")[0]["replay"]["placement"] == "spare"
+    acts = s.handle(StepExited(9.0, returncode=0, ckpt_step=10, replay={0: report(16)}))
+    dec = records(acts, "replay_decided")[0]
+    assert dec["verdict"] == "hardware" and dec["node"] == "node1", dec
+    assert only(acts, Launch)[0].nodes == ("node2",) and [r["node"] for r in records(acts, "node_bad")] == ["node1"]

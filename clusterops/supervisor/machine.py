@@ -682,10 +682,11 @@ class Supervisor:
         if replay is not None:
             # Other hardware for the same ranks: each node's ranks move to the next node of the
             # step (rank r runs where rank r + ranks_per_node ran); one node: a spare, if any.
+            free = [n for n in usable if n not in active]
             if len(active) >= 2:
                 rotate, placement = 1, "rotated"
-            elif [n for n in usable if n not in active]:
-                active, placement = [n for n in usable if n not in active][:1], "spare"
+            elif free:
+                active, placement = free[:1], "spare"
             else:
                 placement = "same nodes"
         self.spares = [n for n in usable if n not in active]
@@ -820,9 +821,8 @@ class Supervisor:
             out.append(CaptureStacks(self.hung_ranks, nodes))
             out += self._kill(ev.now, KillCause.HANG)
             return out
-        if self.replay is not None:
-            pass        # a replay is judged when it ends (_exited_replay), not by the guard's band
-        elif ev.replicas and self.stability is not None:
+        # A replay is judged when it ends (_exited_replay), not by the guard's band.
+        if ev.replicas and self.stability is not None and self.replay is None:
             out += self._replicas(ev)
             if self.state != RUNNING:
                 return out
