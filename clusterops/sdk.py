@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import random
 import signal
@@ -522,21 +523,15 @@ def _node() -> str:
     return os.environ.get("SLURMD_NODENAME", "")
 
 
-def _note_anomaly_evidence(hb_dir: str, step: int, loss, grad_norm) -> None:
+def _note_anomaly_evidence(hb_dir: str, step: int, loss: Optional[float], grad_norm: Optional[float]) -> None:
     """What the supervisor's replay of an anomaly needs from this rank: the first step whose
     loss or grad norm is not finite (reported once, at once: it says which node's ranks went
     bad first), and in a replay each replayed step's loss."""
-    bad = None
-    for v in (loss, grad_norm):
-        if v is not None:
-            f = float(v)
-            if f != f or f in (float("inf"), float("-inf")):
-                bad = f
-                break
+    bad = next((v for v in (loss, grad_norm) if v is not None and not math.isfinite(v)), None)
     order = _replay_order()
     if order is not None:
         if loss is not None and order.from_step < step <= order.until:
-            _rt.replay_losses[int(step)] = float(loss)
+            _rt.replay_losses[int(step)] = loss
         if bad is not None and _rt.replay_first_nf is None:
             _rt.replay_first_nf = int(step)
     if bad is not None and not _rt.nonfinite_reported:
@@ -579,6 +574,9 @@ def heartbeat(step: int, *, loss=None, grad_norm=None, force: bool = False) -> b
     if not d:
         return False
     if loss is not None or grad_norm is not None:
+        # One conversion each (a GPU tensor's float() is a device sync).
+        loss = None if loss is None else float(loss)
+        grad_norm = None if grad_norm is None else float(grad_norm)
         _note_anomaly_evidence(d, step, loss, grad_norm)
         _take_signals(loss, grad_norm)
     order = _replay_order()
