@@ -228,6 +228,7 @@ def test_the_sdk_in_replay_mode_saves_nothing_reports_and_ends(tmp_path, monkeyp
     monkeypatch.setenv(protocol.ENV_CKPT_DIR, str(tmp_path / "ck"))
     monkeypatch.setenv(protocol.ENV_REPLAY, protocol.ReplayOrder(20, 23).to_json())
     monkeypatch.setenv("SLURMD_NODENAME", "node3")
+    monkeypatch.setenv("RANK", "2")
     monkeypatch.delenv(protocol.ENV_HEARTBEAT_ADDR, raising=False)
     sdk._reset()
     try:
@@ -239,16 +240,18 @@ def test_the_sdk_in_replay_mode_saves_nothing_reports_and_ends(tmp_path, monkeyp
         assert e.value.code == 0
     finally:
         sdk._reset()
-    rep = protocol.read_replay_reports(hb)[0]
+    rep = protocol.read_replay_reports(hb)[2]
     assert rep["reached"] == 23 and rep["first_nonfinite"] == 22 and rep["node"] == "node3"
     assert rep["losses"] == {"21": 1.25, "22": "inf", "23": "nan"}
-    assert protocol.read_nonfinite(hb) == {0: (22, "node3")}      # once, the first
+    assert protocol.read_nonfinite(hb) == {2: (22, "node3")}      # once, the first
 
 
 def test_the_first_nonfinite_is_reported_once_outside_a_replay(tmp_path, monkeypatch):
     from clusterops import sdk
 
     monkeypatch.setenv(protocol.ENV_HEARTBEAT_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
     monkeypatch.delenv(protocol.ENV_REPLAY, raising=False)
     monkeypatch.delenv(protocol.ENV_HEARTBEAT_ADDR, raising=False)
     sdk._reset()
