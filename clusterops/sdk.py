@@ -573,14 +573,17 @@ def heartbeat(step: int, *, loss=None, grad_norm=None, force: bool = False) -> b
     d = os.environ.get(protocol.ENV_HEARTBEAT_DIR)
     if not d:
         return False
+    if not _rt.replay_parsed:
+        _replay_order()
     if loss is not None or grad_norm is not None:
         # One conversion each (a GPU tensor's float() is a device sync).
         loss = None if loss is None else float(loss)
         grad_norm = None if grad_norm is None else float(grad_norm)
-        _note_anomaly_evidence(d, step, loss, grad_norm)
+        if (_rt.replay_order is not None or not (loss is None or math.isfinite(loss))
+                or not (grad_norm is None or math.isfinite(grad_norm))):
+            _note_anomaly_evidence(d, step, loss, grad_norm)
         _take_signals(loss, grad_norm)
-    order = _replay_order()
-    if order is not None and step >= order.until:
+    if _rt.replay_order is not None and step >= _rt.replay_order.until:
         _end_replay(d, step)
     now = time.monotonic()
     if not force and now - _rt.hb_at < HEARTBEAT_INTERVAL_S:
