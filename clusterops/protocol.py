@@ -35,6 +35,10 @@ variable                       meaning for the training process
                                every value is sealed with it, see :func:`rdzv_key` and
                                :mod:`clusterops.rdzvstore`; keep it as private as the
                                heartbeat token); empty or unset: no in-process recovery
+``CLUSTEROPS_REPLAY``          a replay of an anomaly (``on_nan``/``on_spike: replay``): JSON
+                               ``{"from_step", "until"}``; the SDK saves nothing, records each
+                               step's loss, writes its replay report at step ``until`` and ends
+                               the process (exit 0); empty or unset: an ordinary attempt
 =============================  ===============================================================
 
 All are optional for the training script: without them it trains, saves where told
@@ -57,6 +61,13 @@ Files, per attempt of the training step (``<job_dir>/attempt-<N>/``)::
                         request before its end (``sdk.mark_stopped``, after the save
                         that honours the stop).
     stop                created by the supervisor to request a stop.
+    heartbeat/nonfinite/rank<R>.json
+                        rank R's first non-finite loss or grad norm of the attempt
+                        (``{"step", "node", "value"}``), written once by the SDK when it
+                        sees it: which node's ranks went non-finite first.
+    heartbeat/replay/rank<R>.json
+                        a replay's report from rank R (:data:`ENV_REPLAY`): ``{"reached",
+                        "first_nonfinite", "node", "losses": {step: loss}}``.
 
 The supervisor reads a step that exits 0 as "stopped on request", not "finished", when
 the stopped marker exists; a rank-0 output line ``stopped step=N ...`` (what
@@ -86,10 +97,11 @@ ENV_HEARTBEAT_ADDR = "CLUSTEROPS_HEARTBEAT_ADDR"
 ENV_RESUME_HINT = "CLUSTEROPS_RESUME_HINT"
 ENV_RDZV_ADDR = "CLUSTEROPS_RDZV_ADDR"
 ENV_REPLICA_CHECK_EVERY = "CLUSTEROPS_REPLICA_CHECK_EVERY"
+ENV_REPLAY = "CLUSTEROPS_REPLAY"
 
 #: Every variable of the contract, and nothing else.
 CONTRACT_ENV = (ENV_CKPT_DIR, ENV_RESUME_FROM, ENV_HEARTBEAT_DIR, ENV_STOP_FILE, ENV_RESTART_COUNT,
-                ENV_HEARTBEAT_ADDR, ENV_RESUME_HINT, ENV_RDZV_ADDR, ENV_REPLICA_CHECK_EVERY)
+                ENV_HEARTBEAT_ADDR, ENV_RESUME_HINT, ENV_RDZV_ADDR, ENV_REPLICA_CHECK_EVERY, ENV_REPLAY)
 
 #: ENV_HEARTBEAT_ADDR's value that selects the per-node file channel (the forced fallback):
 #: ``file/TOKEN`` (the supervisor's, a fresh token per attempt, so that the node-local
@@ -270,9 +282,10 @@ def heartbeat_path(job_dir: os.PathLike, attempt: int, rank: int) -> Path:
 
 def rank_env(*, ckpt_dir: os.PathLike, resume_from: str, attempt: os.PathLike, restart_count: int,
              heartbeat_addr: str = "", resume_hint: str = "", rdzv_addr: str = "",
-             replica_check_every: int = 0) -> Dict[str, str]:
+             replica_check_every: int = 0, replay: str = "") -> Dict[str, str]:
     """The contract variables for every rank of an attempt (directory ``attempt``)."""
     return {
+        ENV_REPLAY: replay,
         ENV_REPLICA_CHECK_EVERY: str(int(replica_check_every)),
         ENV_RESUME_HINT: resume_hint,
         ENV_CKPT_DIR: str(ckpt_dir),
@@ -556,3 +569,94 @@ def training_stopped(attempt: Optional[os.PathLike], step_log: str = "") -> Opti
     if STOPPED_LINE.search(step_log or ""):
         return "line"
     return None
+
+
+# ------------------------------------------------------------------------ anomaly replay
+
+
+@dataclass(frozen=True)
+class ReplayOrder:
+    """What :data:`ENV_REPLAY` tells the ranks: the attempt replays from checkpoint
+    ``from_step`` up to step ``until`` (then reports and ends), saving nothing."""
+
+    from_step: int
+    until: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: Optional[str]) -> Optional["ReplayOrder"]:
+        """The order in ``text``; None for an empty one. A malformed one raises ValueError:
+        a rank must not train on, saving, when it was told to replay."""
+        if not text:
+            return None
+        try:
+            d = json.loads(text)
+            order = cls(from_step=int(d["from_step"]), until=int(d["until"]))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{ENV_REPLAY}={text[:80]!r}: not a replay order ({e})") from None
+        return order
+
+
+NONFINITE_DIR = "nonfinite"
+REPLAY_DIR = "replay"
+
+
+def _value_text(v: float):
+    return v if v == v and v not in (float("inf"), float("-inf")) else str(v)
+
+
+def write_nonfinite(hb_dir: os.PathLike, rank: int, step: int, node: str, value: float) -> Path:
+    """Rank ``rank``'s first non-finite loss or grad norm of the attempt (once per process)."""
+    d = os.path.join(hb_dir, NONFINITE_DIR)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    body = {"step": int(step), "node": str(node)[:200], "value": _value_text(float(value))}
+    return write_private(os.path.join(d, f"rank{int(rank)}.json"), json.dumps(body).encode())
+
+
+def read_nonfinite(hb_dir: os.PathLike) -> Dict[int, Tuple[int, str]]:
+    """rank -> (its first non-finite step, its node) of every readable report."""
+    out: Dict[int, Tuple[int, str]] = {}
+    for rank, data in _rank_files(hb_dir, NONFINITE_DIR, ".json", 4096):
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            continue
+        step = doc.get("step") if isinstance(doc, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            node = doc.get("node")
+            out[rank] = (step, node if isinstance(node, str) else "")
+    return out
+
+
+def write_replay_report(hb_dir: os.PathLike, rank: int, *, reached: int, first_nonfinite: Optional[int],
+                        node: str, losses: Mapping[int, float]) -> Path:
+    """A replay's report from one rank (:data:`ENV_REPLAY`)."""
+    d = os.path.join(hb_dir, REPLAY_DIR)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    body = {"reached": int(reached), "first_nonfinite": first_nonfinite, "node": str(node)[:200],
+            "losses": {str(int(k)): _value_text(float(v)) for k, v in losses.items()}}
+    return write_private(os.path.join(d, f"rank{int(rank)}.json"), json.dumps(body).encode())
+
+
+def read_replay_reports(hb_dir: os.PathLike) -> Dict[int, dict]:
+    """rank -> its replay report (``reached`` an int, ``first_nonfinite`` an int or None,
+    ``losses`` a mapping); reports that cannot be read or are not that shape are left out."""
+    out: Dict[int, dict] = {}
+    for rank, data in _rank_files(hb_dir, REPLAY_DIR, ".json", 1 << 20):
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            continue
+        if not isinstance(doc, dict):
+            continue
+        reached, first = doc.get("reached"), doc.get("first_nonfinite")
+        if not isinstance(reached, int) or isinstance(reached, bool):
+            continue
+        if first is not None and (not isinstance(first, int) or isinstance(first, bool)):
+            continue
+        if not isinstance(doc.get("losses", {}), dict):
+            continue
+        out[rank] = doc
+    return out

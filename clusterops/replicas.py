@@ -17,10 +17,14 @@ the supervisor (``protocol.write_replicas``), which rolls back to the newest che
 or before the last check that agreed and keeps the suspect's node out
 (docs/supervisor.md, "Replicas that disagree").
 
-Test hook (documented as one, never for production): ``CLUSTEROPS_REPLICA_FLIP=STEP:RANK[:BIT]``
-flips bit ``BIT`` (default 20, in the mantissa) of the first element of the first parameter
-of rank ``RANK`` when ``sdk.check_replicas`` is called at step ``STEP``, once per job (a marker
-file in the job directory, so the rollback's replay of that step runs clean).
+Test hook (documented as one, never for production):
+``CLUSTEROPS_REPLICA_FLIP=STEP:RANK[:BIT[:TENSOR]]`` flips bit ``BIT`` (default 20, in the
+mantissa) of the first element of floating-point tensor ``TENSOR`` (default 0, the first;
+negative counts from the end: -1 is the last) of rank ``RANK`` when ``sdk.check_replicas`` is
+called at step ``STEP`` -- whether or not that step checks its replicas --, once per job (a
+marker file in the job directory, so the rollback's or the anomaly replay's rerun of that step
+runs clean). An exponent bit (30 for float32) of the output layer's bias sends that rank's
+next loss to inf: a non-finite value that a replay on other nodes does not reproduce.
 """
 
 from __future__ import annotations
@@ -103,26 +107,31 @@ def digest(tensors: Iterable, device=None):
     return torch.stack([plain, weighted])
 
 
-def parse_flip(spec: Optional[str]) -> Optional[Tuple[int, int, int]]:
-    """``STEP:RANK[:BIT]`` -> (step, rank, bit); None when unset. A malformed value raises
-    ValueError (a typo in a test hook must not pass silently)."""
+def parse_flip(spec: Optional[str]) -> Optional[Tuple[int, int, int, int]]:
+    """``STEP:RANK[:BIT[:TENSOR]]`` -> (step, rank, bit, tensor); None when unset. A malformed
+    value raises ValueError (a typo in a test hook must not pass silently)."""
     if not spec:
         return None
     parts = spec.split(":")
-    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
-        raise ValueError(f"{FLIP_ENV}={spec!r}: expected STEP:RANK[:BIT]")
+    ok = len(parts) in (2, 3, 4) and all(p.isdigit() for p in parts[:3]) and (
+        len(parts) < 4 or parts[3].lstrip("-").isdigit())
+    if not ok:
+        raise ValueError(f"{FLIP_ENV}={spec!r}: expected STEP:RANK[:BIT[:TENSOR]]")
     step, rank = int(parts[0]), int(parts[1])
-    bit = int(parts[2]) if len(parts) == 3 else 20
-    return step, rank, bit
+    bit = int(parts[2]) if len(parts) >= 3 else 20
+    index = int(parts[3]) if len(parts) == 4 else 0
+    return step, rank, bit, index
 
 
-def flip_one_bit(tensors: Iterable, bit: int) -> bool:
-    """Flip bit ``bit`` of the first element of the first floating-point tensor, in place."""
+def flip_one_bit(tensors: Iterable, bit: int, index: int = 0) -> bool:
+    """Flip bit ``bit`` of the first element of floating-point tensor number ``index`` (negative:
+    from the end) among ``tensors``, in place. False when there is no such tensor."""
     import torch
 
-    for t in tensors:
-        if t is None or not t.is_floating_point() or t.numel() == 0:
-            continue
+    floats = [t for t in tensors if t is not None and t.is_floating_point() and t.numel() > 0]
+    if not -len(floats) <= index < len(floats):
+        return False
+    for t in floats[index:][:1]:
         with torch.no_grad():
             flat = t.data.view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
             width = 8 * t.element_size()

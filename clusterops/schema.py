@@ -476,7 +476,7 @@ def _budget(name: str, doc: str, default: int, lo: int = 0, **kw) -> Field:
     return _policy(name, "int", doc, default, min=lo, max=MAX_COUNT, **kw)
 
 
-_ACTIONS = ("record", "stop", "rollback")
+_ACTIONS = ("record", "stop", "rollback", "replay")
 
 #: ``supervise: {stability: {...}}``; ``clusterops.supervisor.stability.StabilityConfig`` is made
 #: from these fields (defaults from published practice: docs/supervisor.md).
@@ -505,6 +505,8 @@ STABILITY_FIELDS: Tuple[Field, ...] = (
        min=0, max=1000),
     _f("rollback_window_steps", "int", "steps within which rollbacks count together", default=10000, min=1,
        max=10**9),
+    _f("replay_margin_steps", "int", "`replay`: steps the replay runs past the step the anomaly was seen at",
+       default=2, min=0, max=10**6),
 )
 
 #: ``supervise: {trackers: [...]}``: one mapping per tracker, its ``kind`` naming which

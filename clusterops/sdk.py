@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import random
 import signal
@@ -137,6 +138,11 @@ class _Runtime:
         self.flip_done = False   # the replica test hook flipped its bit (once per process)
         self.replicas_bad_reported = False   # a disagreement was reported: later checks keep it
         self.replicas_last_agree: Optional[int] = None   # this process's last check that agreed
+        self.nonfinite_reported = False   # this rank's first non-finite signal was reported
+        self.replay_order = None          # protocol.ReplayOrder of a replay attempt (parsed once)
+        self.replay_parsed = False
+        self.replay_losses: dict = {}     # step -> loss, of the replayed steps
+        self.replay_first_nf: Optional[int] = None
 
 
 _rt = _Runtime()
@@ -505,6 +511,49 @@ def _pop_signals():
     return loss, g
 
 
+def _replay_order():
+    """The replay this attempt is (``protocol.ENV_REPLAY``), None for an ordinary one."""
+    if not _rt.replay_parsed:
+        _rt.replay_order = protocol.ReplayOrder.from_json(os.environ.get(protocol.ENV_REPLAY))
+        _rt.replay_parsed = True
+    return _rt.replay_order
+
+
+def _node() -> str:
+    return os.environ.get("SLURMD_NODENAME", "")
+
+
+def _note_anomaly_evidence(hb_dir: str, step: int, loss: Optional[float], grad_norm: Optional[float]) -> None:
+    """What the supervisor's replay of an anomaly needs from this rank: the first step whose
+    loss or grad norm is not finite (reported once, at once: it says which node's ranks went
+    bad first), and in a replay each replayed step's loss."""
+    bad = next((v for v in (loss, grad_norm) if v is not None and not math.isfinite(v)), None)
+    order = _replay_order()
+    if order is not None:
+        if loss is not None and order.from_step < step <= order.until:
+            _rt.replay_losses[int(step)] = loss
+        if bad is not None and _rt.replay_first_nf is None:
+            _rt.replay_first_nf = int(step)
+    if bad is not None and not _rt.nonfinite_reported:
+        _rt.nonfinite_reported = True
+        try:
+            protocol.write_nonfinite(hb_dir, _rank(), step, _node(), bad)
+        except OSError as e:
+            log.warning("non-finite report of rank %d not written: %s", _rank(), e)
+
+
+def _end_replay(hb_dir: str, step: int) -> None:
+    """The replay reached its last step: report what it saw, leave the group, end (exit 0)."""
+    try:
+        protocol.write_replay_report(hb_dir, _rank(), reached=step, first_nonfinite=_rt.replay_first_nf,
+                                     node=_node(), losses=_rt.replay_losses)
+    except OSError as e:
+        log.warning("replay report of rank %d not written: %s", _rank(), e)
+    log.warning("replay: reached step %d; ending (%s)", step, protocol.ENV_REPLAY)
+    shutdown()
+    raise SystemExit(0)
+
+
 def heartbeat(step: int, *, loss=None, grad_norm=None, force: bool = False) -> bool:
     """Record progress for the supervisor's hang detection.
 
@@ -524,8 +573,18 @@ def heartbeat(step: int, *, loss=None, grad_norm=None, force: bool = False) -> b
     d = os.environ.get(protocol.ENV_HEARTBEAT_DIR)
     if not d:
         return False
+    if not _rt.replay_parsed:
+        _replay_order()
     if loss is not None or grad_norm is not None:
+        # One conversion each (a GPU tensor's float() is a device sync).
+        loss = None if loss is None else float(loss)
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        if (_rt.replay_order is not None or not (loss is None or math.isfinite(loss))
+                or not (grad_norm is None or math.isfinite(grad_norm))):
+            _note_anomaly_evidence(d, step, loss, grad_norm)
         _take_signals(loss, grad_norm)
+    if _rt.replay_order is not None and step >= _rt.replay_order.until:
+        _end_replay(d, step)
     now = time.monotonic()
     if not force and now - _rt.hb_at < HEARTBEAT_INTERVAL_S:
         return False
@@ -584,18 +643,16 @@ def check_replicas(step: int, tensors, *, every: Optional[int] = None, group=Non
 
     if every is None:
         every = _env_int(protocol.ENV_REPLICA_CHECK_EVERY, default=rp.DEFAULT_EVERY)
-    if every <= 0:
-        return None
     hb_dir = os.environ.get(protocol.ENV_HEARTBEAT_DIR) or None
     flip = rp.parse_flip(os.environ.get(rp.FLIP_ENV))
     if flip is not None and step == flip[0] and _rank() == flip[1] and not _rt.flip_done:
         tensors = list(tensors)
         _rt.flip_done = True
         if rp.claim_flip(hb_dir):
-            rp.flip_one_bit(tensors, flip[2])
-            log.warning("%s: flipped bit %d of rank %d's parameters at step %d (test hook)", rp.FLIP_ENV,
-                        flip[2], flip[1], step)
-    if step % every:
+            rp.flip_one_bit(tensors, flip[2], flip[3])
+            log.warning("%s: flipped bit %d of tensor %d of rank %d's parameters at step %d (test hook)",
+                        rp.FLIP_ENV, flip[2], flip[3], flip[1], step)
+    if every <= 0 or step % every:
         return None
     import torch
     import torch.distributed as dist
@@ -847,6 +904,11 @@ def save(state: dict, step: int, *, async_: bool = False, rank_state: Any = None
     many ranks), numpy arrays, None/bool/int/float/str/bytes. Anything else raises
     ``UnsaveableState`` (exit code 2) naming its place, on every rank, before any write.
     """
+    if _replay_order() is not None:
+        # A replay of an anomaly (protocol.ENV_REPLAY) must leave the checkpoint root as it
+        # found it: it reruns steps whose outcome is in question.
+        log.info("replay: checkpoint of step %d not written", step)
+        return None
     _rt.hb_paused = True      # the step time around a save is not a step time (stragglers)
     wait()
     _ensure_runtime()

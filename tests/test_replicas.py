@@ -50,8 +50,9 @@ def test_majority_suspects_and_ambiguity():
 
 
 def test_flip_hook_spec_and_once_per_job(tmp_path):
-    assert rp.parse_flip(None) is None and rp.parse_flip("12:1") == (12, 1, 20) and rp.parse_flip("3:0:7") == (3, 0, 7)
-    for bad in ("x", "12", "1:2:3:4", "-1:0"):
+    assert rp.parse_flip(None) is None and rp.parse_flip("12:1") == (12, 1, 20, 0)
+    assert rp.parse_flip("3:0:7") == (3, 0, 7, 0) and rp.parse_flip("1:2:30:-1") == (1, 2, 30, -1)
+    for bad in ("x", "12", "1:2:3:4:5", "-1:0", "1:2:3:x", "1:2:3:"):
         with pytest.raises(ValueError):
             rp.parse_flip(bad)
     hb = tmp_path / "job" / "attempt-0" / "heartbeat"

@@ -21,7 +21,8 @@
 - ``membership``: who trains in each generation of an in-process recovery (pure).
 - ``rendezvous``: the rendezvous store (torch's ``TCPStore``) hosted for in-process recovery.
 - ``stability``: loss spikes and non-finite values from the heartbeats, and what to do
-  about them: record, stop, or roll back with a data skip and an LR factor (pure).
+  about them: record, stop, roll back with a data skip and an LR factor, or replay the
+  anomaly on other nodes first to tell the data from the hardware (pure).
 - ``chain``: a run longer than one allocation: which generation of its chain this job is,
   and the chain's end marker that later generations read first.
 """

@@ -312,6 +312,15 @@ def run_config(spec: Mapping[str, Any], command: Sequence[str], settings: Mappin
     extra["notify_urls"] = list(spec.get("notify") or [])
     extra["plain"] = plain
     extra["stability"] = stability_config(sup)
+    st = extra["stability"]
+    if st is not None and (plain.progress_regex or plain.checkpoint_glob):
+        # A replay needs the SDK on the ranks: it ends the replay, keeps it from saving, and
+        # reports the losses; a script without it would train on and save.
+        for key in ("on_nan", "on_spike"):
+            if getattr(st, key) == "replay":
+                raise InputError(f"spec: supervise.stability.{key}: replay needs a script that uses the SDK "
+                                 f"(sdk.heartbeat); this one is read through supervise.progress/checkpoint_glob: "
+                                 f"use rollback")
     extra["exit_codes"] = exit_codes(sup)
     from clusterops import trackers
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
-from clusterops import drains, schema
+from clusterops import drains, protocol, schema
 from clusterops.exitcodes import Supervise as ExitCode
 from clusterops.slurm.parse import FailureKind, TaskFailure
 from clusterops.supervisor import stability as stb
@@ -73,6 +73,7 @@ __all__ = [
     "SetAside",
     "PickRollback",
     "HoldCheckpoint",
+    "ReplayPlan",
     "Memory",
     "Supervisor",
     "State",
@@ -146,6 +147,7 @@ class KillCause(str, Enum):
     STOP_TIMEOUT = "stop_timeout"
     ROLLBACK = "rollback"        # the stability guard rolls back: the bad state is not saved
     DIVERGED = "diverged"        # the stability guard stops the job (or gives up)
+    REPLAY = "replay"            # the stability guard replays the anomaly on other nodes first
 
     def __str__(self) -> str:
         return self.value
@@ -192,6 +194,8 @@ class StepExited(Event):
     #: what the script named before exiting (sdk.report_suspects): Slurm node names, ranks
     suspect_nodes: Tuple[str, ...] = ()
     suspect_ranks: Tuple[int, ...] = ()
+    #: a replay attempt's reports (``protocol.read_replay_reports``): rank -> report
+    replay: Mapping[int, Mapping] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,9 @@ class Heartbeats(Event):
     #: the replica checks' latest words (``protocol.read_replicas``): (source, report) per
     #: replica group's file of the current attempt (clusterops.replicas).
     replicas: Tuple[Tuple[str, Mapping], ...] = ()
+    #: rank -> (its first non-finite step, its node) in this attempt (``protocol.read_nonfinite``),
+    #: for a replay's verdict: which node's ranks went non-finite first
+    nonfinite: Mapping[int, Tuple[int, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -316,6 +323,10 @@ class Launch(Action):
     attempt: int             # 0 for the first launch of this job, counting across requeues
     restart_count: int       # restarts so far (in-allocation, across requeues)
     hint: Optional[stb.ResumeHint] = None   # a stability rollback: resume from hint.from_step, skip, LR
+    #: a replay of an anomaly: ``protocol.ReplayOrder`` JSON for the ranks (empty: an ordinary launch)
+    replay: str = ""
+    #: rank r runs on ``nodes[(r // ranks_per_node + rotate) % len(nodes)]`` (0: srun's block layout)
+    rotate: int = 0
 
 
 @dataclass(frozen=True)
@@ -469,6 +480,19 @@ class Verdict:
     sign: Optional[Tuple[str, str]] = None      # (name, line) of a hardware sign, with HARDWARE
 
 
+@dataclass(frozen=True)
+class ReplayPlan:
+    """A replay under way (``on_nan``/``on_spike: replay``): the finding, the checkpoint it runs
+    from, the step it stops at, what the original run said of where the values went non-finite
+    (rank -> (step, node)), and the original run's nodes."""
+
+    finding: stb.Finding
+    from_step: int
+    until: int
+    nonfinite: Mapping[int, Tuple[int, str]]
+    nodes: Tuple[str, ...]
+
+
 @dataclass
 class Suspect:
     """One program error that came from one node only (:meth:`Supervisor._weigh_error`).
@@ -552,6 +576,10 @@ class Supervisor:
         self.replicas_seen: Dict[str, int] = {}   # report source -> the newest step handled
         self.stability_decision: Optional[stb.Decision] = None
         self.rollback_to_pick: Optional[stb.Decision] = None   # a rollback whose target the disk must confirm
+        self.rotate = 0                              # the current step's rank rotation (Launch.rotate)
+        self.replay_evidence: Mapping[int, Tuple[int, str]] = {}   # the finding's ev.nonfinite, until the replay
+        self.replay_nodes: Tuple[str, ...] = ()      # the nodes of the run the replay's finding came from
+        self.replay: Optional[ReplayPlan] = None     # the replay step under way
         if self.stability is not None and self.memory.last_ckpt_step is not None:
             self.stability.checkpoint(self.memory.last_ckpt_step)
             self.memory.hint = self.stability.hint
@@ -637,7 +665,8 @@ class Supervisor:
             return out
         return self._plan_launch(now, out, first=True)
 
-    def _plan_launch(self, now: float, out: List[Action], *, first: bool = False) -> List[Action]:
+    def _plan_launch(self, now: float, out: List[Action], *, first: bool = False,
+                     replay: Optional[ReplayPlan] = None) -> List[Action]:
         if self.pending_stop:
             # A stop arrived while no step ran: nothing to save, requeue straight away.
             self.stop_reason = self.pending_stop
@@ -667,6 +696,17 @@ class Supervisor:
         else:
             return self._requeue(
                 f"{len(usable)} healthy node(s) left, {self.policy.min_nodes} needed", out)
+        rotate, placement = 0, None
+        if replay is not None:
+            # Other hardware for the same ranks: each node's ranks move to the next node of the
+            # step (rank r runs where rank r + ranks_per_node ran); one node: a spare, if any.
+            free = [n for n in usable if n not in active]
+            if len(active) >= 2:
+                rotate, placement = 1, "rotated"
+            elif free:
+                active, placement = free[:1], "spare"
+            else:
+                placement = "same nodes"
         self.spares = [n for n in usable if n not in active]
         if previous and not first:
             added = [n for n in active if n not in previous]
@@ -678,6 +718,8 @@ class Supervisor:
             out.append(Record(E.RESTART, {"cause": self.last_cause, "restart": self.memory.restarts,
                                           "resume_step": self.memory.last_ckpt_step}))
         self.active = active
+        self.rotate = rotate
+        self.replay = replay
         self._enter(RUNNING)
         self.step_started_at = now
         self.kill_sent_at = None
@@ -694,8 +736,16 @@ class Supervisor:
         attempt = self.memory.attempts
         self.memory.attempts += 1
         self.ckpt_at_launch = self.memory.last_ckpt_step
-        out.append(Record(E.LAUNCH, {"nodes": list(active), "spares": list(self.spares), "attempt": attempt,
-                                     "restart_count": self.memory.restarts, "resume_step": self.memory.last_ckpt_step}))
+        rec = {"nodes": list(active), "spares": list(self.spares), "attempt": attempt,
+               "restart_count": self.memory.restarts, "resume_step": self.memory.last_ckpt_step}
+        if replay is not None:
+            rec["replay"] = {"from_step": replay.from_step, "until": replay.until, "placement": placement,
+                             "rotate": rotate, "ranks": {str(r): self.rank_node(r) for r in range(self.expected_ranks)}}
+            out.append(Record(E.LAUNCH, rec))
+            out.append(Launch(tuple(active), attempt, self.memory.restarts, hint=None,
+                              replay=protocol.ReplayOrder(replay.from_step, replay.until).to_json(), rotate=rotate))
+            return out
+        out.append(Record(E.LAUNCH, rec))
         out.append(Launch(tuple(active), attempt, self.memory.restarts,
                           hint=self.stability.hint if self.stability is not None else None))
         return out
@@ -815,11 +865,12 @@ class Supervisor:
             out.append(CaptureStacks(self.hung_ranks, nodes))
             out += self._kill(ev.now, KillCause.HANG)
             return out
-        if ev.replicas and self.stability is not None:
+        # A replay is judged when it ends (_exited_replay), not by the guard's band.
+        if ev.replicas and self.stability is not None and self.replay is None:
             out += self._replicas(ev)
             if self.state != RUNNING:
                 return out
-        if self.watch_loss and ev.signals:
+        if self.watch_loss and ev.signals and self.replay is None:
             out += self._stability(ev)
             if self.state != RUNNING:
                 return out
@@ -842,6 +893,12 @@ class Supervisor:
             return out
         self.stability_decision = d
         self.memory.hint = self.stability.hint
+        if d.action == stb.Action.REPLAY:
+            # Where the values went non-finite first, as the ranks said it (the replay's verdict
+            # names that node when the replay does not reproduce it).
+            self.replay_evidence = dict(ev.nonfinite)
+            self.replay_nodes = tuple(self.active)
+            return out + self._kill(ev.now, KillCause.REPLAY)
         if d.action == stb.Action.ROLLBACK:
             # The rollback record (and its webhook) waits for the disk's word on the target
             # (_on_rollback_picked): it says where the job really goes back to, if anywhere.
@@ -902,7 +959,7 @@ class Supervisor:
         d, self.stability_decision = self.stability_decision, None
         out.append(Record(E.STEP_EXIT, {"returncode": ev.returncode, "cause": Cause.ROLLED_BACK,
                                         "decision": str(d.action)}))
-        if d.action == stb.Action.ROLLBACK:
+        if d.action in (stb.Action.ROLLBACK, stb.Action.REPLAY):
             # Nothing is moved before the target is known to be there and good: retention may
             # have pruned it, or it may be damaged (the step is gone: nothing writes meanwhile).
             self.rollback_to_pick = d
@@ -927,6 +984,8 @@ class Supervisor:
         out: List[Action] = [Record(E.CHECKPOINT_BAD, {"step": s, "path": p, "problems": list(pr)[:3]})
                              for s, p, pr in ev.bad]
         problems = "; ".join(f"step {s}: {', '.join(pr[:1]) or 'bad'}" for s, _, pr in ev.bad)
+        if d.action == stb.Action.REPLAY:
+            return self._start_replay(d, ev, problems, out)
         planned = d.hint.from_step
         d = self.stability.retarget(d, ev.step, problems)
         self.memory.hint = self.stability.hint
@@ -953,6 +1012,85 @@ class Supervisor:
         self.memory.restarts += 1
         self.last_cause = Cause.ROLLED_BACK
         out.append(SetAside(h.from_step, f"rollback {h.rollback} ({d.finding.kind} from step {d.finding.began})"))
+        return self._plan_launch(ev.now, out)
+
+    def _start_replay(self, d: stb.Decision, ev: RollbackPicked, problems: str, out: List[Action]) -> List[Action]:
+        """The disk's word on the replay's checkpoint (the newest before the anomaly began that
+        exists and verifies): set aside what was saved after it (the anomaly may be in it,
+        whatever the verdict), and relaunch from it on other nodes, in replay mode."""
+        f = d.finding
+        if ev.step is None:
+            out.append(SetAside(f.began - 1, f"{f.kind} from step {f.began}"))
+            return self._exit(EXIT_ROLLBACK_BUDGET, f"training diverged ({f.kind} at step {f.step}) and cannot be "
+                                                    f"replayed: no checkpoint at or before step {d.before} exists "
+                                                    f"and verifies" + (f" ({problems})" if problems else ""), out)
+        if ev.step != d.hint.from_step:
+            out.append(HoldCheckpoint(ev.step, f"stability: replay of the {f.kind} from step {f.began}"))
+        self.stability.replayed(ev.step)
+        self.memory.last_ckpt_step = ev.step
+        self.memory.restarts += 1
+        self.last_cause = Cause.ROLLED_BACK
+        plan = ReplayPlan(f, ev.step, f.step + self.stability.cfg.replay_margin_steps,
+                          dict(self.replay_evidence), self.replay_nodes)
+        first, ranks, nodes = stb.origin(plan.nonfinite)
+        out.append(SetAside(ev.step, f"replay of the {f.kind} from step {f.began}"))
+        out.append(Record(E.REPLAY_STARTED, {"kind": str(f.kind), "step": f.step, "began": f.began,
+                                             "from_step": ev.step, "until": plan.until, "first_step": first,
+                                             "first_ranks": list(ranks), "first_nodes": list(nodes)}))
+        return self._plan_launch(ev.now, out, replay=plan)
+
+    def _exited_replay(self, ev: StepExited, out: List[Action]) -> List[Action]:
+        """The replay ended (it reached its last step, or failed): data or hardware
+        (:func:`clusterops.supervisor.stability.judge_replay`). Data -- or a replay that could not
+        tell -- rolls back with the skip, as ``rollback`` does; hardware keeps the node whose ranks
+        went non-finite first out (drained with the ``sdc`` origin under ``drain_bad_nodes``)
+        and goes on from the replay's checkpoint with nothing skipped; not reproduced but no
+        single node to name: the same, with nobody blamed."""
+        plan, self.replay, self.rotate = self.replay, None, 0
+        self.replay_evidence, self.replay_nodes = {}, ()
+        f = plan.finding
+        j = stb.judge_replay(f, plan.nonfinite, ev.replay, ranks=self.expected_ranks, until=plan.until,
+                             single_node=len(plan.nodes) == 1)
+        out.append(Record(E.REPLAY_DECIDED, {"verdict": str(j.verdict), "reproduced": j.reproduced, "node": j.node,
+                                             "ranks": list(j.ranks), "kind": str(f.kind), "step": f.step,
+                                             "from_step": plan.from_step, "until": plan.until,
+                                             "replay_step": j.replay_step, "returncode": ev.returncode,
+                                             "reports": len(ev.replay), "why": j.why}))
+        if j.reproduced is not False:
+            d = self.stability.decide_rollback(f)
+            self.memory.hint = self.stability.hint
+            if d.action != stb.Action.ROLLBACK:
+                out.append(SetAside(f.began - 1, f"{f.kind} from step {f.began}"))
+                return self._exit(EXIT_ROLLBACK_BUDGET, f"training diverged ({f.kind} at step {f.step}, replayed: "
+                                                        f"{j.verdict}): {d.why}", out)
+            if d.hold is not None:
+                out.append(HoldCheckpoint(d.hold, f"stability: rollback target ({f.kind} from step {f.began})"))
+            if self.state != KILLING:
+                self._enter(KILLING)
+            self.kill_sent_at = None
+            self.rollback_to_pick = d
+            out.append(PickRollback(d.before, d.hint.from_step))
+            return out
+        if j.verdict == stb.ReplayVerdict.HARDWARE and j.node:
+            ranks = ",".join(map(str, j.ranks))
+            self._mark_bad(j.node, f"replay: rank(s) {ranks} went non-finite at step {f.began}-{f.step} on it and "
+                                   f"not on other nodes", ev.now, out,
+                           reason=drains.make_reason(drains.SDC, f"ranks {ranks}",
+                                                     f"{f.kind} at step {f.step} not reproduced on other nodes"))
+        d = self.stability.decide_clean_rollback(f, plan.from_step, "the replay's checkpoint (not reproduced)")
+        self.memory.hint = self.stability.hint
+        if d.action != stb.Action.ROLLBACK:
+            out.append(SetAside(plan.from_step, f"{f.kind} from step {f.began}"))
+            return self._exit(EXIT_ROLLBACK_BUDGET, f"training diverged ({f.kind} at step {f.step}, replayed: "
+                                                    f"{j.verdict}): {d.why}", out)
+        h = d.hint
+        out.append(Record(E.ROLLBACK, {"to_step": h.from_step, "anomaly_step": h.anomaly_step,
+                                       "skip_batches": h.skip_batches, "lr_factor": h.lr_factor,
+                                       "rollback": h.rollback, "lost_steps": max(0, f.step - h.from_step),
+                                       "replay": str(j.verdict)}))
+        self.memory.last_ckpt_step = h.from_step
+        self.memory.restarts += 1
+        self.last_cause = Cause.ROLLED_BACK
         return self._plan_launch(ev.now, out)
 
     def _straggler(self, f, now: float) -> List[Action]:
@@ -1072,9 +1210,12 @@ class Supervisor:
         return self.policy.ranks_per_node * len(self.active)
 
     def rank_node(self, rank: int) -> Optional[str]:
-        """The node a rank runs on: srun's block distribution lays ranks out node by node."""
+        """The node a rank runs on: srun's block distribution lays ranks out node by node
+        (a replay's launch rotates them by ``rotate`` nodes)."""
         i = rank // max(self.policy.ranks_per_node, 1)
-        return self.active[i] if 0 <= i < len(self.active) else None
+        if not 0 <= i < len(self.active):
+            return None
+        return self.active[(i + self.rotate) % len(self.active)]
 
     def _kill(self, now: float, cause: str) -> List[Action]:
         self._enter(KILLING)
@@ -1309,6 +1450,11 @@ class Supervisor:
             # The plumbing's look at the disk is the truth (a corrupted newest checkpoint
             # can move the latest good one back).
             self.memory.last_ckpt_step = ev.ckpt_step
+        if self.replay is not None:
+            if self.state == STOPPING:      # a stop (time limit, preemption) came first: it wins
+                self.replay, self.rotate = None, 0
+            else:
+                return self._exited_replay(ev, out)
         if self.state == RUNNING:
             # A trial without the suspect node that got further, or to the end, blames it.
             finished = ev.returncode == 0 and not ev.failures and not ev.node_failure and not ev.stopped_by

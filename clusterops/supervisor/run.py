@@ -287,19 +287,23 @@ FINISHED_STEP_GRACE_S = 3.0   # in-process: srun's own end, after every rank fin
 # The agent ignores the lead-time USR1 and the supervisor's USR2 (it would die of
 # them; the ignored state is inherited, and the SDK's handlers replace it in the
 # workers); no restarts inside torchrun: the supervisor restarts.
+# A replay's rotation (Launch.rotate) shifts the node rank: node rank (i - rotate) mod nodes runs on
+# the step's i-th node, so node rank k runs where node rank k + rotate ran.
 _TORCHRUN_BODY = ('trap "" USR1 USR2; exec "$0" -m torch.distributed.run --nnodes="$1" --nproc-per-node="$2" '
-                  '--node-rank="$SLURM_PROCID" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" '
-                  '--max-restarts=0 "${@:3}"')
+                  '--node-rank="$(( (SLURM_PROCID + $1 - $3) % $1 ))" --master-addr="$MASTER_ADDR" '
+                  '--master-port="$MASTER_PORT" --max-restarts=0 "${@:4}"')
 
 
-def torchrun_command(command: Sequence[str], python: str, nodes: int, nproc_per_node: int) -> List[str]:
+def torchrun_command(command: Sequence[str], python: str, nodes: int, nproc_per_node: int,
+                     rotate: int = 0) -> List[str]:
     """The per-node command that starts ``command`` (``python script args`` or a program) under torchrun."""
     command = list(command)
     if command and command[0] == python:
         target = command[1:]
     else:
         target = ["--no-python", *command]
-    return ["bash", "-c", _TORCHRUN_BODY, python, str(nodes), str(nproc_per_node), *target]
+    return ["bash", "-c", _TORCHRUN_BODY, python, str(nodes), str(nproc_per_node), str(int(rotate) % max(nodes, 1)),
+            *target]
 
 
 # ------------------------------------------------------------------------------ srun-native ranks
@@ -310,14 +314,18 @@ def torchrun_command(command: Sequence[str], python: str, nodes: int, nproc_per_
 # task, so it cannot go into srun's --export: each task runs this tiny wrapper, which execs
 # the command (the wrapper is gone; the task's process is the training process itself).
 # NODE_RANK is the rank's node in srun's block layout (as Supervisor.rank_node counts it),
-# whatever SLURM_NODEID says on a step that runs on some nodes of the allocation.
-_RANK_ENV_BODY = ('export RANK="$SLURM_PROCID" WORLD_SIZE="$1" LOCAL_RANK="$SLURM_LOCALID" '
-                  'LOCAL_WORLD_SIZE="$2" NODE_RANK="$(( SLURM_PROCID / $2 ))"; shift 2; exec "$@"')
+# whatever SLURM_NODEID says on a step that runs on some nodes of the allocation. A replay's
+# rotation ($3 ranks, rotate x ranks per node) moves every node's ranks to the next node:
+# the task with SLURM_PROCID p is rank (p - $3) mod WORLD_SIZE.
+_RANK_ENV_BODY = ('export RANK="$(( (SLURM_PROCID + $1 - $3) % $1 ))" WORLD_SIZE="$1" LOCAL_RANK="$SLURM_LOCALID" '
+                  'LOCAL_WORLD_SIZE="$2"; export NODE_RANK="$(( RANK / $2 ))"; shift 3; exec "$@"')
 
 
-def rank_env_command(command: Sequence[str], world_size: int, ranks_per_node: int) -> List[str]:
-    """The per-task command that gives ``command`` torch's rank environment, then execs it."""
-    return ["bash", "-c", _RANK_ENV_BODY, "clusterops-rank", str(world_size), str(ranks_per_node),
+def rank_env_command(command: Sequence[str], world_size: int, ranks_per_node: int, rotate: int = 0) -> List[str]:
+    """The per-task command that gives ``command`` torch's rank environment, then execs it;
+    ``rotate``: rank r runs on the node ``rotate`` nodes after its place in srun's block layout."""
+    shift = (int(rotate) * ranks_per_node) % max(world_size, 1)
+    return ["bash", "-c", _RANK_ENV_BODY, "clusterops-rank", str(world_size), str(ranks_per_node), str(shift),
             *command]
 
 
@@ -617,8 +625,10 @@ class SupervisorRun:
                 if self.sup.detector is not None and now >= self.next_timing:
                     timing = self.channel.timings()
                     self.next_timing = now + max(1.0, self.sup.expected_ranks / TIMING_RANKS_PER_S)
+                signals = self._signals()
                 events.append(sv.Heartbeats(now, self.channel.snapshot(self.sup.expected_ranks), timing=timing,
-                                            signals=self._signals(), replicas=self._replica_reports()))
+                                            signals=signals, replicas=self._replica_reports(),
+                                            nonfinite=self._nonfinite(signals)))
             rc = self.train.poll()
             if rc is not None:
                 events.append(self._step_exited(now, rc))
@@ -829,6 +839,17 @@ class SupervisorRun:
         self.replicas_stat = key
         return ((protocol.REPLICAS_FILE, report),)
 
+    def _nonfinite(self, signals) -> Dict[int, Tuple[int, str]]:
+        """The ranks' first non-finite steps (sdk), for a replay's verdict: read only when the
+        guard replays and a rank's signals are not finite (no I/O otherwise)."""
+        from clusterops.supervisor import stability as stb
+
+        st = self.sup.stability
+        if (st is None or self.attempt_dir is None or stb.Action.REPLAY.value not in (st.cfg.on_nan, st.cfg.on_spike)
+                or all(stb.finite(lo) and stb.finite(g) for _, lo, g in signals.values())):
+            return {}
+        return protocol.read_nonfinite(protocol.heartbeat_dir(self.attempt_dir))
+
     def _signals(self) -> Dict[int, Tuple[int, Optional[float], Optional[float]]]:
         """The ranks' loss and grad norm for the stability guard (none without one)."""
         if not self.sup.watch_loss:
@@ -988,8 +1009,9 @@ class SupervisorRun:
             **protocol.rank_env(ckpt_dir=cfg.ckpt_dir, resume_from=resume, attempt=d, restart_count=a.restart_count,
                                 heartbeat_addr=self.channel.env_value,
                                 resume_hint=hint.to_json() if hint is not None else "",
-                                replica_check_every=cfg.policy.replica_check_every),
-            "MASTER_ADDR": self.slurm.node_address(nodes[0]),
+                                replica_check_every=cfg.policy.replica_check_every, replay=a.replay),
+            # Rank 0 hosts the store: its node is the first one, or the one a rotation put it on.
+            "MASTER_ADDR": self.slurm.node_address(nodes[a.rotate % len(nodes)]),
             "MASTER_PORT": str(free_port()),
         })
         for var in TORCHRUN_VARS:   # not from the job's env: either, see TORCHRUN_VARS
@@ -1008,10 +1030,12 @@ class SupervisorRun:
         self.step_id = None
         command = list(cfg.command) + cfg.plain.resume_argv(resume, hint)
         tasks_per_node = ppn
+        if a.rotate and self.rdzv is not None:
+            self._record(E.WARNING, {"what": "replay: in-process recovery places the ranks itself; not rotated"})
         if cfg.launcher == "torchrun":
-            command, tasks_per_node = torchrun_command(command, cfg.python, len(nodes), ppn), 1
+            command, tasks_per_node = torchrun_command(command, cfg.python, len(nodes), ppn, a.rotate), 1
         elif self.rdzv is None:   # one task per rank: each task sets its own RANK... (see rank_env_command)
-            command = rank_env_command(command, len(nodes) * ppn, ppn)
+            command = rank_env_command(command, len(nodes) * ppn, ppn, a.rotate)
         else:   # ranks and standbys; the rendezvous gives the ranks; the step outlives a lost task
             tasks_per_node += cfg.inprocess.standbys_per_node
             self.rdzv_launch = (list(command), dict(env))
@@ -1072,7 +1096,9 @@ class SupervisorRun:
         if rc == 0 and not failures:
             stopped_by = self._external_stop(text)
         named = protocol.read_suspects(protocol.heartbeat_dir(self.attempt_dir)) if self.attempt_dir else {}
-        return sv.StepExited(now, returncode=rc, failures=tuple(failures), ckpt_step=ckpt,
+        replay = (protocol.read_replay_reports(protocol.heartbeat_dir(self.attempt_dir))
+                  if self.attempt_dir and self.sup.replay is not None else {})
+        return sv.StepExited(now, returncode=rc, failures=tuple(failures), ckpt_step=ckpt, replay=replay,
                              node_failure=tuple(lost), stopped_by=stopped_by,
                              task_output={t: o for t, o in said.items() if t in {f.rank for f in failures}},
                              suspect_nodes=tuple(named.get("nodes") or ()),

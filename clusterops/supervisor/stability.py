@@ -66,6 +66,7 @@ class Action(str, Enum):
     RECORD = "record"
     STOP = "stop"
     ROLLBACK = "rollback"
+    REPLAY = "replay"            # rerun the anomalous steps on other nodes first: data or hardware?
 
     def __str__(self) -> str:
         return self.value
@@ -299,8 +300,15 @@ class Guard:
         self.findings += 1
         action = Action(self.cfg.on_nan if f.kind == Kind.NAN else self.cfg.on_spike)
         keep = rollback_target(self.ckpt_steps, f.began - 1)
+        if action == Action.REPLAY:
+            return self._replay(f, keep)
         if action != Action.ROLLBACK:
             return Decision(action, f, why=f"on_{'nan' if f.kind == Kind.NAN else 'spike'}: {action}", hold=keep)
+        return self.decide_rollback(f)
+
+    def decide_rollback(self, f: Finding) -> Decision:
+        """The rollback with a skip (``on_*: rollback``, or a replay that reproduced the finding)."""
+        keep = rollback_target(self.ckpt_steps, f.began - 1)
         c = self.cfg
         recent = [a for a in self.rollbacks if abs(f.began - a) <= c.rollback_window_steps]
         if len(recent) >= c.max_rollbacks:
@@ -320,14 +328,33 @@ class Guard:
         return Decision(Action.ROLLBACK, f, hint=self.hint, hold=target, before=before,
                         why=f"newest checkpoint at least {c.rollback_steps} steps before step {f.began}")
 
-    def decide_sdc(self, f: Finding) -> Decision:
-        """Replicas that disagree (``f.kind`` SDC, ``f.began`` the step after the last check that
-        agreed): roll back to the newest checkpoint at or before that check -- any later one may
-        hold the corruption -- with nothing skipped and the learning rate unchanged (the data
-        was not at fault, so the replay must be the same run). The rollback budget
-        (``max_rollbacks`` within ``rollback_window_steps``) and the holds are the guard's."""
-        self.findings += 1
-        before = f.began - 1
+    def _replay(self, f: Finding, keep: Optional[int]) -> Decision:
+        """``on_*: replay``: rerun the steps from the newest checkpoint before the anomaly began
+        up to ``replay_margin_steps`` past the step it was seen at, on other nodes, before
+        deciding (:func:`judge_replay`). Nothing counts against the rollback budget yet: the
+        verdict's rollback does. No checkpoint before the anomaly: a give-up, as a rollback."""
+        c = self.cfg
+        recent = [a for a in self.rollbacks if abs(f.began - a) <= c.rollback_window_steps]
+        if len(recent) >= c.max_rollbacks:
+            return Decision(Decision.GIVE_UP, f, why=f"{len(recent)} rollbacks within {c.rollback_window_steps} "
+                                                     f"steps (max_rollbacks {c.max_rollbacks})", hold=keep)
+        if keep is None:
+            return Decision(Decision.GIVE_UP, f, why=f"no checkpoint at or before step {f.began - 1} to replay "
+                                                     "from", hold=None)
+        hint = ResumeHint(from_step=keep, skip_batches=0, lr_factor=1.0, reason="replay", anomaly_step=f.began,
+                          rollback=len(self.rollbacks))
+        return Decision(Action.REPLAY, f, hint=hint, hold=keep, before=f.began - 1,
+                        why=f"replay from the newest checkpoint before step {f.began} to step "
+                            f"{f.step + c.replay_margin_steps} on other nodes: data or hardware?")
+
+    def replayed(self, from_step: int) -> None:
+        """The replay runs from checkpoint ``from_step``: the later ones were set aside."""
+        self.ckpt_steps = [s for s in self.ckpt_steps if s <= from_step]
+
+    def decide_clean_rollback(self, f: Finding, before: int, why: str) -> Decision:
+        """Back to the newest checkpoint at or before ``before`` with nothing skipped and the
+        learning rate unchanged (the data was not at fault: the rerun must be the same run);
+        counted against the rollback budget (``max_rollbacks`` within ``rollback_window_steps``)."""
         keep = rollback_target(self.ckpt_steps, before)
         c = self.cfg
         recent = [a for a in self.rollbacks if abs(f.began - a) <= c.rollback_window_steps]
@@ -335,15 +362,23 @@ class Guard:
             return Decision(Decision.GIVE_UP, f, why=f"{len(recent)} rollbacks within {c.rollback_window_steps} "
                                                      f"steps (max_rollbacks {c.max_rollbacks})", hold=keep)
         if keep is None:
-            return Decision(Decision.GIVE_UP, f, why=f"no checkpoint at or before step {before}, the last check "
-                                                     "that agreed", hold=None)
+            return Decision(Decision.GIVE_UP, f, why=f"no checkpoint at or before step {before}, {why}", hold=None)
         self._undo = (self.hint, list(self.ckpt_steps))
         self.rollbacks.append(f.began)
         self.hint = ResumeHint(from_step=keep, skip_batches=0, lr_factor=1.0, anomaly_step=f.began,
                                rollback=len(self.rollbacks))
         self.ckpt_steps = [s for s in self.ckpt_steps if s <= keep]
         return Decision(Action.ROLLBACK, f, hint=self.hint, hold=keep, before=before,
-                        why=f"newest checkpoint at or before step {before}, the last replica check that agreed")
+                        why=f"newest checkpoint at or before step {before}, {why}")
+
+    def decide_sdc(self, f: Finding) -> Decision:
+        """Replicas that disagree (``f.kind`` SDC, ``f.began`` the step after the last check that
+        agreed): roll back to the newest checkpoint at or before that check -- any later one may
+        hold the corruption -- with nothing skipped and the learning rate unchanged (the data
+        was not at fault, so the replay must be the same run). The rollback budget
+        (``max_rollbacks`` within ``rollback_window_steps``) and the holds are the guard's."""
+        self.findings += 1
+        return self.decide_clean_rollback(f, f.began - 1, "the last replica check that agreed")
 
     def retarget(self, d: Decision, step: Optional[int], problems: str = "") -> Decision:
         """Rollback ``d`` once the disk was looked at: ``step`` is the newest checkpoint at
@@ -381,3 +416,106 @@ def rollback_target(ckpt_steps: Sequence[int], before: int) -> Optional[int]:
     """The newest checkpoint step at or before ``before``; None when there is none."""
     ok = [s for s in ckpt_steps if s <= before]
     return max(ok) if ok else None
+
+
+# ------------------------------------------------------------------------------ replay
+class ReplayVerdict(str, Enum):
+    """What a replay of an anomaly says (the ``replay_decided`` record's ``verdict``)."""
+
+    DATA = "data"              # reproduced: the batches did it; roll back with the skip
+    HARDWARE = "hardware"      # not reproduced, and one node's ranks saw it first: that node
+    AMBIGUOUS = "ambiguous"    # not reproduced but no single node to name, or the replay could not tell
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class ReplayJudgement:
+    verdict: ReplayVerdict
+    reproduced: Optional[bool]          # None: the replay could not tell (crashed, reports missing)
+    why: str
+    node: Optional[str] = None          # HARDWARE: the suspect
+    ranks: Tuple[int, ...] = ()         # the ranks that saw it first in the original run
+    replay_step: Optional[int] = None   # where the replay saw it (reproduced)
+
+
+def origin(nonfinite: Mapping[int, Tuple[int, str]]) -> Tuple[Optional[int], Tuple[int, ...], Tuple[str, ...]]:
+    """rank -> (first non-finite step, node) of the original run -> (the earliest step, the ranks
+    that saw it then, their nodes); (None, (), ()) with no evidence."""
+    if not nonfinite:
+        return None, (), ()
+    first = min(s for s, _ in nonfinite.values())
+    ranks = tuple(sorted(r for r, (s, _) in nonfinite.items() if s == first))
+    nodes = tuple(sorted({nonfinite[r][1] for r in ranks if nonfinite[r][1]}))
+    return first, ranks, nodes
+
+
+def judge_replay(f: Finding, nonfinite: Mapping[int, Tuple[int, str]], reports: Mapping[int, Mapping],
+                 *, ranks: int, until: int, single_node: bool = False) -> ReplayJudgement:
+    """Data or hardware (pure). ``f``: the finding; ``nonfinite``: rank -> (first non-finite step,
+    node) in the original run (the SDK's reports); ``reports``: rank -> the replay's report
+    (``protocol.read_replay``: ``reached``, ``first_nonfinite``, ``losses`` {step: value});
+    ``ranks``: how many ranks the replay ran; ``until``: the step it was to reach;
+    ``single_node``: the original run had one node (its ranks all went non-finite there).
+
+    - a non-finite finding is reproduced when the replay goes non-finite at the step the original
+      run first did (any step from ``f.began`` to ``f.step`` when the original run named none);
+      a spike when the median of the ranks' replayed losses at a step from ``f.began`` to
+      ``f.step`` is above the band's limit again: DATA;
+    - a complete replay (every rank reached ``until``) that is clean: not reproduced. The node
+      whose ranks went non-finite first in the original run is the suspect (HARDWARE); with no
+      such single node (a spike, or every node at once) nobody is named (AMBIGUOUS);
+    - anything else (a non-finite value at another step, a replay that ended early): AMBIGUOUS,
+      the replay could not tell."""
+    first, first_ranks, first_nodes = origin(nonfinite)
+    complete = len(reports) >= ranks and all(_int(r.get("reached"), -1) >= until for r in reports.values())
+    if f.kind == Kind.NAN:
+        got = [_int(r.get("first_nonfinite"), None) for r in reports.values()]
+        seen = min((g for g in got if g is not None), default=None)
+        lo, hi = (first, first) if first is not None else (f.began, f.step)
+        if seen is not None and lo <= seen <= hi:
+            return ReplayJudgement(ReplayVerdict.DATA, True, f"the replay went non-finite at step {seen} too, on "
+                                   "other nodes: the data", ranks=first_ranks, replay_step=seen)
+        if seen is not None:
+            return ReplayJudgement(ReplayVerdict.AMBIGUOUS, None, f"the replay went non-finite at step {seen}, "
+                                   f"the original run at step {first if first is not None else f.step}",
+                                   ranks=first_ranks, replay_step=seen)
+    else:
+        limit = f.band[1]
+        for step in range(f.began, f.step + 1):
+            vals = [_num(r.get("losses", {}).get(str(step))) for r in reports.values()]
+            vals = [v for v in vals if v is not None]
+            if vals and limit is not None and (not all(math.isfinite(v) for v in vals)
+                                               or statistics.median(vals) > limit):
+                return ReplayJudgement(ReplayVerdict.DATA, True, f"the replay's loss at step {step} is above the "
+                                       f"band's limit {limit:g} too: the data", replay_step=step)
+    if not complete:
+        return ReplayJudgement(ReplayVerdict.AMBIGUOUS, None, f"the replay did not reach step {until} on every "
+                               f"rank ({len(reports)} of {ranks} reported): it cannot tell", ranks=first_ranks)
+    if len(first_nodes) == 1 and (len(first_ranks) < ranks or single_node):
+        return ReplayJudgement(ReplayVerdict.HARDWARE, False, f"not reproduced on other nodes; rank(s) "
+                               f"{','.join(map(str, first_ranks))} on {first_nodes[0]} went non-finite first "
+                               f"(step {first})", node=first_nodes[0], ranks=first_ranks)
+    who = ("no rank reported where it began" if first is None else
+           f"rank(s) {','.join(map(str, first_ranks))} on {', '.join(first_nodes) or '?'} went non-finite "
+           f"together at step {first}")
+    return ReplayJudgement(ReplayVerdict.AMBIGUOUS, False, f"not reproduced on other nodes, but {who}: no single "
+                           "node to name", ranks=first_ranks)
+
+
+def _int(v, default):
+    return v if isinstance(v, int) and not isinstance(v, bool) else default
+
+
+def _num(v) -> Optional[float]:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return None
+    return None

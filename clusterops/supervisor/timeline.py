@@ -50,6 +50,8 @@ class EventKind(str, Enum):
     NODE_DRAINED = "node_drained"     # drained by someone else while the job runs: replaced, or kept
     NODE_SUSPECT = "node_suspect"     # one program error from one node only, weighed across relaunches
     SDC_SUSPECT = "sdc_suspect"       # replicas that disagree (sdk.check_replicas): the ranks outside the majority
+    REPLAY_STARTED = "replay_started"   # on_nan/on_spike: replay: the anomaly's steps rerun on other nodes
+    REPLAY_DECIDED = "replay_decided"   # the replay's verdict: data, hardware (and the node) or ambiguous
     STOP_REQUESTED = "stop_requested"
     STOP_TIMEOUT = "stop_timeout"
     KILL_ESCALATED = "kill_escalated"
@@ -134,7 +136,7 @@ FAULT_KINDS = {E.SUPERVISOR_LOST, E.HEARTBEAT_LOST, E.NODE_DOWN, E.NODE_BAD, E.S
 DECISION_KINDS = {E.EXIT_CONTRACT, E.TAKEOVER, E.RESTART, E.REQUEUE, E.GIVE_UP, E.SPARE_USED, E.SHRINK, E.STOP_REQUESTED, E.STOPPED,
                   E.DONE, E.INPROC_FIRST_STEP, E.INPROC_FALLBACK}
 # Findings that are neither a fault nor a decision: a slow node (drawn in orange).
-FINDING_KINDS = {E.STRAGGLER, E.LOSS_SPIKE, E.NAN, E.NODE_SUSPECT, E.SDC_SUSPECT, E.HANG_NAMED}
+FINDING_KINDS = {E.STRAGGLER, E.LOSS_SPIKE, E.NAN, E.NODE_SUSPECT, E.SDC_SUSPECT, E.HANG_NAMED, E.REPLAY_DECIDED}
 
 
 class Timeline:
@@ -287,6 +289,14 @@ def describe(rec: Mapping) -> str:
         band = f" (band: median {fields.get('median')}, limit {fields.get('limit')})" if e == E.LOSS_SPIKE else ""
         return (f"{what} {fields.get('signal')} {fields.get('value')} at step {fields.get('step')}, began after step "
                 f"{_began(fields)}{band}; decision: {fields.get('decision')}")
+    if e == E.REPLAY_STARTED:
+        return (f"REPLAY of the {fields.get('kind')} at step {fields.get('step')}: from the checkpoint of step "
+                f"{fields.get('from_step')} to step {fields.get('until')} on other nodes (first non-finite: step "
+                f"{fields.get('first_step')}, rank(s) {_join(fields.get('first_ranks') or [])} on "
+                f"{_join(fields.get('first_nodes') or [])})")
+    if e == E.REPLAY_DECIDED:
+        node = f", node {fields.get('node')}" if fields.get("node") else ""
+        return f"replay verdict: {fields.get('verdict')}{node}: {fields.get('why')}"
     if e == E.ROLLBACK:
         return (f"ROLLBACK {fields.get('rollback')}: to the checkpoint of step {fields.get('to_step')}, skip "
                 f"{fields.get('skip_batches')} batches, lr x{fields.get('lr_factor')} ({fields.get('lost_steps')} "
