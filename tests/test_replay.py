@@ -159,10 +159,12 @@ def test_replay_reproduced_is_the_data_rollback_with_the_skip():
     assert only(acts, sv.PickRollback) == [sv.PickRollback(13, 10)] and s.state == sv.KILLING
     acts = s.handle(sv.RollbackPicked(40.5, 10, "/ck/10"))
     rb = records(acts, "rollback")[0]
-    assert (rb["to_step"], rb["skip_batches"], rb["lr_factor"]) == (10, 30, 0.5)
+    # skip 30 from step 10 would end at 39; it reaches 20 (skip 30 - rollback 10) past step
+    # 24, the NaN seen: 34 batches (stability.skip_for)
+    assert (rb["to_step"], rb["skip_batches"], rb["lr_factor"]) == (10, 34, 0.5)
     assert only(acts, SetAside) == [SetAside(10, "rollback 1 (nan from step 23)")]
     launch = only(acts, Launch)[0]
-    assert launch.hint.skip_batches == 30 and launch.rotate == 0 and launch.replay == ""
+    assert launch.hint.skip_batches == 34 and launch.rotate == 0 and launch.replay == ""
     assert launch.nodes == ("node1", "node2", "node3")
 
 

@@ -71,12 +71,14 @@ def test_a_poisoned_batch_reproduces_on_other_nodes_and_is_rolled_back_with_the_
                                                           "rank2.json": "node4", "rank3.json": "node1"}, reports
     # Then the rollback with the skip, as `rollback` does; the replay saved nothing.
     rb = fk.events(j, "rollback")
-    assert len(rb) == 1 and rb[0]["skip_batches"] == 30 and rb[0]["lr_factor"] == 0.5, story
-    to = rb[0]["to_step"]
+    assert len(rb) == 1 and rb[0]["lr_factor"] == 0.5, story
+    to, skip = rb[0]["to_step"], rb[0]["skip_batches"]
+    seen = [f["step"] for f in found if f["began"] == rb[0]["anomaly_step"]]
+    assert seen and skip == max(30, seen[0] + 20 - to), story     # past the NaN seen by 30 - 10
     assert to % every == 0 and to <= found[0]["began"] - GUARD["rollback_steps"], story
     assert not fk.events(j, "node_bad") and not fk.events(j, "drain"), story
     assert fk.damaged_checkpoints(j.ckpt_dir) == []
-    ref = fk.rollback_reference(4, tmp_path / "reference", steps=steps, poison=POISON, at=to,
+    ref = fk.rollback_reference(4, tmp_path / "reference", steps=steps, poison=POISON, at=to, skip=skip,
                                 args=["--ckpt-every", str(every), "--step-sleep", "0"])
     assert not fk.nan_weights(ref)
     assert fk.same_weights(j.out, ref), f"final weights differ from the run that skips the same batches\n{story}"
