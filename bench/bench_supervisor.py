@@ -11,6 +11,8 @@ Figures (medians over --reps runs, printed as a table):
                 (target <= requeue delay + 30 s; the requeue delay is measured too)
   steps lost    per fault: steps done before the fault minus the step resumed from
                 ((a)/(b)/(d): at most one checkpoint interval; (f) preemption: 0)
+  admin drain (g)  an administrator drains a node under a run with a spare: the drain ->
+                the first step on the spare; steps lost (the planned stop saves: 0)
   overhead      wall time of a fault-free supervised run against the same training run
                 by plain srun (`launcher: srun`, no supervise) in the same script
                 (target <= 1.05x)
@@ -22,6 +24,7 @@ about 0.2 s.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import json
 import os
 import signal
@@ -150,6 +153,32 @@ def run_preempt(root: Path, slurm, rep: int) -> dict:
     return {"steps_lost": max(max(beats, default=0) - resume, 0), "stopped_at": stopped["ckpt_step"], "resumed_at": resume}
 
 
+def run_admin_drain(root: Path, slurm, rep: int) -> dict:
+    """An administrator drains node3 under the run (3 nodes and a spare): the drain -> the
+    first step on the spare, and the steps lost (the ranks' last beat before the planned
+    stop minus the step the relaunch resumed from)."""
+    job = fk.TrainJob(root=root / f"g{rep}", name=f"bench-g{rep}", nodes=3, steps=STEPS, ckpt_every=CKPT_EVERY,
+                      supervise={"spare_nodes": 1, "drain_bad_nodes": True})
+    job.submit()
+    try:
+        job.wait_step(25)
+        # The administrator's command, as they type it (not clusterops' drain: its reason is theirs).
+        subprocess.run(["scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=maintenance"],
+                       check=True, capture_output=True, timeout=30)
+        t_drain = time.time()
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and len([r for r in job.timeline() if r["event"] == "resume"]) < 2:
+            time.sleep(0.1)
+        resume = resumed_step(job, 1)
+        t_step = first_step_after(job, 1, resume)
+        info = job.wait_end(slurm)
+        assert info.state == "COMPLETED", info
+    finally:
+        subprocess.run(["scontrol", "update", "NodeName=node3", "State=RESUME"], capture_output=True, timeout=30)
+    beats = job.rank_steps(job.job_dir / "attempt-0")      # the ranks' last beats before the stop
+    return {"swap_s": t_step - t_drain, "steps_lost": max(beats, default=resume) - resume}
+
+
 def timed_run(job: fk.TrainJob, slurm) -> float:
     """Wall time from the job seen RUNNING to the job seen ended (polled every 0.1 s)."""
     job.submit()
@@ -188,7 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="repetitions per figure (default 3)")
     ap.add_argument("--quick", action="store_true", help="one repetition of each, shorter overhead runs")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
-    ap.add_argument("--skip", default="", help="comma list of figures to skip: a,b,d,f,overhead")
+    ap.add_argument("--skip", default="", help="comma list of figures to skip: a,b,d,f,g,overhead")
     args = ap.parse_args(argv)
     reps = 1 if args.quick else args.reps
     skip = set(filter(None, args.skip.split(",")))
@@ -205,7 +234,7 @@ def main(argv=None) -> int:
     dc.up(DevClusterConfig(nodes=4, cpus_per_node=2, port_base=pick_port_base(4)))
     os.environ["SLURM_CONF"] = str(dc.conf_path)
     slurm = Slurm.from_environment()
-    raw = {"a": [], "b": [], "d": [], "f": [], "overhead": []}
+    raw = {"a": [], "b": [], "d": [], "f": [], "g": [], "overhead": []}
     try:
         for rep in range(reps):
             if "overhead" not in skip:
@@ -224,6 +253,10 @@ def main(argv=None) -> int:
         if "f" not in skip:
             raw["f"].append(run_preempt(root, slurm, 0))
             log(f"(f) preemption: {raw['f'][-1]}")
+        if "g" not in skip:
+            for rep in range(reps):
+                raw["g"].append(run_admin_drain(root, slurm, rep))
+                log(f"(g) admin drain: {raw['g'][-1]}")
     finally:
         dc.down()
 
@@ -243,6 +276,9 @@ def main(argv=None) -> int:
         print(f"{'(d) steps lost':58} {d['steps_lost']:9.0f}  <= {CKPT_EVERY}")
     if raw["f"]:
         print(f"{'(f) preemption: steps lost':58} {raw['f'][0]['steps_lost']:9.0f}  0")
+    if raw["g"]:
+        print(f"{'(g) admin drain: drain -> first step on the spare (s)':58} {med([r['swap_s'] for r in raw['g']]):9.1f}")
+        print(f"{'(g) steps lost':58} {med([r['steps_lost'] for r in raw['g']]):9.0f}  0")
     if raw["overhead"]:
         s = med([r["supervised_s"] for r in raw["overhead"]])
         p = med([r["plain_srun_s"] for r in raw["overhead"]])
