@@ -116,11 +116,20 @@ class Adapter:
                 d["open_mode"] = mode if self.legacy else [mode.upper()]
             elif key == "signal":
                 if self.legacy:
-                    d["signal"] = f"{'B:' if value.get('batch_only') else ''}{value['signal']}@{value['time']}"
+                    # 22.05's v0.0.38 refuses the "B:" prefix its own schema names ("Invalid
+                    # SIGNAL specification"): a batch-only warning signal goes through sbatch.
+                    if value.get("batch_only") or value.get("allow_reservation_overlap"):
+                        raise Unserved("--signal=B:... on v0.0.38")
+                    d["signal"] = f"{value['signal']}@{value['time']}"
                 else:
                     d["kill_warning_signal"] = str(value["signal"])
                     d["kill_warning_delay"] = int(value["time"])
                     d["kill_warning_flags"] = ["BATCH_JOB"] if value.get("batch_only") else []
+            elif key == "resource_sharing" and value == "no":      # --exclusive
+                if self.legacy:
+                    d["exclusive"] = "true"
+                else:
+                    d["shared"] = ["none"]
             elif key == "priority" and value == 0:
                 d["hold"] = True
             elif key == "kill_on_node_fail":
@@ -374,10 +383,14 @@ class RestSlurm:
             desc = self.adapter.job_description(fields, env, os.getcwd())
         except (Unserved, sbatch_options.Unmapped) as e:
             return self._cli(f"{e} is not mapped", "submit", script, args, text=text, workdir=workdir)
-        reply = self._write("POST", self.adapter.path("job", "submit"), self.adapter.submit_request(body, desc))
-        jid = parse.number(reply.get("job_id"))
-        if jid is None:
-            raise SlurmError(f"slurmrestd at {self.url}: submit: no job id in the reply")
+        path = self.adapter.path("job", "submit")
+        reply = self.endpoint.request("POST", path, body=self.adapter.submit_request(body, desc))
+        jid = parse.number(reply.body.get("job_id"))
+        if reply.status != 200 or jid is None:
+            raise self._failure("POST", path, reply.status, reply.body)
+        # A job id with "errors" is a submitted job with a remark ("Job is in held state").
+        if error_text(reply.body):
+            log.debug("slurmrestd: job %d submitted: %s", jid, error_text(reply.body))
         return int(jid)
 
     def requeue(self, job_id, *, hold: bool = False) -> None:
