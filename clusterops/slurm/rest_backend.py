@@ -232,10 +232,13 @@ def tokens_for(cli: Slurm, settings_key: Optional[str], lifespan_s: int = DEFAUL
 
 
 def connect_rest(cli: Slurm, url: str, *, jwt_key: Optional[str] = None) -> "RestSlurm":
-    """A ``RestSlurm`` on ``url``, the plugin version chosen by asking the server once per
-    process and URL."""
+    """A ``RestSlurm`` on ``url``. Once per process, URL and user: the plugin version is
+    chosen by asking the server (``GET /openapi/v3``), and the token is tried (``ping``), so
+    a server that cannot serve us is one ``InputError`` here, naming the URL, not a failure
+    in the middle of a sweep."""
     endpoint = Endpoint(url, tokens_for(cli, jwt_key), timeout_s=cli.timeout_s)
-    if endpoint.shown not in _served_cache:
+    key = f"{endpoint.shown} {endpoint.tokens.user}"
+    if key not in _served_cache:
         def attempt():
             try:
                 return endpoint.served_versions()
@@ -243,12 +246,17 @@ def connect_rest(cli: Slurm, url: str, *, jwt_key: Optional[str] = None) -> "Res
                 raise Retry(e) from None
 
         try:
-            _served_cache[endpoint.shown] = retry_read(attempt, cli.backoff, what="slurmrestd discovery",
-                                                       sleep=cli.sleep, label=f"slurmrestd at {endpoint.shown}")
+            served = retry_read(attempt, cli.backoff, what="slurmrestd discovery", sleep=cli.sleep,
+                                label=f"slurmrestd at {endpoint.shown}")
         except SlurmError as e:
             raise InputError(str(e)) from None
-    adapter = pick_adapter(_served_cache[endpoint.shown], endpoint.shown)
-    return RestSlurm(cli, endpoint, adapter)
+        client = RestSlurm(cli, endpoint, pick_adapter(served, endpoint.shown))
+        try:
+            client.version()
+        except ClusteropsError as e:
+            raise InputError(f"{e} (user {endpoint.tokens.user}: is the token accepted?)") from None
+        _served_cache[key] = served
+    return RestSlurm(cli, endpoint, pick_adapter(_served_cache[key], endpoint.shown))
 
 
 # -------------------------------------------------------------------------------- client
