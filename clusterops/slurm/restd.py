@@ -170,10 +170,10 @@ def check_url(url: str) -> Tuple[str, str, str]:
     if scheme == "unix":
         path = parts.path or parts.netloc
         if not path.startswith("/"):
-            raise InputError(f"slurmrestd URL {text!r}: a UNIX socket is unix:///absolute/path")
+            raise InputError(f"slurmrestd URL {_shown_of(parts)!r}: a UNIX socket is unix:///absolute/path")
         return scheme, path, f"unix://{path}"
     if scheme not in ("http", "https") or not parts.hostname:
-        raise InputError(f"slurmrestd URL {_shown_of(parts) or text!r}: use http://HOST:PORT, https://HOST:PORT "
+        raise InputError(f"slurmrestd URL {_shown_of(parts)!r}: use http://HOST:PORT, https://HOST:PORT "
                          f"or unix:///PATH")
     try:
         port = parts.port or (443 if scheme == "https" else 80)
@@ -184,8 +184,9 @@ def check_url(url: str) -> Tuple[str, str, str]:
 
 
 def _shown_of(parts) -> str:
-    host = parts.hostname or ""
-    return f"{parts.scheme}://{host}" if host else ""
+    """The URL with no user, password, query or fragment in it."""
+    netloc = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{netloc}{parts.path}" if parts.scheme else netloc + parts.path
 
 
 @dataclass
