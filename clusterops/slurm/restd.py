@@ -10,8 +10,8 @@ opened again when the server has closed it. Every request carries slurmrestd's J
 - ``KeyTokens``: tokens signed here with the cluster's HS256 key (``AuthAltParameters=
   jwt_key=FILE``; readable only by those who may act as any user), for ``lifespan_s`` and
   signed again once a third of that is left;
-- ``CommandTokens``: ``scontrol token lifespan=N`` through the CLI client (the Slurm layer's
-  one door for commands), asked again once a third of the lifespan is left;
+- ``CommandTokens``: ``scontrol token lifespan=N``, run by the CLI client, asked again once
+  a third of the lifespan is left;
 - ``StaticToken``: a token handed in (``SLURM_JWT``, as Slurm's own clients take it); it
   cannot be renewed, so one that has expired is a one-line error saying how to get another.
 
