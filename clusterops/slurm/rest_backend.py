@@ -233,7 +233,8 @@ def tokens_for(cli: Slurm, settings_key: Optional[str], lifespan_s: int = DEFAUL
 
 def connect_rest(cli: Slurm, url: str, *, jwt_key: Optional[str] = None) -> "RestSlurm":
     """A ``RestSlurm`` on ``url``. Once per process, URL and user: the plugin version is
-    chosen by asking the server (``GET /openapi/v3``), and the token is tried (``ping``), so
+    chosen by asking the server (``GET /openapi/v3``), and the token is tried (the version
+    from ``ping``, then the partitions: 24.11 answers a ping for a token it refuses), so
     a server that cannot serve us is one ``InputError`` here, naming the URL, not a failure
     in the middle of a sweep."""
     endpoint = Endpoint(url, tokens_for(cli, jwt_key), timeout_s=cli.timeout_s)
@@ -253,6 +254,7 @@ def connect_rest(cli: Slurm, url: str, *, jwt_key: Optional[str] = None) -> "Res
         client = RestSlurm(cli, endpoint, pick_adapter(served, endpoint.shown))
         try:
             client.version()
+            client._read(client.adapter.path("partitions"))
         except ClusteropsError as e:
             raise InputError(f"{e} (user {endpoint.tokens.user}: is the token accepted?)") from None
         _served_cache[key] = served
@@ -307,8 +309,8 @@ class RestSlurm:
                 raise err
             raise Retry(err)
 
-        return retry_read(attempt, self.cli.backoff, what=f"GET {path}", sleep=self.sleep,
-                          label=f"slurmrestd at {self.url}")
+        # No label: every failure's text already names the URL.
+        return retry_read(attempt, self.cli.backoff, what=f"GET {path}", sleep=self.sleep)
 
     def _write(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,
                query: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
