@@ -231,12 +231,21 @@ def tokens_for(cli: Slurm, settings_key: Optional[str], lifespan_s: int = DEFAUL
     return CommandTokens(cli.jwt_token, current_user(), lifespan_s)
 
 
-def connect_rest(cli: Slurm, url: str, *, jwt_key: Optional[str] = None) -> "RestSlurm":
+def served_versions(cli: Slurm, url: str, *, jwt_key: Optional[str] = None) -> List[str]:
+    """The plugin versions the server at ``url`` serves that have an adapter here, oldest first."""
+    connect_rest(cli, url, jwt_key=jwt_key)
+    endpoint = Endpoint(url, tokens_for(cli, jwt_key), timeout_s=cli.timeout_s)
+    return [v for v in _served_cache[f"{endpoint.shown} {endpoint.tokens.user}"] if v in ADAPTERS]
+
+
+def connect_rest(cli: Slurm, url: str, *, jwt_key: Optional[str] = None,
+                 version: Optional[str] = None) -> "RestSlurm":
     """A ``RestSlurm`` on ``url``. Once per process, URL and user: the plugin version is
     chosen by asking the server (``GET /openapi/v3``), and the token is tried (the version
     from ``ping``, then the partitions: 24.11 answers a ping for a token it refuses), so
     a server that cannot serve us is one ``InputError`` here, naming the URL, not a failure
-    in the middle of a sweep."""
+    in the middle of a sweep. ``version``: that plugin version rather than the newest (it
+    must be served and known)."""
     endpoint = Endpoint(url, tokens_for(cli, jwt_key), timeout_s=cli.timeout_s)
     key = f"{endpoint.shown} {endpoint.tokens.user}"
     if key not in _served_cache:
@@ -258,7 +267,13 @@ def connect_rest(cli: Slurm, url: str, *, jwt_key: Optional[str] = None) -> "Res
         except ClusteropsError as e:
             raise InputError(f"{e} (user {endpoint.tokens.user}: is the token accepted?)") from None
         _served_cache[key] = served
-    return RestSlurm(cli, endpoint, pick_adapter(_served_cache[key], endpoint.shown))
+    served = _served_cache[key]
+    if version is not None:
+        if version not in served or version not in ADAPTERS:
+            raise InputError(f"slurmrestd at {endpoint.shown}: plugin version {version} is not both served "
+                             f"({', '.join(served)}) and known ({', '.join(ADAPTERS)})")
+        served = [version]
+    return RestSlurm(cli, endpoint, pick_adapter(served, endpoint.shown))
 
 
 # -------------------------------------------------------------------------------- client

@@ -177,3 +177,40 @@ def test_a_server_that_cannot_serve_us_is_one_line_exit_2_naming_the_url(cluster
     with pytest.raises(InputError, match="unix:///nonexistent/sock"):
         connect(SlurmSettings(backend="rest", url="unix:///nonexistent/sock", read_attempts=1,
                               jwt_key=str(cluster.jwt_key)))
+
+
+def test_every_known_version_the_server_serves_answers_alike(cluster, restd, tmp_path):
+    """Not only the newest: each plugin version this Slurm serves and clusterops knows (22.05:
+    v0.0.38; 24.11: v0.0.40-42; 25.11: v0.0.41-42) reads, submits, holds, signals and, where
+    it can, drains through slurmrestd itself."""
+    from clusterops.slurm.rest_backend import connect_rest, served_versions
+
+    plain = connect(replace(SlurmSettings.from_environment(), backend="cli"))
+    versions = served_versions(plain, restd["unix"], jwt_key=str(cluster.jwt_key))
+    assert versions, "the server serves no version clusterops knows"
+    for v in versions:
+        c = connect_rest(plain, restd["unix"], jwt_key=str(cluster.jwt_key), version=v)
+        assert c.adapter.version == v and c.version() == plain.controller_version()
+        assert [n.name for n in c.nodes()] == ["node1", "node2", "node3", "node4"]
+        assert c.partition_nodes("debug") == ["node1", "node2", "node3", "node4"]
+        out = tmp_path / f"{v}.out"
+        jid = c.submit(text='#!/bin/bash\ntrap "echo got-term; exit 0" TERM\necho up\nsleep 300 & wait $!\n',
+                       args=[f"--output={out}", "--time=5", f"--job-name=v{v}", "--hold"])
+        assert c.job(jid).reason in ("JobHeldUser", "JobHeldAdmin")
+        c.update_job(jid, TimeLimit="7")
+        c.release(jid)
+        wait_for(lambda: out.exists() and "up" in out.read_text(), what=f"{v}: the job runs")
+        assert c.job(jid).time_limit_min == 7 and c.job(jid).name == f"v{v}"
+        if c.adapter.signal_flags:
+            c.signal(jid, "TERM", batch=True)
+            wait_for(lambda: "got-term" in out.read_text(), what=f"{v}: TERM reaches the batch shell")
+        else:
+            c.cancel(jid)
+        want = "done" if c.adapter.signal_flags else "CANCELLED"
+        wait_for(lambda: want in (plain.job(jid).category, plain.job(jid).state), what=f"{v}: the job ends")
+        if c.adapter.node_update:
+            c.drain("node2", f"clusterops: test: {v}")
+            n = plain.node("node2")
+            assert n.drained and n.reason == f"clusterops: test: {v}"
+            c.resume("node2")
+            wait_for(lambda: plain.node("node2").is_idle, what=f"{v}: node2 resumed")
