@@ -203,3 +203,19 @@ def test_scontrol_token_output():
     assert parse.parse_jwt_token("SLURM_JWT=abc.def.ghi\n") == "abc.def.ghi"
     with pytest.raises(ValueError):
         parse.parse_jwt_token("scontrol: error: ...\n")
+
+
+def test_the_site_config_can_name_slurmrestd_and_the_variables_win(tmp_path):
+    site = tmp_path / "site.yaml"
+    site.write_text("drain:\n  max_drained_fraction: 0.2\nslurm:\n  url: unix:///run/slurmrestd.socket\n"
+                    "  jwt_key: /etc/slurm/jwt.key\n")
+    s = SlurmSettings.from_environment({"CLUSTEROPS_HEALTH_SITE": str(site)})
+    assert (s.backend, s.url, s.jwt_key) == ("auto", "unix:///run/slurmrestd.socket", "/etc/slurm/jwt.key")
+    s = SlurmSettings.from_environment({"CLUSTEROPS_HEALTH_SITE": str(site), "CLUSTEROPS_SLURM_URL": "http://h:1",
+                                        "CLUSTEROPS_SLURM_BACKEND": "cli"})
+    assert (s.backend, s.url) == ("cli", "http://h:1")
+    site.write_text("slurm:\n  backend: restd\n")
+    with pytest.raises(InputError) as e:
+        SlurmSettings.from_environment({"CLUSTEROPS_HEALTH_SITE": str(site)})
+    assert str(site) in str(e.value) and ":2" in str(e.value) and "backend" in str(e.value)
+    assert e.value.exit_code == 2

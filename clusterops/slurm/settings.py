@@ -42,6 +42,7 @@ BACKEND_ENV = "CLUSTEROPS_SLURM_BACKEND"
 URL_ENV = "CLUSTEROPS_SLURM_URL"
 JWT_KEY_ENV = "CLUSTEROPS_SLURM_JWT_KEY"
 BACKENDS = ("auto", "cli", "pyslurm", "rest")
+SITE_ENV = "CLUSTEROPS_HEALTH_SITE"   # the site config (clusterops.health.profiles reads it too)
 DEVCLUSTER_DIR_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
 DEFAULT_DEVCLUSTER_DIR = "/tmp/clusterops-devcluster"
 DEVCLUSTER_INFO = "cluster.json"   # beside the dev cluster's slurm.conf
@@ -72,8 +73,9 @@ class SlurmSettings:
 
     @classmethod
     def from_environment(cls, env: Optional[Mapping[str, str]] = None) -> "SlurmSettings":
+        """The variables, over the site config's ``slurm:`` block (``$CLUSTEROPS_HEALTH_SITE``)."""
         env = os.environ if env is None else env
-        kw: dict = {}
+        kw: dict = site_slurm_block(env.get(SITE_ENV, "").strip() or None)
         for var, key, conv in ((TIMEOUT_ENV, "timeout_s", float), (ATTEMPTS_ENV, "read_attempts", int),
                                (BACKOFF_ENV, "backoff_s", float)):
             raw = env.get(var, "").strip()
@@ -102,6 +104,22 @@ class SlurmSettings:
         if overrides.get("read_attempts") is not None:
             overrides["read_attempts"] = min(int(overrides["read_attempts"]), self.read_attempts)
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def site_slurm_block(path: Optional[str]) -> dict:
+    """The ``slurm:`` block of the site config at ``path`` (validated whole against
+    ``schema.SITE``: a bad file is a one-line ``InputError`` naming its line); {} without one."""
+    if not path:
+        return {}
+    from clusterops import schema, yamlio
+
+    p = Path(path).expanduser()
+    data, lines = yamlio.load_file(p, "health site config")
+    if not isinstance(data, dict):
+        return {}
+    schema.validate(data, schema.SITE, str(p), lines)
+    block = data.get("slurm") or {}
+    return {k: (str(Path(str(v)).expanduser()) if k == "jwt_key" else v) for k, v in block.items() if v is not None}
 
 
 def _positive(value: Any, name: str, *, upper: float, zero_ok: bool = False) -> None:
