@@ -23,6 +23,11 @@ directory to do so (``_prepare`` sets these modes on every ``up``):
 - ``ctld/`` (slurmctld's saved state: job scripts and environments) stays root-only
   (0700), like a site's ``StateSaveLocation``.
 
+With ``restd=True`` (``clusterops devcluster up --restd``) it also runs ``slurmrestd`` with
+JWT auth (``AuthAltTypes=auth/jwt``; the key root-only under ``jwt/``) as the local user
+``slurm`` on a UNIX socket in ``run/restd/`` and on 127.0.0.1 at the port after the last
+slurmd's (``restd_urls``): the REST backend's server (docs/slurmrestd.md).
+
 Every process the cluster starts, and every task of every job (through the
 TaskProlog), carries ``CLUSTEROPS_DEVCLUSTER_DIR=<state dir>`` in its
 environment; ``down`` uses that marker to leave nothing behind.
