@@ -311,6 +311,20 @@ def _stepds_with_sockets_under(directory: str) -> List[int]:
     return found
 
 
+def _children(pid: int) -> List[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
+
+
 def _comm(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -509,7 +523,8 @@ class DevCluster:
             log_path=str(logdir / "slurmrestd.out"), env={**env, "SLURM_JWT": "daemon"})
         self._wait_for(lambda: sock.exists() and self._port_open(cfg.restd_port), 20, "slurmrestd",
                        logdir / "slurmrestd.out", proc)
-        return proc.pid
+        # The runner started it behind runuser: record slurmrestd itself (runuser ends with it).
+        return next(iter(_children(proc.pid)), proc.pid)
 
     def _prepare(self, cfg: DevClusterConfig) -> None:
         st = self.state
