@@ -259,7 +259,8 @@ def connect_rest(cli: Slurm, url: str, *, jwt_key: Optional[str] = None,
             served = retry_read(attempt, cli.backoff, what="slurmrestd discovery", sleep=cli.sleep,
                                 label=f"slurmrestd at {endpoint.shown}")
         except SlurmError as e:
-            raise InputError(str(e)) from None
+            text = str(e) if endpoint.shown in str(e) else f"slurmrestd at {endpoint.shown}: {e}"
+            raise InputError(text) from None
         client = RestSlurm(cli, endpoint, pick_adapter(served, endpoint.shown))
         try:
             client.version()
