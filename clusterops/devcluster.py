@@ -50,7 +50,9 @@ import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
+
+import hostlist
 
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Runner, pid_alive
@@ -126,6 +128,11 @@ class DevClusterConfig:
     slurmd_timeout_s: int = 10
     slurm_prefix: Optional[str] = None   # run Slurm from PREFIX/bin and PREFIX/sbin (None: PATH)
     restd: bool = False                  # also run slurmrestd with JWT auth (see RESTD_* below)
+    # A Slurm topology (topology.conf): "block" (topology/block, Slurm >= 23.11) or "tree"
+    # (topology/tree: one leaf switch per domain under a top switch), with the domains as
+    # hostlists (default: consecutive pairs of nodes). None: no topology plugin.
+    topology: Optional[str] = None
+    domains: Tuple[str, ...] = ()
 
     def validate(self) -> None:
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
@@ -144,6 +151,33 @@ class DevClusterConfig:
             raise InputError(f"--port-base: {self.port_base} leaves no room for {self.nodes} node ports")
         if self.slurm_prefix is not None:
             check_prefix(self.slurm_prefix)
+        if self.topology not in (None, "tree", "block"):
+            raise InputError(f"--topology: 'tree' or 'block', got {self.topology!r}")
+        if self.domains:
+            if self.topology is None:
+                raise InputError("--domain: needs --topology (a domain is a block or a leaf switch)")
+            seen: List[str] = []
+            for d in self.domains:
+                try:
+                    members = hostlist.expand_hostlist(d)
+                except hostlist.BadHostlist:
+                    raise InputError(f"--domain: bad node list {d!r}") from None
+                unknown = [n for n in members if n not in self.node_names]
+                if unknown or not members:
+                    raise InputError(f"--domain {d}: no such node(s) {', '.join(unknown) or '(none)'} "
+                                     f"in {self.hostlist}")
+                if set(members) & set(seen):
+                    raise InputError(f"--domain {d}: a node in two domains")
+                seen += members
+            if self.topology == "block" and len({len(hostlist.expand_hostlist(d)) for d in self.domains}) > 1:
+                raise InputError("--domain: topology/block wants blocks of one size")
+
+    def domain_lists(self) -> List[List[str]]:
+        """The topology's domains as node lists (the given ones, else consecutive pairs)."""
+        if self.domains:
+            return [hostlist.expand_hostlist(d) for d in self.domains]
+        names = list(self.node_names)
+        return [names[i:i + 2] for i in range(0, len(names), 2)]
 
     @property
     def tools(self) -> SlurmTools:
@@ -215,6 +249,7 @@ def render_slurm_conf(cfg: DevClusterConfig, state: Path, hostname: str) -> str:
         "PreemptType=preempt/partition_prio",
         "PreemptMode=REQUEUE",
         *(["AuthAltTypes=auth/jwt", f"AuthAltParameters=jwt_key={s}/{JWT_KEY}"] if cfg.restd else []),
+        *([f"TopologyPlugin=topology/{cfg.topology}"] if cfg.topology else []),
         f"NodeName={cfg.hostlist} NodeHostname={hostname} NodeAddr=127.0.0.1 Port={ports} "
         f"CPUs={cfg.cpus_per_node} RealMemory={cfg.memory_mb_per_node}{gres} State=UNKNOWN",
         f"PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP "
@@ -223,6 +258,20 @@ def render_slurm_conf(cfg: DevClusterConfig, state: Path, hostname: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def render_topology_conf(cfg: DevClusterConfig) -> str:
+    """topology.conf for ``cfg.topology`` (pure): blocks, or leaf switches under one top switch."""
+    if cfg.topology is None:
+        return "# no topology\n"
+    doms = cfg.domain_lists()
+    lines = ["# Written by clusterops devcluster; regenerated on every `up`."]
+    if cfg.topology == "block":
+        lines += [f"BlockName=b{i} Nodes={hostlist.collect_hostlist(d)}" for i, d in enumerate(doms, 1)]
+    else:
+        lines += [f"SwitchName=s{i} Nodes={hostlist.collect_hostlist(d)}" for i, d in enumerate(doms, 1)]
+        lines.append(f"SwitchName=top Switches=s[1-{len(doms)}]" if len(doms) > 1 else "SwitchName=top Switches=s1")
+    return "\n".join(lines) + "\n"
 
 
 def render_gres_conf(cfg: DevClusterConfig, state: Path) -> str:
@@ -399,7 +448,21 @@ class DevCluster:
 
     def config(self) -> Optional[DevClusterConfig]:
         info = self._read_info()
-        return DevClusterConfig(**info["config"]) if info else None
+        if not info:
+            return None
+        return DevClusterConfig(**dict(info["config"], domains=tuple(info["config"].get("domains") or ())))
+
+    def _check_block_plugin(self, tools: SlurmTools) -> None:
+        """topology/block came with Slurm 23.11: an older slurmctld would refuse the config."""
+        from clusterops.slurm.parse import parse_version
+
+        try:
+            version = parse_version(self.runner.run(tools.argv(["slurmctld", "-V"]), timeout_s=30).stdout)
+        except (ClusteropsError, ValueError):
+            return                      # unknown: slurmctld itself will say
+        if version < (23, 11):
+            raise InputError(f"--topology block: Slurm {version[0]}.{version[1]:02d} has no topology/block "
+                             f"(23.11+); use --topology tree")
 
     def daemon_pids(self) -> Dict[str, Optional[int]]:
         info = self._read_info() or {}
@@ -433,6 +496,8 @@ class DevCluster:
         cfg.validate()
         tools = cfg.tools
         self.check_binaries(tools)
+        if cfg.topology == "block":
+            self._check_block_plugin(tools)
         previous = self.config()
         if self.running():
             if previous == cfg:
@@ -551,7 +616,8 @@ class DevCluster:
         hostname = socket.gethostname().split(".")[0]
         self.conf_path.write_text(render_slurm_conf(cfg, st, hostname))
         (st / "gres.conf").write_text(render_gres_conf(cfg, st))
-        for f in (self.conf_path, st / "gres.conf"):
+        (st / "topology.conf").write_text(render_topology_conf(cfg))
+        for f in (self.conf_path, st / "gres.conf", st / "topology.conf"):
             f.chmod(0o644)
         prolog = st / "task_prolog.sh"
         prolog.write_text(TASK_PROLOG.format(marker=MARKER_ENV, scratch=SCRATCH_ENV, state=st))

@@ -109,7 +109,7 @@ class Field:
 # Kinds of the job spec, as the docs name them. "text" may span lines, "str" may not.
 _KIND_NAMES = {"url": "http(s) URL", "text": "text", "path": "path", "hostlist": "hostlist", "time": "Slurm time",
                "mem": "size", "lines": "lines", "profile": "profile or false",
-               "exitcodes": "mapping exit code -> action"}
+               "exitcodes": "mapping exit code -> action", "trackers": "list of tracker mappings"}
 # Kinds whose YAML scalars are taken as written (no 1.1 booleans, octal, floats).
 TEXT_KINDS = frozenset({"str", "url", "text", "path", "hostlist", "time", "mem", "lines"})
 
@@ -505,7 +505,8 @@ STABILITY_FIELDS: Tuple[Field, ...] = (
     _f("rollback_steps", "int", "roll back to the newest checkpoint at least this many steps before the "
        "anomaly began", default=100, min=0, max=10**9),
     _f("skip_batches", "int", "batches the script skips after a rollback (from the data position of the "
-       "checkpoint)", default=200, min=0, max=10**9),
+       "checkpoint); more when that would not reach skip_batches - rollback_steps past the last step seen "
+       "anomalous", default=200, min=0, max=10**9),
     _f("lr_factor", "number", "learning-rate factor the script is told to apply after a rollback", default=1.0,
        min=0, gt=True, max=1000),
     _f("max_rollbacks", "int", "rollbacks within `rollback_window_steps` before giving up (exit 9)", default=3,
@@ -513,6 +514,43 @@ STABILITY_FIELDS: Tuple[Field, ...] = (
     _f("rollback_window_steps", "int", "steps within which rollbacks count together", default=10000, min=1,
        max=10**9),
 )
+
+#: ``supervise: {trackers: [...]}``: one mapping per tracker, its ``kind`` naming which
+#: (clusterops.trackers writes them; docs/trackers.md). Each kind has its own keys.
+TRACKER_KINDS = ("tensorboard", "wandb", "mlflow")
+
+
+def _tracker(kind: str, doc: str, *fields: Field) -> Field:
+    return Field(kind, "map", doc, fields=(
+        Field("kind", "enum", "which tracker", choices=TRACKER_KINDS, required=True),) + fields)
+
+
+TRACKER_FIELDS: Tuple[Field, ...] = (
+    _tracker("tensorboard", "event files written with TensorBoard's own writer",
+             _f("dir", "path", "the log directory (relative to `workdir`); every incarnation appends its own "
+                "event file there", default_text="`<job_dir>/tensorboard`")),
+    _tracker("wandb", "one Weights & Biases run per job, resumed by every incarnation (its id is kept in the "
+             "job directory)",
+             _f("project", "str", "the W&B project", default_text="the job's name"),
+             _f("entity", "str", "the W&B entity (user or team)", default_text="W&B's default"),
+             _f("name", "str", "the run's display name", default_text="`<name>-<job id>`"),
+             _f("group", "str", "the run's group", default_text="none"),
+             _f("mode", "enum", "`offline` writes run files only (no network; `wandb sync` uploads them later); "
+                "`online` needs `WANDB_API_KEY` in the job's environment", default="offline",
+                choices=("offline", "online")),
+             _f("dir", "path", "where W&B keeps its files (a `wandb/` folder is made inside)",
+                default_text="`<job_dir>`")),
+    _tracker("mlflow", "one MLflow run per job, resumed by every incarnation (its id is kept in the job "
+             "directory)",
+             _f("tracking_uri", "str", "the tracking store: `sqlite:///PATH`, or an `http(s)://` tracking server",
+                default_text="`sqlite:///<job_dir>/mlflow.db`"),
+             _f("experiment", "str", "the experiment (made when missing)", default_text="the job's name"),
+             _f("artifact_location", "path", "where a new experiment keeps its artifacts (`clusterops/events.txt`); "
+                "an existing experiment keeps its own", default_text="`mlflow-artifacts/` beside a `sqlite:///` "
+                "store; the server's choice otherwise"),
+             _f("run_name", "str", "the run's name", default_text="`<name>-<job id>`")),
+)
+
 
 SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-healing); a mapping of the "
                   "keys below, or `true` for the defaults", fields=(
@@ -601,6 +639,10 @@ SUPERVISE = Field("supervise", "map", "run under `clusterops supervise` (self-he
     Field("resume_args", "list", "no SDK: arguments added to the command on a restart when there is a "
           "checkpoint; `{ckpt}` is replaced by its path, `{skip_batches}` and `{lr_factor}` by a stability "
           "rollback's decision (0 and 1 otherwise)", default_text="none", item=Field("item", "text")),
+    Field("trackers", "trackers", "experiment trackers told what the supervisor sees: restarts, rollbacks, "
+          "requeues, stragglers, lost nodes as markers; goodput, steps lost, recovery seconds and the guard's "
+          "loss as scalars (docs/trackers.md); a list of `{kind: tensorboard|wandb|mlflow, ...}`",
+          default_text="none", options=TRACKER_FIELDS),
     _f("stability", "map", "the stability guard: watch the loss (and grad norm) the ranks report for spikes and "
        "non-finite values, and record, stop or roll back (docs/supervisor.md, \"Training stability\")",
        default_text="off", fields=STABILITY_FIELDS),
@@ -655,6 +697,9 @@ JOB_SPEC = Field("job spec", "map", fields=(
     _f("exclude", "hostlist", "nodes never to use (`--exclude`); a string or a list"),
     _f("nodelist", "hostlist", "nodes to use (`--nodelist`); a string or a list"),
     _f("constraint", "str", "node features (`--constraint`)"),
+    _f("segment", "int", "nodes per topology segment (`--segment`, Slurm 24.05+ with topology/block): the "
+       "job's nodes, spares included, come in groups of this many, each group within one block; a divisor "
+       "of them, at most the partition's nodes (checked at submit)", min=1, max=100000),
     _f("workdir", "path", "the job's working directory (`--chdir`); relative to the spec file's directory",
        default_text="the spec file's directory"),
     _f("log_dir", "path", "batch log, per-node logs and the submitted script (created by `submit`)",
@@ -950,9 +995,27 @@ def _k_exitcodes(c: Checker, v: Any, f: Field, path: Path_) -> Any:
     return out
 
 
+def _k_trackers(c: Checker, v: Any, f: Field, path: Path_) -> Any:
+    """``[{kind: KIND, ...}, ...]``: each item walked by its kind's map (``f.options``)."""
+    if not isinstance(v, list):
+        raise c.error(path, f"must be a list of mappings, each with kind: {' | '.join(TRACKER_KINDS)}; "
+                            f"got {_name(v)}")
+    by_kind = {o.name: o for o in f.options}
+    out = []
+    for i, item in enumerate(v):
+        if not isinstance(item, dict):
+            raise c.error(path + (i,), f"must be a mapping with kind: {' | '.join(by_kind)}, got {_name(item)}")
+        kind = item.get("kind")
+        if kind not in by_kind or isinstance(kind, bool):
+            raise c.error(path + (i, "kind"), f"must be one of {', '.join(by_kind)}, got {_name(kind)}"
+                                              f"{suggest(kind, list(by_kind)) if isinstance(kind, str) else ''}")
+        out.append(c.check(item, by_kind[kind], path + (i,)))
+    return out
+
+
 #: The kinds of the health profiles and the site config (``validate``).
 KINDS: Dict[str, KindCheck] = {
-    "exitcodes": _k_exitcodes,
+    "exitcodes": _k_exitcodes, "trackers": _k_trackers,
     "bool": _k_bool, "int": _k_number, "number": _k_number, "str": _k_str, "url": _k_url,
     "enum": _k_enum, "version": _k_version, "regex": _k_regex, "list": _k_list, "union": _k_union,
     "probe": _k_probe, "map": _k_map, "dict": _k_dict, "any": lambda c, v, f, path: v,
@@ -1117,11 +1180,21 @@ def supervisor_docs_tables() -> Dict[str, str]:
     return {"supervise-settings": "\n".join(out), "stability": stab}
 
 
+def trackers_docs_tables() -> Dict[str, str]:
+    """The keys of each tracker kind, as docs/trackers.md shows them."""
+    rows = []
+    for t in TRACKER_FIELDS:
+        rows += [(f"{t.name}: {x.name}", x.type_text(), "required" if x.name == "kind" else default_doc(x),
+                  x.doc if x.name != "kind" else f"`{t.name}`: {t.doc}") for x in t.fields]
+    return {"trackers": markdown_table(rows)}
+
+
 # docs file (relative to the project root) -> its generated tables
 DOC_TABLES = {
     "docs/health.md": docs_tables,
     "docs/launch.md": launch_docs_tables,
     "docs/supervisor.md": supervisor_docs_tables,
+    "docs/trackers.md": trackers_docs_tables,
 }
 
 

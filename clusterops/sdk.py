@@ -662,7 +662,8 @@ def _dump_flight_recorder(request: int) -> None:
     """Answer the supervisor's dump request ``request`` (a hang's stack capture) from the
     watch thread: torch's flight recorder (the process groups' collective sequence numbers
     and the last entries; ``TORCH_FR_BUFFER_SIZE``, which the supervisor sets) as JSON in the
-    heartbeat directory. Never raises; a build without the recorder writes why."""
+    heartbeat directory, with the process id (the supervisor matches NCCL's RAS report to
+    the job by it). Never raises; a build without the recorder writes why."""
     import json
 
     d = os.environ.get(protocol.ENV_HEARTBEAT_DIR)
@@ -673,12 +674,12 @@ def _dump_flight_recorder(request: int) -> None:
         import torch._C._distributed_c10d as c10d
 
         body = json.loads(c10d._dump_fr_trace_json(True, False))
-        doc = {"rank": rank, "request": request, "version": body.get("version"),
+        doc = {"rank": rank, "request": request, "pid": os.getpid(), "version": body.get("version"),
                "pg_status": body.get("pg_status") or {}, "pg_config": body.get("pg_config") or {},
                "entries": [{k: e.get(k) for k in ("collective_seq_id", "profiling_name", "state", "process_group")}
                            for e in (body.get("entries") or [])[-16:]]}
     except Exception as e:  # noqa: BLE001 - no recorder, no process group: say so
-        doc = {"rank": rank, "request": request, "error": f"{type(e).__name__}: {e}"[:300]}
+        doc = {"rank": rank, "request": request, "pid": os.getpid(), "error": f"{type(e).__name__}: {e}"[:300]}
     try:
         protocol.write_flightrec(d, rank, doc)
     except OSError as e:

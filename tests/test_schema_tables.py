@@ -76,7 +76,8 @@ def test_policy_is_made_from_the_table():
                         "progress", "checkpoint_glob", "resume_args",   # these three: no-SDK scripts
                         "stability",    # the stability guard's own settings (StabilityConfig)
                         "inprocess",   # in-process recovery: the run's rendezvous (supervisor/rendezvous.py)
-                        "exit_codes"}   # the exit-code contract (code -> action, merged over the defaults)
+                        "exit_codes",   # the exit-code contract (code -> action, merged over the defaults)
+                        "trackers"}     # experiment trackers: a sink of the timeline (clusterops/trackers.py)
     assert SUPERVISE_NAMES - run_only <= {f.name for f in fields}
     # ... and the class spells none of them itself.
     tree = ast.parse((PACKAGE / "supervisor" / "machine.py").read_text())

@@ -109,6 +109,31 @@ def test_sample_of_ranks_median_and_non_finite_ranks():
     assert stb.sample_of({}) is None
 
 
+def test_the_skip_passes_the_anomaly_whatever_the_sampling():
+    # Samples 16 steps apart (a loaded machine): the last good one at 47, a NaN at 64 from
+    # batches poisoned from 60. The onset can only be placed at 48: back to 30 (at or before
+    # 38), and a skip of 30 would end at 59, into the poison. It ends 20 past step 64.
+    g = stb.Guard(StabilityConfig(warmup_steps=0, min_samples=3, patience=1, on_nan="rollback", rollback_steps=10,
+                                  skip_batches=30, lr_factor=0.5, max_rollbacks=2, rollback_window_steps=1000))
+    for s in (10, 20, 30, 40, 50, 60):
+        g.checkpoint(s)
+    g.launched(None)
+    for s in range(15, 48, 16):
+        assert g.feed({0: (s, 1.0, None)}) is None
+    d = g.feed({0: (64, math.nan, None)})
+    assert (d.finding.began, d.hint.from_step, d.hint.skip_batches) == (48, 30, 54)
+    # Dense samples and a checkpoint right at rollback_steps before: the skip as set.
+    g = stb.Guard(StabilityConfig(warmup_steps=0, min_samples=3, patience=1, on_nan="rollback", rollback_steps=10,
+                                  skip_batches=30, lr_factor=0.5, max_rollbacks=2, rollback_window_steps=1000))
+    for s in (10, 20, 30, 40, 50, 60):
+        g.checkpoint(s)
+    g.launched(None)
+    for s in range(1, 60):
+        assert g.feed({0: (s, 1.0, None)}) is None
+    d = g.feed({0: (60, math.nan, None)})
+    assert (d.finding.began, d.hint.from_step, d.hint.skip_batches) == (60, 50, 30)
+
+
 def _guard(**kw):
     g = stb.Guard(StabilityConfig(**dict(dict(warmup_steps=0, min_samples=3, patience=1, on_spike="rollback",
                                               rollback_steps=20, skip_batches=30, lr_factor=0.5,
@@ -125,8 +150,10 @@ def test_rollback_goes_to_the_newest_checkpoint_rollback_steps_before_the_anomal
         assert g.feed({0: (s, 1.0, None)}) is None
     d = g.feed({0: (75, math.nan, None)})
     assert d.action == stb.Action.ROLLBACK
-    # began 71 -> at or before 51 -> checkpoint 40; checkpoints after it are forgotten
-    assert d.hint == stb.ResumeHint(from_step=40, skip_batches=30, lr_factor=0.5, anomaly_step=71, rollback=1)
+    # began 71 -> at or before 51 -> checkpoint 40; checkpoints after it are forgotten. A skip
+    # of 30 would end at step 69, before the anomaly: it reaches 10 (skip 30 - rollback 20)
+    # past step 75, the NaN seen: 45 batches
+    assert d.hint == stb.ResumeHint(from_step=40, skip_batches=45, lr_factor=0.5, anomaly_step=71, rollback=1)
     assert g.ckpt_steps == [20, 40]
     assert stb.ResumeHint.from_json(d.hint.to_json()) == d.hint
     g.checkpoint(40)

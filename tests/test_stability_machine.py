@@ -78,10 +78,12 @@ def test_nan_rolls_back_past_the_window_and_relaunches_with_the_hint():
     assert only(acts, sv.PickRollback) == [sv.PickRollback(16, 10)] and not only(acts, SetAside)
     acts += s.handle(sv.RollbackPicked(42.0, 10, "/ck/step_10"))
     rb = [r for r in only(acts, Record) if r.kind == "rollback"][0].data
-    assert (rb["to_step"], rb["anomaly_step"], rb["skip_batches"], rb["lr_factor"]) == (10, 26, 30, 0.5)
+    # skip 30 from step 10 would end at step 39; it must reach 20 (skip 30 - rollback 10)
+    # past step 27, the NaN seen: 37 batches
+    assert (rb["to_step"], rb["anomaly_step"], rb["skip_batches"], rb["lr_factor"]) == (10, 26, 37, 0.5)
     assert only(acts, SetAside) == [SetAside(10, "rollback 1 (nan from step 26)")]
     launch = only(acts, Launch)[0]
-    assert launch.hint == ResumeHint(from_step=10, skip_batches=30, lr_factor=0.5, anomaly_step=26, rollback=1)
+    assert launch.hint == ResumeHint(from_step=10, skip_batches=37, lr_factor=0.5, anomaly_step=26, rollback=1)
     assert s.memory.last_ckpt_step == 10 and s.state == sv.RUNNING
     assert [r.data["cause"] for r in only(acts, Record) if r.kind == "step_exit"] == ["rolled_back"]
     # A crash before the next save: the restart from the same checkpoint keeps the hint.

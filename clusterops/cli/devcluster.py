@@ -40,13 +40,18 @@ def devcluster() -> None:
 @click.option("--slurm-prefix", metavar="DIR", default=None,
               help="Run Slurm from DIR/bin and DIR/sbin (e.g. /opt/slurm-25.11) instead of PATH "
                    "(env CLUSTEROPS_SLURM_PREFIX).")
+@click.option("--topology", type=click.Choice(["tree", "block"]), default=None,
+              help="A Slurm topology: topology/block (Slurm 23.11+) or topology/tree (a leaf switch per domain).")
+@click.option("--domain", "domains", multiple=True, metavar="HOSTLIST",
+              help="One topology domain (a block or a leaf switch), e.g. node[1,3]; repeat. "
+                   "Default: consecutive pairs.")
 @click.option("--restd", is_flag=True, default=False,
               help="Also run slurmrestd (JWT auth) on a UNIX socket and on 127.0.0.1 at the port after "
                    "the nodes'; prints CLUSTEROPS_SLURM_URL and CLUSTEROPS_SLURM_JWT_KEY.")
 @_state_dir_option
 @json_option
-def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, slurm_prefix, restd: bool,
-       state_dir: str, as_json: bool) -> None:
+def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, slurm_prefix, topology, domains,
+       restd: bool, state_dir: str, as_json: bool) -> None:
     """Bring the cluster up and wait until every node is idle (idempotent).
 
     With --slurm-prefix the daemons and clients come from that installation; clusterops
@@ -63,7 +68,8 @@ def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, 
     if slurm_prefix is not None:
         slurm_prefix = str(check_prefix(slurm_prefix, source))
     cfg = DevClusterConfig(nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type, cpus_per_node=cpus_per_node,
-                           port_base=port_base or DEFAULT_PORT_BASE, slurm_prefix=slurm_prefix, restd=restd)
+                           port_base=port_base or DEFAULT_PORT_BASE, slurm_prefix=slurm_prefix,
+                           topology=topology, domains=tuple(domains), restd=restd)
     dc = DevCluster(state_dir)
     info = dc.up(cfg)
     if restd:

@@ -93,7 +93,13 @@ def submit(spec: str, overrides, template_dirs, dry_run: bool, as_json: bool) ->
         from clusterops.cli.common import slurm_client
 
         slurm = slurm_client()
-    result = lib.submit(job, slurm, dry_run=dry_run, template_dirs=template_dirs)
+    from clusterops.errors import InputError
+    from clusterops.launch.submit import SpecMismatch
+
+    try:
+        result = lib.submit(job, slurm, dry_run=dry_run, template_dirs=template_dirs)
+    except SpecMismatch as e:
+        raise InputError(f"{spec}: {e.message}") from None
     if as_json:
         data = result.to_dict()
         if dry_run:

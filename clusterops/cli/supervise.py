@@ -55,8 +55,9 @@ def _setting_option(f: schema.Field):
         "list": lambda: click.STRING,   # JSON, e.g. '["--resume", "{ckpt}"]'
         "map": lambda: click.STRING,    # JSON, e.g. '{"regex": "step=(\\d+)"}'
         "exitcodes": lambda: click.STRING,   # JSON, e.g. '{"42": "requeue"}'
+        "trackers": lambda: click.STRING,    # JSON, e.g. '[{"kind": "tensorboard"}]'
     }
-    if f.kind in ("list", "map", "exitcodes"):
+    if f.kind in ("list", "map", "exitcodes", "trackers"):
         text += " (JSON)"
     return click.option(*names, f.name, type=types[f.kind](), default=None, help=text)
 

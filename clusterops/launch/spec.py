@@ -66,6 +66,7 @@ class JobSpec:
     exclude: Optional[str] = None
     nodelist: Optional[str] = None
     constraint: Optional[str] = None
+    segment: Optional[int] = None
     workdir: str = ""
     log_dir: str = ""
     container_image: Optional[str] = None
@@ -625,6 +626,11 @@ def _build_spec(data: Dict[str, Any], locs: _Locations, base_dir: Path, source: 
     if "requeue" not in kw:
         # The supervisor requeues the job itself (time limit, preemption): Slurm must allow it.
         kw["requeue"] = supervise is not None
+    if kw.get("segment"):
+        alloc = kw["nodes"] + int((supervise or {}).get("spare_nodes") or 0)
+        if alloc % kw["segment"]:
+            raise c.err("segment", f"{kw['segment']} does not divide the job's {alloc} node(s) "
+                                   f"(nodes + supervise.spare_nodes): Slurm allocates whole segments")
     problem = exec_limit_problem(kw)
     if problem:
         raise c.err(*problem)

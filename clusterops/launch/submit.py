@@ -17,7 +17,7 @@ import time as _time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, TYPE_CHECKING, Tuple
 
-from clusterops.errors import ClusteropsError
+from clusterops.errors import ClusteropsError, InputError
 from clusterops.launch.render import render, spec_file_for, supervise_spec_text
 from clusterops.launch.spec import JobSpec
 
@@ -95,6 +95,11 @@ def submit(spec: JobSpec, slurm: Optional[SlurmAPI] = None, *, dry_run: bool = F
     argv = tuple(sbatch_argv(path))
     if dry_run:
         return Submitted(None, None, text, argv, spec_file)
+    if slurm is None:
+        from clusterops.slurm.factory import connect
+
+        slurm = connect()
+    check_against_cluster(spec, slurm)     # before anything is written
     try:
         os.makedirs(spec.log_dir, exist_ok=True)
     except OSError as e:
@@ -118,6 +123,26 @@ def submit(spec: JobSpec, slurm: Optional[SlurmAPI] = None, *, dry_run: bool = F
         record_submission(job_id, path, spec_file, supervise_spec_text(spec))
     return Submitted(int(job_id), path, text, argv, spec_file)
 
+
+
+class SpecMismatch(InputError):
+    """A spec key the cluster cannot honour (the message starts with the key); the CLI adds
+    the spec file's name."""
+
+
+def check_against_cluster(spec: JobSpec, slurm: SlurmAPI) -> None:
+    """What only the cluster can say of a spec, before anything is written or submitted:
+    ``segment`` needs Slurm 24.05+ (``--segment``) and at most the partition's nodes."""
+    if not spec.segment:
+        return
+    version = slurm.version()
+    if version < (24, 5):
+        raise SpecMismatch(f"segment: --segment needs Slurm 24.05 or newer (topology/block); this cluster's "
+                         f"Slurm is {version[0]}.{version[1]:02d}")
+    where = spec.partition or "the cluster"
+    count = len(slurm.partition_nodes(spec.partition)) if spec.partition else len(slurm.nodes())
+    if spec.segment > count:
+        raise SpecMismatch(f"segment: {spec.segment} is larger than {where} ({count} node(s))")
 
 
 # -- the submitting user's record of supervised jobs (clusterops.jobs reads it) --------------

@@ -170,6 +170,17 @@ class Slurm:
         except ValueError as e:
             raise SlurmError(f"scontrol token: {e} (is AuthAltTypes=auth/jwt set in slurm.conf?)") from None
 
+    def topology(self) -> Dict[str, str]:
+        """{node: topology domain} (``scontrol show topology``: the block, or the leaf switch);
+        {} where the cluster has no topology plugin."""
+        try:
+            text = self._read(["scontrol", "show", "topology"])
+        except SlurmError as e:
+            if "no topology" in str(e).lower():
+                return {}
+            raise
+        return parse.parse_topology(text)
+
     def controller_version(self) -> Tuple[int, ...]:
         """The running slurmctld's version (``scontrol show config``: SLURM_VERSION)."""
         return parse.parse_config_version(self._read(["scontrol", "show", "config"]))

@@ -509,6 +509,31 @@ def parse_steps(text: str) -> List[Tuple[str, str]]:
     return steps
 
 
+def parse_topology(text: str) -> Dict[str, str]:
+    """``scontrol show topology`` -> {node: its domain}: the block of topology/block
+    (``BlockName=b1 BlockIndex=0 Nodes=node[1-2] BlockSize=2``), or the leaf switch of
+    topology/tree (``SwitchName=s1 Level=0 LinkSpeed=1 Nodes=node[1-2]``; the upper levels,
+    which span several leaves, are no domain). A node in several blocks keeps the first.
+    No topology (the plugin is topology/flat or none, "No topology information available"):
+    {}."""
+    out: Dict[str, str] = {}
+    for line in text.splitlines():
+        fields = dict(tok.split("=", 1) for tok in line.split() if "=" in tok)
+        name = fields.get("BlockName")
+        if name is None and "SwitchName" in fields and fields.get("Level", "0") == "0":
+            name = fields["SwitchName"]
+        nodes = fields.get("Nodes")
+        if not name or not nodes or nodes in ("(null)", "None"):
+            continue
+        try:
+            members = hostlist.expand_hostlist(nodes)
+        except hostlist.BadHostlist:
+            raise ValueError(f"bad node list {nodes!r} in scontrol show topology") from None
+        for n in members:
+            out.setdefault(n, name)
+    return out
+
+
 def parse_version(text: str) -> Tuple[int, ...]:
     """``slurm 22.05.8`` (or ``slurm-wlm 22.05.8``) -> (22, 5, 8)."""
     m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)

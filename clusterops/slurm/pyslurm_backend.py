@@ -7,7 +7,7 @@ drain/resume go to slurmctld as RPCs in this process instead of starting
 differently, is forwarded to the CLI client, and ``FORWARDED_TO_CLI`` is that list (the
 forwarding methods are made from it): ``update_job`` (free-form ``Key=Value`` fields),
 ``partition_nodes``, ``node_states`` (sinfo's state words), ``node_address``, the
-reservations, ``show_config`` and ``admin_level_text``. Two more fall back case by case:
+reservations, ``show_config``, ``admin_level_text`` and ``topology``. Two more fall back case by case:
 ``job`` of an array task id (``123_4``), and a ``submit`` with an option outside this
 module's table or with ``SBATCH_*`` input variables set. This module runs no Slurm command
 itself; the forwarded methods run them through the CLI client's Runner. The shared rules
@@ -313,6 +313,7 @@ def submit_fields(script_text: str, args: Sequence[str], workdir: Optional[str])
 # What pyslurm has no API for, or spells otherwise: these methods are the CLI client's.
 FORWARDED_TO_CLI = (
     "show_config", "admin_level_text",   # text only scontrol/sacctmgr print
+    "topology",            # scontrol show topology's blocks and switches
     "update_job",          # scontrol's free-form field names (ExcNodeList=, TimeLimit=)
     "node_states",         # sinfo's state words with their *, ~ suffixes
     "partition_nodes",     # sinfo's partition membership

@@ -13,6 +13,8 @@
 - ``stacks``: Python stacks of hung ranks (run on each node as a step).
 - ``flightrec``: a hang with a name: the rank that never entered the collective the others
   wait in, from the ranks' flight-recorder dumps (pure).
+- ``ncclras``: NCCL's RAS report on a hang (the client protocol; the ranks missing or
+  behind in this job's communicators).
 - ``channel``: the supervisor's end of the heartbeat channel (a UDP receiver and the
   file fallback).
 - ``stragglers``: the slow node of a running job from its heartbeats (pure).

@@ -311,6 +311,10 @@ def run_config(spec: Mapping[str, Any], command: Sequence[str], settings: Mappin
     extra["plain"] = plain
     extra["stability"] = stability_config(sup)
     extra["exit_codes"] = exit_codes(sup)
+    from clusterops import trackers
+
+    extra["trackers"] = trackers.parse(sup.get("trackers"))
+    extra["job_name"] = str(spec.get("name") or jd.name)
     if spec.get("signal_lead_s"):
         extra["signal_lead_s"] = int(spec["signal_lead_s"])
     if spec.get("launcher") == "torchrun":

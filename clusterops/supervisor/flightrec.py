@@ -18,8 +18,8 @@ completed. :func:`name_hang` reads those:
 
 The dumps come through the heartbeat channel (a dump request in the supervisor's beacons,
 answered by each rank's watch thread: ``sdk._dump_flight_recorder``) into the heartbeat
-directory (``protocol.write_flightrec``). NCCL's RAS report (``ncclras``, NCCL >= 2.24) is not
-read: see docs/supervisor.md.
+directory (``protocol.write_flightrec``). NCCL's RAS report (NCCL >= 2.24) is read beside it:
+:mod:`clusterops.supervisor.ncclras`.
 """
 
 from __future__ import annotations

@@ -249,13 +249,16 @@ class ResumeChosen(Event):
 
 @dataclass(frozen=True)
 class HangNamed(Event):
-    """What the ranks' flight recorders say of a hang (clusterops.supervisor.flightrec),
-    gathered before the kill: the ranks that never entered the collective the others wait
-    in (empty: none named), why, and the ranks that sent no dump."""
+    """What the ranks' flight recorders say of a hang (clusterops.supervisor.flightrec), and
+    NCCL's RAS report where it answered (clusterops.supervisor.ncclras), gathered before the
+    kill: the ranks that never entered the collective the others wait in (empty: none
+    named), why, the ranks that sent no dump, and which of the two named them."""
 
     ranks: Tuple[int, ...] = ()
     why: str = ""
     silent: Tuple[int, ...] = ()
+    source: str = "flight_recorder"     # or "nccl_ras" (clusterops.supervisor.ncclras)
+    ras: str = ""                       # what NCCL's RAS report said, when it was read
 
 
 @dataclass(frozen=True)
@@ -487,8 +490,12 @@ class Supervisor:
 
     def __init__(self, policy: Policy, nodes: Sequence[str], *, slurm_restart_count: int = 0,
                  memory: Optional[Memory] = None, ckpt_step: Optional[int] = None,
-                 stability: Optional[stb.StabilityConfig] = None, exit_codes: Optional[Mapping[int, str]] = None):
+                 stability: Optional[stb.StabilityConfig] = None, exit_codes: Optional[Mapping[int, str]] = None,
+                 domains: Optional[Mapping[str, str]] = None):
         self.policy = policy
+        # node -> its topology domain (Slurm's block or leaf switch: ``scontrol show topology``);
+        # a replacement comes from the lost node's domain first (:meth:`_fill`).
+        self.domains: Dict[str, str] = dict(domains or {})
         # What a script's own exit code asks (supervise: exit_codes:, over the published defaults).
         self.exit_codes: Dict[int, str] = dict(schema.DEFAULT_EXIT_CODES if exit_codes is None else exit_codes)
         self.allocation: List[str] = list(nodes)
@@ -642,7 +649,8 @@ class Supervisor:
             # with spares in allocation order.
             keep = [n for n in previous if n in usable][:want]
             rest = [n for n in usable if n not in keep]
-            active = keep + rest[: want - len(keep)]
+            holes = [n for n in previous if n not in keep]
+            active = keep + self._fill(holes, rest, want - len(keep), out)
             active = sorted(active, key=self.allocation.index)
         elif len(usable) >= self.policy.min_nodes:
             active = usable
@@ -681,6 +689,32 @@ class Supervisor:
         out.append(Launch(tuple(active), attempt, self.memory.restarts,
                           hint=self.stability.hint if self.stability is not None else None))
         return out
+
+    def _in_domain_first(self, node: str, free: Sequence[str]) -> List[str]:
+        """``free`` with the nodes of ``node``'s topology domain first (each part in its order)."""
+        d = self.domains.get(node)
+        if d is None:
+            return list(free)
+        return [n for n in free if self.domains.get(n) == d] + [n for n in free if self.domains.get(n) != d]
+
+    def _fill(self, holes: Sequence[str], free: Sequence[str], count: int, out: List[Action]) -> List[str]:
+        """``count`` nodes from ``free`` (in allocation order) for a step whose nodes ``holes``
+        left: each hole's replacement from its own topology domain when one is free there (a
+        spare outside an NVLink domain or a block is no spare for a job laid out in it); a
+        replacement from another domain is said in the timeline (``spare_out_of_domain``)."""
+        free, picked = list(free), []
+        for hole in holes:
+            if len(picked) == count or not free:
+                break
+            spare = self._in_domain_first(hole, free)[0]
+            free.remove(spare)
+            picked.append(spare)
+            d = self.domains.get(hole)
+            if d is not None and self.domains.get(spare) != d:
+                out.append(Record(E.SPARE_OUT_OF_DOMAIN, {
+                    "node": hole, "spare": spare, "domain": d, "spare_domain": self.domains.get(spare),
+                    "why": f"no free node left in {hole}'s domain {d}"}))
+        return picked + free[: count - len(picked)]
 
     # -- dispatch --------------------------------------------------------------------
     def handle(self, ev: Event) -> List[Action]:
@@ -932,7 +966,7 @@ class Supervisor:
         self.stop_reason = StopReason.STRAGGLER
         self._enter(STOPPING)
         self.stop_deadline = now + self.policy.stop_timeout_s
-        return [Record(E.STRAGGLER, dict(rec, action="replace", spare=free[0])),
+        return [Record(E.STRAGGLER, dict(rec, action="replace", spare=self._in_domain_first(f.node, free)[0])),
                 Record(E.STOP_REQUESTED, {"reason": StopReason.STRAGGLER, "state": RUNNING, "node": f.node}),
                 RequestStop(StopReason.STRAGGLER)]
 
@@ -960,7 +994,7 @@ class Supervisor:
                 self.stop_reason = StopReason.DRAINED
                 self._enter(STOPPING)
                 self.stop_deadline = ev.now + self.policy.stop_timeout_s
-                out += [Record(E.NODE_DRAINED, dict(rec, action="replace", spare=free[0])),
+                out += [Record(E.NODE_DRAINED, dict(rec, action="replace", spare=self._in_domain_first(node, free)[0])),
                         Record(E.STOP_REQUESTED, {"reason": StopReason.DRAINED, "state": RUNNING, "node": node}),
                         RequestStop(StopReason.DRAINED)]
                 continue
@@ -1140,8 +1174,9 @@ class Supervisor:
             return []
         nodes = sorted({n for n in (self.rank_node(r) for r in ev.ranks) if n})
         out: List[Action] = [Record(E.HANG_NAMED, {"ranks": list(ev.ranks), "nodes": nodes, "why": ev.why,
-                                                   "silent": list(ev.silent), "source": "flight_recorder",
-                                                   "heartbeat_culprits": list(self.hang_culprits)})]
+                                                   "silent": list(ev.silent), "source": ev.source,
+                                                   "heartbeat_culprits": list(self.hang_culprits),
+                                                   **({"ras": ev.ras} if ev.ras else {})})]
         if ev.ranks:
             self.hang_culprits = tuple(ev.ranks)
         return out

@@ -244,6 +244,8 @@ class RunConfig:
     # The spec's signal_lead_s (0: none asked): a lead signal lost before the handlers were
     # in is made up for by Slurm's end time (``_lead_passed``).
     signal_lead_s: int = 0
+    trackers: List = field(default_factory=list)   # supervise: trackers: (clusterops.trackers.TrackerSpec)
+    job_name: Optional[str] = None          # the spec's name (the trackers' project, experiment, run)
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -444,6 +446,7 @@ class SupervisorRun:
         self.guard: Optional[drains.GuardSettings] = None
         self.n_checks = 0
         self.notifier = None   # webhooks from the site config's notify: (made when first needed)
+        self.trackers = None   # clusterops.trackers.TrackerSink when supervise: trackers: names some
         self.progress_reader: Optional[ProgressReader] = None
         self.rdzv: Optional[RendezvousHost] = None   # this attempt's in-process rendezvous
         self.rdzv_log_at = 0     # how far the step log was read for srun's task failures
@@ -498,11 +501,12 @@ class SupervisorRun:
             self._record(E.STATE_INVALID, {"error": e.message})   # nothing launched: stop here
             raise
         self.install_signals()
+        self._start_trackers()
         latest = self._latest_ckpt(deep=False)
         self.seen_ckpt = latest
         self.sup = sv.Supervisor(cfg.policy, cfg.nodes, slurm_restart_count=cfg.slurm_restart_count,
                                  memory=memory, ckpt_step=latest, stability=cfg.stability,
-                                 exit_codes=cfg.exit_codes)
+                                 exit_codes=cfg.exit_codes, domains=self._domains())
         if self.sup.stability is not None:      # the checkpoints a rollback may go back to
             for step in self._ckpt_steps():
                 self.sup.stability.checkpoint(step)
@@ -530,6 +534,8 @@ class SupervisorRun:
             if self.channel is not None:
                 self.channel.close()
             self._close_rdzv()
+            self._close_trackers("done" if self.exit_code == sv.EXIT_DONE else
+                                 "give_up" if self.exit_code is not None else "stopped")
         return self.exit_code
 
     def _wait(self, seconds: float) -> None:
@@ -618,6 +624,8 @@ class SupervisorRun:
             except ClusteropsError as e:
                 self._record(E.WARNING, {"what": f"{type(a).__name__} failed: {e.message}"})
                 if isinstance(a, sv.Requeue):
+                    if self.trackers is not None and self.trackers.closed.is_set():
+                        self._start_trackers()   # closed for the requeue that did not happen: resumed
                     self._do(self.sup.handle(sv.RequeueFailed(self.clock(), e.message)))
                 elif isinstance(a, sv.Launch):
                     # Could not even start srun: count it as a failed attempt.
@@ -629,8 +637,34 @@ class SupervisorRun:
 
         rec = self.timeline.append(kind, data or {})
         self.echo(f"[clusterops supervise] {time.strftime('%H:%M:%S', time.gmtime(rec['t']))} {describe(rec)}")
+        if self.trackers is not None:
+            self.trackers.feed(rec)
         if kind not in (E.PROGRESS, E.WARNING):
             self._write_metrics()
+
+    def _start_trackers(self) -> None:
+        """The experiment trackers (``supervise: trackers:``), fed every record from here on;
+        the timeline so far is replayed to them (a requeued job's earlier incarnations)."""
+        if not self.cfg.trackers:
+            return
+        from clusterops.supervisor.timeline import load
+        from clusterops.trackers import TrackerSink
+
+        def warn(text: str) -> None:   # from the trackers' thread: the timeline line alone
+            rec = self.timeline.append(E.WARNING, {"what": text})
+            self.echo(f"[clusterops supervise] {time.strftime('%H:%M:%S', time.gmtime(rec['t']))} warning: {text}")
+
+        try:
+            history = load(self.cfg.job_dir)[0]
+        except InputError:
+            history = []
+        self.trackers = TrackerSink(self.cfg.trackers, self.cfg.job_dir, job_name=self.cfg.job_name or
+                                    self.cfg.job_dir.name, job_id=self.cfg.job_id, warn=warn)
+        self.trackers.start(history)
+
+    def _close_trackers(self, outcome: str, wait_s: float = 30.0) -> None:
+        if self.trackers is not None:
+            self.trackers.close(outcome, wait_s)
 
     def _write_metrics(self) -> None:
         """The job's Prometheus textfile from the whole timeline (all incarnations); a
@@ -1192,7 +1226,46 @@ class SupervisorRun:
             self.sleep(0.25)
             dumps = protocol.read_flightrecs(hb, request)
         n = name_hang(dumps, ranks)
-        self._do(self.sup.handle(sv.HangNamed(self.clock(), n.ranks, n.why, n.silent)))
+        named, why, source, ras = n.ranks, n.why, "flight_recorder", ""
+        r = self._ask_nccl_ras(dumps)
+        if r is not None:
+            ras = f"{', '.join(map(str, r.ranks)) or 'nobody'}: {r.why}"
+            if not named and r.ranks:
+                named, why, source = r.ranks, r.why, "nccl_ras"
+        self._do(self.sup.handle(sv.HangNamed(self.clock(), named, why, n.silent, source=source, ras=ras)))
+
+    def _domains(self) -> Dict[str, str]:
+        """The allocation's nodes -> topology domain (Slurm's block or leaf switch), read once
+        at start; a replacement comes from the lost node's domain first. {} without a
+        topology, when there is no Slurm job, or when the read fails (said in the timeline:
+        replacements then go in allocation order)."""
+        if not self.cfg.job_id or len(self.cfg.nodes) < 2:
+            return {}
+        try:
+            topo = self.slurm.topology()
+        except (ClusteropsError, ValueError) as e:
+            self._record(E.WARNING, {"what": f"scontrol show topology: {e}; spares in allocation order"})
+            return {}
+        doms = {n: topo[n] for n in self.cfg.nodes if n in topo}
+        if doms:
+            self._record(E.TOPOLOGY, {"domains": doms})
+        return doms
+
+    def _ask_nccl_ras(self, dumps: Mapping[int, Mapping]):
+        """NCCL's RAS report on the hang (clusterops.supervisor.ncclras), matched to this job by
+        the process ids in the ranks' dumps; None without a JSON report from a RAS listener
+        (gloo, NCCL before 2.24 or RAS off: the port refuses at once). The raw answer goes to
+        the attempt's directory for a person."""
+        from clusterops.supervisor import ncclras
+
+        pids = [int(d["pid"]) for d in dumps.values() if isinstance(d.get("pid"), int)]
+        naming, raw = ncclras.ask(os.environ, pids)
+        if raw is not None and self.attempt_dir is not None:
+            try:
+                (self.attempt_dir / "ncclras.txt").write_text(raw)
+            except OSError:
+                pass
+        return naming
 
     def _act_capture_stacks(self, a: sv.CaptureStacks) -> None:
         """The hung ranks' flight recorders (who never entered the collective), then py-spy
@@ -1333,6 +1406,8 @@ class SupervisorRun:
             except ClusteropsError as e:
                 self._record(E.WARNING, {"what": f"reading ExcNodeList before the requeue: {e.message}"})
         signals_before = len(self.signals)
+        # Slurm ends this process soon after the requeue: the trackers' runs are closed first.
+        self._close_trackers("requeue", wait_s=30.0)
         try:
             self.slurm.requeue(self.cfg.job_id)
         except ClusteropsError as e:

@@ -28,7 +28,8 @@ Deciding (:meth:`Guard.decide`): ``record`` changes nothing; ``stop`` ends the j
 :attr:`~clusterops.exitcodes.Supervise.DIVERGED`, not saving the bad state; ``rollback``
 kills the step (no save of the bad state) and relaunches from the newest checkpoint at
 least ``rollback_steps`` before the anomaly began, with a :class:`ResumeHint` (skip
-``skip_batches`` batches, multiply the learning rate by ``lr_factor``) that the SDK hands
+``skip_batches`` batches, or more so the skip passes the anomaly (:func:`skip_for`),
+multiply the learning rate by ``lr_factor``) that the SDK hands
 to the script (``sdk.resume().hint``). More than ``max_rollbacks`` rollbacks whose
 anomalies began within ``rollback_window_steps`` steps of each other end the job with
 :attr:`~clusterops.exitcodes.Supervise.ROLLBACK_BUDGET`.
@@ -245,6 +246,17 @@ def sample_of(signals: Mapping[int, Tuple[int, Optional[float], Optional[float]]
     return Sample(min(steps), pick(1), pick(2), bad)
 
 
+def skip_for(c: StabilityConfig, target: int, f: Finding) -> int:
+    """Batches a rollback to ``target`` skips: ``skip_batches``, or more where that would not
+    pass the anomaly. The batches that caused it lie somewhere in ``[f.began, f.step]`` (the
+    samples are sparse: one beat a second), and the checkpoint may lie further back than
+    ``rollback_steps``; so the skip reaches at least ``skip_batches - rollback_steps`` batches
+    past the last step seen anomalous -- the margin past the anomaly the two settings give when
+    the onset is exact and a checkpoint sits ``rollback_steps`` before it."""
+    past = max(0, c.skip_batches - c.rollback_steps)
+    return max(c.skip_batches, f.step + past - target)
+
+
 @dataclass
 class Guard:
     """The stability policy of one job: the detector, the checkpoints a rollback may use,
@@ -301,7 +313,7 @@ class Guard:
                             hold=keep)
         self._undo = (self.hint, list(self.ckpt_steps))
         self.rollbacks.append(f.began)
-        self.hint = ResumeHint(from_step=target, skip_batches=c.skip_batches, lr_factor=c.lr_factor,
+        self.hint = ResumeHint(from_step=target, skip_batches=skip_for(c, target, f), lr_factor=c.lr_factor,
                                anomaly_step=f.began, rollback=len(self.rollbacks))
         # The checkpoints after the target belong to the discarded timeline.
         self.ckpt_steps = [s for s in self.ckpt_steps if s <= target]
@@ -359,7 +371,7 @@ class Guard:
                             why=f"no checkpoint at or before step {d.before} exists and verifies"
                                 + (f" ({problems})" if problems else ""))
         self._undo = None
-        self.hint = replace(d.hint, from_step=step)
+        self.hint = replace(d.hint, from_step=step, skip_batches=skip_for(self.cfg, step, d.finding))
         self.ckpt_steps = sorted({s for s in self.ckpt_steps if s < step} | {step})
         why = f"{d.why} that exists and verifies: step {step}" + (f" ({problems})" if problems else "")
         return replace(d, hint=self.hint, hold=step, why=why)

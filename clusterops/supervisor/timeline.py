@@ -56,6 +56,8 @@ class EventKind(str, Enum):
     STOPPED = "stopped"
     STEP_EXIT = "step_exit"
     SPARE_USED = "spare_used"
+    TOPOLOGY = "topology"             # the allocation's nodes by topology domain (block, leaf switch)
+    SPARE_OUT_OF_DOMAIN = "spare_out_of_domain"   # a replacement from another topology domain (none free in its own)
     SHRINK = "shrink"
     RESTART = "restart"
     REQUEUE = "requeue"

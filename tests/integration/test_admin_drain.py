@@ -5,7 +5,9 @@ runs `scontrol update NodeName=node3 State=DRAIN Reason="maintenance"`. The supe
 it at its next node poll (the read it makes anyway), stops the ranks with a checkpoint at the
 step they reached, and relaunches on node1, node2 and node4 from exactly that step: 0 steps
 lost, final weights bitwise equal to an uninterrupted run, node3 still drained with the
-administrator's reason (clusterops never touched it).
+administrator's reason (clusterops never touched it). The same with in-process recovery on
+(examples/train_recoverable.py, a warm standby per node): the planned stop and relaunch go
+through its step the same way.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ def _scontrol(*args):
 
 
 @pytest.mark.timeout(300)
-def test_admin_drain_moves_the_job_to_the_spare_with_no_step_lost(cluster, slurm, tmp_path):
+@pytest.mark.parametrize("inprocess", [False, True], ids=["relaunch", "inprocess"])
+def test_admin_drain_moves_the_job_to_the_spare_with_no_step_lost(cluster, slurm, tmp_path, inprocess):
     ref = tmp_path / "ref"
+    script = fk.REPO / "examples" / ("train_recoverable.py" if inprocess else "train.py")
     fk.run_local(3, ["--steps", str(STEPS), "--ckpt-every", "10", "--step-sleep", "0", "--out", str(ref / "final.pt")],
-                 workdir=ref)
+                 workdir=ref, script=script)
+    extra = {"inprocess": {"standbys_per_node": 1}} if inprocess else {}
     job = fk.TrainJob(root=tmp_path / "adm", name="adm", nodes=3, steps=STEPS, ckpt_every=10, step_sleep=0.15,
-                      supervise={"spare_nodes": 1, "drain_bad_nodes": True})
+                      script=script, supervise={"spare_nodes": 1, "drain_bad_nodes": True, **extra})
     job.submit()
     try:
         job.wait_step(15)

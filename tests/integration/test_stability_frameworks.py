@@ -48,9 +48,12 @@ def rollback_bitwise(tmp_path, name, script, env=None):
     assert to % CKPT_EVERY == 0 and to <= found[0]["began"] - GUARD["rollback_steps"], story
     assert [r["cause"] for r in events(j, "step_exit")][0] == "rolled_back", story
     assert fk.damaged_checkpoints(j.ckpt_dir) == []
-    assert f"rollback-hint step={to} skip=30 lr_factor=0.5" in (j.latest_attempt() / "step.log").read_text()
+    skip = rb[0]["skip_batches"]       # 30, or more so it passes the anomaly seen (by 20 = 30 - 10)
+    seen = [f["step"] for f in found if f["began"] == rb[0]["anomaly_step"]]
+    assert seen and skip == max(30, seen[0] + 20 - to), story
+    assert f"rollback-hint step={to} skip={skip} lr_factor=0.5" in (j.latest_attempt() / "step.log").read_text()
     d = tmp_path / "ref"
-    ref = fk.rollback_reference(2, d, steps=STEPS, poison=POISON, at=to, script=script, one_per_node=True,
+    ref = fk.rollback_reference(2, d, steps=STEPS, poison=POISON, at=to, skip=skip, script=script, one_per_node=True,
                                 args=["--ckpt-every", "0", "--ckpt-dir", str(d / "ck")])
     assert not fk.nan_weights(ref)
     assert not fk.nan_weights(j.out), story

@@ -46,8 +46,8 @@ def job(tmp_path, name, guard, poison=POISON, **kw):
                        train_args=["--poison-batches", poison], **kw)
 
 
-def reference(tmp_path, at=None):
-    return fk.rollback_reference(4, tmp_path / "reference", steps=STEPS, poison=POISON, at=at,
+def reference(tmp_path, at=None, skip=30):
+    return fk.rollback_reference(4, tmp_path / "reference", steps=STEPS, poison=POISON, at=at, skip=skip,
                                  args=["--ckpt-every", str(CKPT_EVERY), "--step-sleep", "0"])
 
 
@@ -71,8 +71,11 @@ def test_rollback_skips_the_poisoned_window_and_ends_bitwise_equal(cluster, slur
     aside = events(j, "checkpoint_set_aside")
     assert aside and aside[0]["after_step"] == to, story
     assert fk.damaged_checkpoints(j.ckpt_dir) == []
-    assert "rollback-hint step=%d skip=30 lr_factor=0.5" % to in (j.latest_attempt() / "step.log").read_text()
-    ref = reference(tmp_path, at=to)
+    skip = rb[0]["skip_batches"]       # 30, or more so it passes the NaN seen (by 20 = 30 - 10)
+    seen = [f["step"] for f in found if f["began"] == rb[0]["anomaly_step"]]
+    assert seen and skip == max(30, seen[0] + 20 - to), story
+    assert "rollback-hint step=%d skip=%d lr_factor=0.5" % (to, skip) in (j.latest_attempt() / "step.log").read_text()
+    ref = reference(tmp_path, at=to, skip=skip)
     assert not fk.nan_weights(ref)
     assert fk.same_weights(j.out, ref), f"final weights differ from the run that skips the same batches\n{story}"
 
@@ -151,9 +154,10 @@ def test_rollback_of_a_script_without_the_sdk_through_resume_args(cluster, slurm
     to = rb[0]["to_step"]
     assert not list(j.ckpt_dir.glob(f"rolled-back-1/ckpt_{to:07d}.pt")), story
     commands = [p.read_text().splitlines()[0] for p in sorted(j.job_dir.glob("attempt-*/command.txt"))]
-    assert any(f"--skip-batches 30 --lr-factor 0.5" in c and f"ckpt_{to:07d}.pt" in c for c in commands), commands
+    skip = rb[0]["skip_batches"]
+    assert any(f"--skip-batches {skip} --lr-factor 0.5" in c and f"ckpt_{to:07d}.pt" in c for c in commands), commands
     d = tmp_path / "ref"
-    ref = fk.rollback_reference(2, d, steps=80, poison=poison, at=to, script=plain,
+    ref = fk.rollback_reference(2, d, steps=80, poison=poison, at=to, skip=skip, script=plain,
                                 args=["--ckpt-every", "10", "--ckpt-dir", str(d / "ck")])
     assert not fk.nan_weights(ref)
     assert fk.same_weights(j.out, ref), f"final weights differ from the run that skips the same batches\n{story}"

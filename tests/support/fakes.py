@@ -65,6 +65,9 @@ class FakeSlurm:
     def controller_version(self) -> Tuple[int, ...]:
         self._unexpected("controller_version()")
 
+    def topology(self) -> Dict[str, str]:
+        self._unexpected("topology()")
+
     # -- jobs
     def submit(self, script: Union[str, os.PathLike, None] = None, args: Sequence[str] = (), *,
                text: Optional[str] = None, workdir: Optional[str] = None) -> int:
@@ -349,6 +352,11 @@ class StepSlurm(FakeSlurm):
         # first (scontrol killed as Slurm ends the batch step), else it did not.
         self.requeue_error: Optional[Exception] = None
         self.requeue_taken = True
+        self.domains: Dict[str, str] = {}          # scontrol show topology (none by default)
+
+    def topology(self) -> Dict[str, str]:
+        self.calls.append(("topology",))
+        return dict(self.domains)
 
     def job(self, job_id: Union[int, str]) -> JobInfo:
         self.calls.append(("job", job_id))
