@@ -128,13 +128,14 @@ def _fields(args, text="#!/bin/bash\n#SBATCH --job-name=x\ntrue\n"):
 
 def test_v0_0_38_job_description():
     a = ADAPTERS["v0.0.38"]
-    d = a.job_description(_fields(["--nodes=2", "--time=1:30:00", "--signal=USR1@30", "--no-kill",
+    d = a.job_description(_fields(["--nodes=2", "--time=1:30:00", "--signal=USR1@30",
                                    "--open-mode=append", "--requeue", "--exclusive", "--hold"]),
                           {"A": "1"}, "/w")
     assert d == {"current_working_directory": "/w", "environment": {"A": "1"}, "name": "x", "nodes": 2,
-                 "tasks": 2, "time_limit": 90, "signal": "10@30", "no_kill": True, "open_mode": "append",
+                 "tasks": 2, "time_limit": 90, "signal": "10@30", "open_mode": "append",
                  "requeue": True, "exclusive": "true", "hold": True}
-    for args in (["--nodelist=node1"], ["--exclude=node1"], ["--signal=B:USR1@30"]):
+    # What 22.05's v0.0.38 cannot take (no field, or it refuses every value): sbatch's.
+    for args in (["--nodelist=node1"], ["--exclude=node1"], ["--signal=B:USR1@30"], ["--no-kill"]):
         with pytest.raises(Unserved):
             a.job_description(_fields(args), {}, "/w")
     with pytest.raises(Unserved):
@@ -150,12 +151,13 @@ def test_v0_0_38_job_description():
 def test_v0_0_4x_job_description_node_update_and_signals(version):
     a = ADAPTERS[version]
     d = a.job_description(_fields(["--nodes=1", "--nodelist=node[1-2]", "--exclude=node3", "--time=5",
-                                   "--signal=B:USR1@30", "--exclusive", "--open-mode=truncate"]),
+                                   "--signal=B:USR1@30", "--exclusive", "--open-mode=truncate", "--no-kill"]),
                           {"A": "1", "B": "x=y"}, "/w")
     assert d["environment"] == ["A=1", "B=x=y"] and d["nodes"] == "1" and d["tasks"] == 1
     assert d["required_nodes"] == ["node1", "node2"] and d["excluded_nodes"] == ["node3"]
     assert (d["kill_warning_signal"], d["kill_warning_delay"], d["kill_warning_flags"]) == ("10", 30, ["BATCH_JOB"])
     assert d["shared"] == ["none"] and d["open_mode"] == ["TRUNCATE"] and d["time_limit"] == 5
+    assert d["kill_on_node_fail"] is False
     assert a.job_update({"ExcNodeList": "node[1-2]", "TimeLimit": "10"}) == \
         {"excluded_nodes": ["node1", "node2"], "time_limit": 10}
     assert a.node_change("DRAIN", "clusterops: r") == {"state": ["DRAIN"], "reason": "clusterops: r"}

@@ -14,9 +14,10 @@ read them for every version. What differs by version is what a request looks lik
 the server can do at all; each adapter says so:
 
 - v0.0.38 has no node update, no requeue, no signal flags and no ``excluded_nodes`` on a
-  job: ``drain``, ``resume``, ``requeue``, a signal (or a cancel of one step, or with
-  ``batch``/``full``), an ``update_job`` of ``ExcNodeList`` and a submit with ``--exclude``
-  or ``--nodelist`` go to the CLI client there;
+  job, and 22.05 refuses its ``no_kill`` and a ``B:`` warning signal: ``drain``,
+  ``resume``, ``requeue``, a signal (or a cancel of one step, or with ``batch``/``full``), an
+  ``update_job`` of ``ExcNodeList`` and a submit with ``--exclude``, ``--nodelist``,
+  ``--no-kill`` or ``--signal=B:...`` go to the CLI client there;
 - v0.0.40+ drain and resume a node (``POST /node/{name}``), send signals with flags
   (``BATCH_JOB``, ``FULL_JOB``, ``FULL_STEPS_ONLY``, ``DELETE /job/{id}``) and set
   ``excluded_nodes``; ``requeue`` still has no endpoint.
@@ -134,9 +135,10 @@ class Adapter:
                 d["hold"] = True
             elif key == "kill_on_node_fail":
                 if self.legacy:
-                    d["no_kill"] = not value
-                else:
-                    d["kill_on_node_fail"] = bool(value)
+                    # 22.05's v0.0.38 refuses every value of its no_kill ("Invalid no kill
+                    # specification"): --no-kill goes through sbatch there.
+                    raise Unserved("--no-kill on v0.0.38")
+                d["kill_on_node_fail"] = bool(value)
             elif key == "memory_per_node" and str(value).isdigit():
                 d["memory_per_node"] = int(value)
             else:

@@ -219,3 +219,41 @@ def test_every_known_version_the_server_serves_answers_alike(cluster, restd, tmp
             assert n.drained and n.reason == f"clusterops: test: {v}"
             c.resume("node2")
             wait_for(lambda: plain.node("node2").is_idle, what=f"{v}: node2 resumed")
+
+
+@pytest.mark.timeout(360)
+def test_a_supervised_job_queries_slurm_through_slurmrestd(cluster, restd, tmp_path):
+    """A supervised run submitted with the REST settings in its environment: its supervisor's
+    Slurm client is the REST one, and after a rank is killed it heals as it does on the CLI
+    (the same weights as an uninterrupted run, bitwise). The evidence that its queries went
+    through slurmrestd is slurmrestd's own request log: the test itself asks only the CLI
+    client while the job runs. (Inside the job Slurm's commands stay on PATH: the supervisor
+    starts its training step with srun.)"""
+    import signal
+
+    from support import faultkit as fk
+    from support.user_scripts import USER_SCRIPT
+
+    steps, every = 40, 10
+    script = tmp_path / "user_ddp.py"
+    script.write_text(USER_SCRIPT)
+    ref = tmp_path / "ref"
+    fk.run_local(2, ["--steps", str(steps), "--ckpt-every", "0", "--out", str(ref / "final.pt")],
+                 workdir=ref, script=script)
+    plain = connect(replace(SlurmSettings.from_environment(), backend="cli"))
+    env = {**os.environ, "CLUSTEROPS_SLURM_URL": restd["unix"], "CLUSTEROPS_SLURM_JWT_KEY": str(cluster.jwt_key)}
+    job = fk.TrainJob(root=tmp_path / "rest", name="rest", nodes=2, steps=steps, ckpt_every=every,
+                      step_sleep=0.15, script=script)
+    job.submit(env=env)
+    job.wait_step(15)
+    log = cluster.state / "log" / "slurmrestd.out"
+    offset = log.stat().st_size
+    assert job.signal_rank(1, signal.SIGKILL)
+    info, story = fk.assert_healed(job, plain, ref / "final.pt", timeout_s=240)
+    exits = fk.events(job, "step_exit")
+    assert exits[0]["cause"] == "rank_killed" and exits[0]["blamed"] == ["node2"], story
+    with open(log, "rb") as f:
+        f.seek(offset)
+        served = [line for line in f.read().decode(errors="replace").splitlines()
+                  if " GET /slurm/v0.0." in line or " POST /slurm/v0.0." in line]
+    assert served, "slurmrestd served no request while the supervised job ran"
