@@ -23,6 +23,11 @@ directory to do so (``_prepare`` sets these modes on every ``up``):
 - ``ctld/`` (slurmctld's saved state: job scripts and environments) stays root-only
   (0700), like a site's ``StateSaveLocation``.
 
+With ``restd=True`` (``clusterops devcluster up --restd``) it also runs ``slurmrestd`` with
+JWT auth (``AuthAltTypes=auth/jwt``; the key root-only under ``jwt/``) as the local user
+``slurm`` on a UNIX socket in ``run/restd/`` and on 127.0.0.1 at the port after the last
+slurmd's (``restd_urls``): the REST backend's server (docs/slurmrestd.md).
+
 Every process the cluster starts, and every task of every job (through the
 TaskProlog), carries ``CLUSTEROPS_DEVCLUSTER_DIR=<state dir>`` in its
 environment; ``down`` uses that marker to leave nothing behind.
@@ -96,6 +101,14 @@ MUNGE_SOCKET = "run/munge/munge.socket"
 DIR_MODES = {"munge": 0o700, "run": 0o755, "run/munge": 0o755, "log": 0o755,
              "ctld": 0o700, "spool": 0o755, "dev": 0o755, "scratch": 0o755}
 SCRATCH_MODE = 0o1777   # scratch/<node> and scratch/<node>/tmp: every user's, sticky like /tmp
+# slurmrestd (``restd=True``): JWT as the alternative auth, the HS256 key root-only (the
+# SlurmUser's, 0600) under jwt/; the daemon itself runs as RESTD_USER, because it refuses
+# root, nobody and the SlurmUser (Slurm 25.11's src/slurmrestd/slurmrestd.c; 22.05 refuses
+# root), and listens on a UNIX socket in run/restd/ (owned by that user) and on 127.0.0.1 at
+# the port after the last slurmd's.
+RESTD_USER = "slurm"
+JWT_KEY = "jwt/jwt_hs256.key"
+RESTD_SOCKET = "run/restd/slurmrestd.socket"
 
 
 class DevClusterError(ClusteropsError):
@@ -114,6 +127,7 @@ class DevClusterConfig:
     cred_expire_s: int = 10
     slurmd_timeout_s: int = 10
     slurm_prefix: Optional[str] = None   # run Slurm from PREFIX/bin and PREFIX/sbin (None: PATH)
+    restd: bool = False                  # also run slurmrestd with JWT auth (see RESTD_* below)
     # A Slurm topology (topology.conf): "block" (topology/block, Slurm >= 23.11) or "tree"
     # (topology/tree: one leaf switch per domain under a top switch), with the domains as
     # hostlists (default: consecutive pairs of nodes). None: no topology plugin.
@@ -133,7 +147,7 @@ class DevClusterConfig:
                 raise InputError("--gpu-type: needs --gpus-per-node (a type names counted GPUs)")
         if not 1 <= self.cpus_per_node <= 1024:
             raise InputError(f"--cpus-per-node: must be from 1 to 1024, got {self.cpus_per_node!r}")
-        if not 1024 <= self.port_base <= 65535 - self.nodes - 1:
+        if not 1024 <= self.port_base <= 65535 - self.nodes - 2:
             raise InputError(f"--port-base: {self.port_base} leaves no room for {self.nodes} node ports")
         if self.slurm_prefix is not None:
             check_prefix(self.slurm_prefix)
@@ -172,6 +186,11 @@ class DevClusterConfig:
     @property
     def node_names(self) -> List[str]:
         return [f"node{i}" for i in range(1, self.nodes + 1)]
+
+    @property
+    def restd_port(self) -> int:
+        """slurmrestd's TCP port (``restd``): the one after the last slurmd's."""
+        return self.port_base + self.nodes + 1
 
     @property
     def hostlist(self) -> str:
@@ -229,6 +248,7 @@ def render_slurm_conf(cfg: DevClusterConfig, state: Path, hostname: str) -> str:
         "ReturnToService=2",
         "PreemptType=preempt/partition_prio",
         "PreemptMode=REQUEUE",
+        *(["AuthAltTypes=auth/jwt", f"AuthAltParameters=jwt_key={s}/{JWT_KEY}"] if cfg.restd else []),
         *([f"TopologyPlugin=topology/{cfg.topology}"] if cfg.topology else []),
         f"NodeName={cfg.hostlist} NodeHostname={hostname} NodeAddr=127.0.0.1 Port={ports} "
         f"CPUs={cfg.cpus_per_node} RealMemory={cfg.memory_mb_per_node}{gres} State=UNKNOWN",
@@ -261,6 +281,14 @@ def render_gres_conf(cfg: DevClusterConfig, state: Path) -> str:
     files = f"{state}/dev/gpu0" if last == 0 else f"{state}/dev/gpu[0-{last}]"
     typed = f" Type={cfg.gpu_type}" if cfg.gpu_type else ""
     return f"NodeName={cfg.hostlist} Name=gpu{typed} File={files}\n"
+
+
+def restd_plugins(listing: str) -> List[str]:
+    """The OpenAPI plugins to load from ``slurmrestd -s list``'s text: all but the accounting
+    ones (``openapi/dbv0.0.38`` on 22.05, ``openapi/slurmdbd`` from 23.11), which make
+    slurmrestd exit at start without slurmdbd ("slurm not configured with slurmdbd")."""
+    names = re.findall(r"\bopenapi/([A-Za-z0-9_.]+)", listing)
+    return [f"openapi/{n}" for n in dict.fromkeys(names) if not (n.startswith("db") or "slurmdbd" in n)]
 
 
 TASK_PROLOG = """#!/bin/sh
@@ -328,6 +356,20 @@ def _stepds_with_sockets_under(directory: str) -> List[int]:
                     found.append(int(entry.name))
                     break
             except OSError:
+                continue
+    return found
+
+
+def _children(pid: int) -> List[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
                 continue
     return found
 
@@ -470,7 +512,8 @@ class DevCluster:
             for sub in ("ctld", "spool"):
                 shutil.rmtree(self.state / sub, ignore_errors=True)
         start = self.clock()
-        busy = [p for p in range(cfg.port_base, cfg.port_base + cfg.nodes + 1) if not self._port_free(p)]
+        last_port = cfg.restd_port if cfg.restd else cfg.port_base + cfg.nodes
+        busy = [p for p in range(cfg.port_base, last_port + 1) if not self._port_free(p)]
         if busy:
             raise DevClusterError(f"ports {busy[:5]} on 127.0.0.1 are in use (another cluster?): "
                                   f"pick another --port-base")
@@ -507,9 +550,46 @@ class DevCluster:
         except DevClusterError:
             self.down()
             raise
+        if cfg.restd:
+            pids["slurmrestd"] = self._start_restd(cfg, env)
+            self._write_info({"config": asdict(cfg), "pids": pids, "started": time.time()})
         info = self.status()
         info["up_seconds"] = round(self.clock() - start, 3)
         return info
+
+    @property
+    def restd_socket(self) -> Path:
+        return self.state / RESTD_SOCKET
+
+    def restd_urls(self) -> Dict[str, str]:
+        """Where this cluster's slurmrestd answers (``restd=True``): {"unix": "unix://...",
+        "http": "http://127.0.0.1:PORT"}; empty when it runs none."""
+        cfg = self.config()
+        if not cfg or not cfg.restd:
+            return {}
+        return {"unix": f"unix://{self.restd_socket}", "http": f"http://127.0.0.1:{cfg.restd_port}"}
+
+    def _start_restd(self, cfg: DevClusterConfig, env: Dict[str, str]) -> int:
+        """slurmrestd as RESTD_USER, on the UNIX socket and 127.0.0.1:restd_port, JWT only
+        (``SLURM_JWT=daemon``: the daemon itself holds no credential; each request brings its
+        user's token)."""
+        sock = self.restd_socket
+        sock.unlink(missing_ok=True)
+        logdir = self.state / "log"
+        runner = Runner(env=self.runner.env, as_user=RESTD_USER)
+        listed = runner.run(cfg.tools.argv(["slurmrestd", "-f", str(self.conf_path), "-s", "list"]),
+                            timeout_s=30, env=env, check=False)
+        plugins = restd_plugins(listed.stdout + listed.stderr)
+        if not plugins:
+            raise DevClusterError(f"slurmrestd -s list named no OpenAPI plugin: {listed.stderr.strip()[-300:]}")
+        proc = runner.spawn(
+            cfg.tools.argv(["slurmrestd", "-f", str(self.conf_path), "-a", "rest_auth/jwt",
+                            "-s", ",".join(plugins), f"unix:{sock}", f"127.0.0.1:{cfg.restd_port}"]),
+            log_path=str(logdir / "slurmrestd.out"), env={**env, "SLURM_JWT": "daemon"})
+        self._wait_for(lambda: sock.exists() and self._port_open(cfg.restd_port), 20, "slurmrestd",
+                       logdir / "slurmrestd.out", proc)
+        # The runner started it behind runuser: record slurmrestd itself (runuser ends with it).
+        return next(iter(_children(proc.pid)), proc.pid)
 
     def _prepare(self, cfg: DevClusterConfig) -> None:
         st = self.state
@@ -531,6 +611,8 @@ class DevCluster:
             self.ensure_scratch(name)
         for i in range(cfg.gpus_per_node):
             (st / "dev" / f"gpu{i}").touch()
+        if cfg.restd:
+            self._prepare_restd(cfg)
         hostname = socket.gethostname().split(".")[0]
         self.conf_path.write_text(render_slurm_conf(cfg, st, hostname))
         (st / "gres.conf").write_text(render_gres_conf(cfg, st))
@@ -540,6 +622,36 @@ class DevCluster:
         prolog = st / "task_prolog.sh"
         prolog.write_text(TASK_PROLOG.format(marker=MARKER_ENV, scratch=SCRATCH_ENV, state=st))
         prolog.chmod(0o755)
+
+    def _prepare_restd(self, cfg: DevClusterConfig) -> None:
+        """The JWT key (root-only, as slurmctld reads it) and slurmrestd's socket folder
+        (RESTD_USER's, world-readable: any local user may connect, the token decides)."""
+        import pwd
+
+        try:
+            user = pwd.getpwnam(RESTD_USER)
+        except KeyError:
+            raise DevClusterError(f"--restd: no local user {RESTD_USER!r} to run slurmrestd as "
+                                  f"(Debian's slurm-wlm packages create it)") from None
+        if cfg.tools.missing(["slurmrestd"]):
+            raise DevClusterError("--restd: missing slurmrestd: install with `apt-get install -y slurmrestd`")
+        key = self.state / JWT_KEY
+        key.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(key.parent, 0o700)
+        if not key.exists():
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(64))
+        os.chmod(key, 0o600)
+        rundir = self.state / RESTD_SOCKET
+        rundir.parent.mkdir(parents=True, exist_ok=True)
+        os.chown(rundir.parent, user.pw_uid, user.pw_gid)
+        os.chmod(rundir.parent, 0o755)
+
+    @property
+    def jwt_key(self) -> Path:
+        """The dev cluster's JWT signing key (``restd=True``; root-only)."""
+        return self.state / JWT_KEY
 
     @staticmethod
     def _port_free(port: int) -> bool:

@@ -439,6 +439,13 @@ WEBHOOK = Field("webhook", "map", "a webhook: generic JSON or Slack-compatible (
 ))
 NOTIFY = Field("notify", "list", "webhooks told about drains, resumes, guard trips and sweeps that could "
                "not run", item=Field("target", "union", options=(_f("url", "url"), WEBHOOK)))
+SLURM = Field("slurm", "map", "how clusterops reaches Slurm (clusterops.slurm.settings); the "
+              "CLUSTEROPS_SLURM_* variables win over these", fields=(
+    _f("backend", "enum", "auto: slurmrestd when `url` is set, else pyslurm where it matches the controller, "
+       "else the CLI tools", default="auto", choices=("auto", "cli", "pyslurm", "rest")),
+    _f("url", "str", "slurmrestd: unix:///PATH, http://HOST:PORT or https://HOST:PORT (docs/slurmrestd.md)"),
+    _f("jwt_key", "str", "slurmrestd: sign tokens with this HS256 key file (else SLURM_JWT or scontrol token)"),
+))
 SITE = Field("site", "map", fields=(
     Field("gpu_models", "dict", "merged over the built-in gpu_models.yaml", item=GPU_MODEL),
     Field("defaults", "map", "merged into every profile", fields=(GPUS, PROBES)),
@@ -448,6 +455,7 @@ SITE = Field("site", "map", fields=(
     HISTORY,
     QUARANTINE,
     NOTIFY,
+    SLURM,
 ))
 
 
@@ -1120,6 +1128,7 @@ def docs_tables() -> Dict[str, str]:
         + [("history", "mapping", "", HISTORY.doc)] + _rows(HISTORY, "history.")
         + [("quarantine", "mapping", "", QUARANTINE.doc)] + _rows(QUARANTINE, "quarantine.")
         + [("notify", "list of URL or webhook", "", NOTIFY.doc)] + _rows(WEBHOOK, "notify[].")
+        + [("slurm", "mapping", "", SLURM.doc)] + _rows(SLURM, "slurm.")
     )
     return tables
 

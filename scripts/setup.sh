@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 apt_pkgs=()
 command -v slurmctld >/dev/null || apt_pkgs+=(slurm-wlm)
 command -v munged >/dev/null || apt_pkgs+=(munge)
+command -v slurmrestd >/dev/null || [ -x /usr/sbin/slurmrestd ] || apt_pkgs+=(slurmrestd)
 [ -x /usr/sbin/sshd ] || apt_pkgs+=(openssh-server)
 command -v ssh-keygen >/dev/null || apt_pkgs+=(openssh-client)
 python3 -c 'import venv, ensurepip' 2>/dev/null || apt_pkgs+=(python3-venv)

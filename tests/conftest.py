@@ -83,13 +83,17 @@ def worker_port_window() -> tuple:
 @pytest.fixture(scope="session")
 def devcluster():
     from clusterops.devcluster import DevCluster, DevClusterConfig
+    from clusterops.slurm.tools import SlurmTools
 
     state = Path(tempfile.mkdtemp(prefix="clusterops-test-dc-"))
     dc = DevCluster(state)
     # CLUSTEROPS_SLURM_PREFIX=/opt/slurm-25.11 runs the whole session on that Slurm.
     prefix = os.environ.get("CLUSTEROPS_SLURM_PREFIX") or None
+    # slurmrestd (JWT) beside it wherever it is installed (scripts/setup.sh installs it), for
+    # the REST backend's tests; its port is the one after the nodes'.
+    restd = not SlurmTools.for_prefix(prefix).missing(["slurmrestd"])
     cfg = DevClusterConfig(nodes=DEV_NODES, gpus_per_node=DEV_GPUS, cpus_per_node=2,
-                           port_base=pick_port_base(DEV_NODES), slurm_prefix=prefix)
+                           port_base=pick_port_base(DEV_NODES + 1), slurm_prefix=prefix, restd=restd)
     dc.up(cfg)
     # SLURM_CONF, and PATH with the prefix's bin/ first for the tests' own Slurm calls.
     saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PATH")}

@@ -192,8 +192,9 @@ def _slurm_clients():
 
     from clusterops.slurm.client import Slurm
     from clusterops.slurm.pyslurm_backend import PyslurmSlurm
+    from clusterops.slurm.rest_backend import RestSlurm
 
-    return [Slurm, PyslurmSlurm, *fakes.SLURM_FAKES]
+    return [Slurm, PyslurmSlurm, RestSlurm, *fakes.SLURM_FAKES]
 
 
 def _mismatches(cls) -> List[str]:
@@ -256,6 +257,21 @@ def test_the_pyslurm_backend_composes_the_cli_client_and_names_what_it_forwards(
         assert getattr(PyslurmSlurm, name).__wrapped__ is getattr(Slurm, name)
 
 
+def test_the_rest_backend_composes_the_cli_client_and_names_what_it_always_forwards():
+    # Its own methods decide per plugin version what goes to the CLI client (the adapter's
+    # capabilities); ALWAYS_FORWARDED are the ones made as plain forwards.
+    from clusterops.slurm.api import api_methods
+    from clusterops.slurm.client import Slurm
+    from clusterops.slurm.rest_backend import ALWAYS_FORWARDED, RestSlurm
+
+    assert not issubclass(RestSlurm, Slurm)
+    own = {k for k, v in vars(RestSlurm).items() if callable(v) and not k.startswith("_")} - set(ALWAYS_FORWARDED)
+    assert set(ALWAYS_FORWARDED) <= set(api_methods())
+    assert set(api_methods()) == own | set(ALWAYS_FORWARDED) and not own & set(ALWAYS_FORWARDED)
+    for name in ALWAYS_FORWARDED:
+        assert getattr(RestSlurm, name).__wrapped__ is getattr(Slurm, name)
+
+
 def _imported_modules(tree: ast.AST) -> Iterator[str]:
     for node in ast.walk(tree):   # every level: module, function, ``if TYPE_CHECKING``
         if isinstance(node, ast.Import):
@@ -267,7 +283,8 @@ def _imported_modules(tree: ast.AST) -> Iterator[str]:
 
 def test_slurm_settings_import_no_backend():
     found = set(_imported_modules(_parse(PACKAGE / "slurm" / "settings.py")))
-    backends = {"clusterops.slurm.client", "clusterops.slurm.pyslurm_backend", "clusterops.slurm.factory"}
+    backends = {"clusterops.slurm.client", "clusterops.slurm.pyslurm_backend", "clusterops.slurm.factory",
+                "clusterops.slurm.rest_backend", "clusterops.slurm.restd"}
     assert not found & backends, sorted(found & backends)
     # The interface is the base both backends build on: it imports neither.
     found = set(_imported_modules(_parse(PACKAGE / "slurm" / "api.py")))

@@ -28,9 +28,9 @@ def test_backend_setting_from_the_environment():
     assert SlurmSettings.from_environment({"CLUSTEROPS_SLURM_BACKEND": " PySlurm "}).backend == "pyslurm"
     assert SlurmSettings.from_environment({"CLUSTEROPS_SLURM_BACKEND": "cli"}).backend == "cli"
     with pytest.raises(InputError) as e:
-        SlurmSettings.from_environment({"CLUSTEROPS_SLURM_BACKEND": "rest"})
-    assert str(e.value) == ("environment: Slurm settings: backend: must be one of auto, cli, pyslurm, "
-                            "got 'rest'")
+        SlurmSettings.from_environment({"CLUSTEROPS_SLURM_BACKEND": "slurmrestd"})
+    assert str(e.value) == ("environment: Slurm settings: backend: must be one of auto, cli, pyslurm, rest, "
+                            "got 'slurmrestd'")
     assert e.value.exit_code == 2
 
 

@@ -45,10 +45,13 @@ def devcluster() -> None:
 @click.option("--domain", "domains", multiple=True, metavar="HOSTLIST",
               help="One topology domain (a block or a leaf switch), e.g. node[1,3]; repeat. "
                    "Default: consecutive pairs.")
+@click.option("--restd", is_flag=True, default=False,
+              help="Also run slurmrestd (JWT auth) on a UNIX socket and on 127.0.0.1 at the port after "
+                   "the nodes'; prints CLUSTEROPS_SLURM_URL and CLUSTEROPS_SLURM_JWT_KEY.")
 @_state_dir_option
 @json_option
 def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, slurm_prefix, topology, domains,
-       state_dir: str, as_json: bool) -> None:
+       restd: bool, state_dir: str, as_json: bool) -> None:
     """Bring the cluster up and wait until every node is idle (idempotent).
 
     With --slurm-prefix the daemons and clients come from that installation; clusterops
@@ -66,8 +69,11 @@ def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, 
         slurm_prefix = str(check_prefix(slurm_prefix, source))
     cfg = DevClusterConfig(nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type, cpus_per_node=cpus_per_node,
                            port_base=port_base or DEFAULT_PORT_BASE, slurm_prefix=slurm_prefix,
-                           topology=topology, domains=tuple(domains))
-    info = DevCluster(state_dir).up(cfg)
+                           topology=topology, domains=tuple(domains), restd=restd)
+    dc = DevCluster(state_dir)
+    info = dc.up(cfg)
+    if restd:
+        info["restd"] = {**dc.restd_urls(), "jwt_key": str(dc.jwt_key)}
     if as_json:
         echo_json(info)
         return
@@ -76,6 +82,9 @@ def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, 
     click.echo(f"export SLURM_CONF={info['slurm_conf']}")
     if slurm_prefix:
         click.echo(f"export PATH={slurm_prefix}/bin:$PATH")
+    if restd:
+        click.echo(f"export CLUSTEROPS_SLURM_URL={info['restd']['unix']}")
+        click.echo(f"export CLUSTEROPS_SLURM_JWT_KEY={info['restd']['jwt_key']}")
 
 
 @devcluster.command()

@@ -15,6 +15,11 @@ The package, by module:
 - ``pyslurm_backend``: the second backend: it composes the CLI client and sends the methods
   pyslurm serves as RPCs (``FORWARDED_TO_CLI`` names those it leaves to the CLI; the
   optional ``clusterops[pyslurm]`` extra);
+- ``rest_backend``: the third backend: slurmrestd (Slurm's REST API), composing the CLI
+  client for what the server's plugin version cannot do; one ``Adapter`` per version;
+- ``restd``: slurmrestd's wire: the URL (http, https, a UNIX socket), the JWT each request
+  carries (signed with the cluster's key, from ``scontrol token`` or ``SLURM_JWT``, renewed
+  before it expires) and which plugin versions a server serves;
 - ``factory``: ``connect()``, a client of the site's backend with its timeouts and retries;
 - ``settings``: the site's timeouts, retries and backend, read once;
 - ``steps``: the argv of the ``srun`` job steps and the ``sbatch`` line that other parts

@@ -159,6 +159,17 @@ class Slurm:
             raise InputError(f"bad user name {user!r}")
         return self._read(["sacctmgr", "--noheader", "--parsable2", "show", "user", user, "format=AdminLevel"])
 
+    def jwt_token(self, lifespan_s: int) -> str:
+        """A JWT for this user from ``scontrol token`` (slurmrestd's auth/jwt; not retried:
+        each call mints a token)."""
+        if not 1 <= int(lifespan_s) <= 86400 * 365:
+            raise InputError(f"token lifespan: must be 1 s to a year, got {lifespan_s!r}")
+        out = self._write(["scontrol", "token", f"lifespan={int(lifespan_s)}"])
+        try:
+            return parse.parse_jwt_token(out)
+        except ValueError as e:
+            raise SlurmError(f"scontrol token: {e} (is AuthAltTypes=auth/jwt set in slurm.conf?)") from None
+
     def topology(self) -> Dict[str, str]:
         """{node: topology domain} (``scontrol show topology``: the block, or the leaf switch);
         {} where the cluster has no topology plugin."""

@@ -441,6 +441,28 @@ def parse_sinfo_node_states(text: str) -> Dict[str, str]:
     return states
 
 
+_SINFO_SUFFIX = (("NOT_RESPONDING", "*"), ("POWERED_DOWN", "~"), ("POWERING_UP", "#"),
+                 ("POWERING_DOWN", "%"), ("MAINTENANCE", "$"), ("REBOOT_REQUESTED", "@"))
+
+
+def sinfo_state_word(n: NodeInfo) -> str:
+    """The word ``sinfo --format=%T`` prints for a node record (``idle``, ``drained``,
+    ``draining``, ``down*``...): what a backend without sinfo (slurmrestd) says for
+    ``node_states``. A drain names the state whatever the base (as Slurm's
+    node_state_string does): draining while jobs still run on it, drained after."""
+    if "DRAIN" in n.flags:
+        busy = n.state in ("allocated", "mixed", "completing") or "COMPLETING" in n.flags
+        word = "draining" if busy else "drained"
+    elif "COMPLETING" in n.flags:
+        word = "completing"
+    else:
+        word = n.state
+    for flag, mark in _SINFO_SUFFIX:
+        if flag in n.flags:
+            return word + mark
+    return word
+
+
 def parse_hostlist_lines(text: str) -> List[str]:
     """Hostlists, one or more a line (``sinfo --format=%N``) -> node names in order, once each."""
     names: List[str] = []
@@ -543,6 +565,14 @@ def parse_config_version(text: str) -> Tuple[int, ...]:
     if not m:
         raise ValueError("no SLURM_VERSION line in scontrol show config")
     return parse_version(m.group(1))
+
+
+def parse_jwt_token(text: str) -> str:
+    """``scontrol token``'s ``SLURM_JWT=<token>`` -> the token."""
+    m = re.search(r"^SLURM_JWT=(\S+)\s*$", text, re.MULTILINE)
+    if not m:
+        raise ValueError("scontrol token printed no SLURM_JWT= line")
+    return m.group(1)
 
 
 def parse_sbatch_parsable(text: str) -> int:

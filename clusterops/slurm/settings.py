@@ -11,9 +11,12 @@ client from these settings; this module imports no backend.
 
 The backend: ``cli`` runs Slurm's command-line tools (``client.Slurm``); ``pyslurm`` talks
 to the controller through the ``pyslurm`` library (``pyslurm_backend``, imported only when
-chosen; the ``clusterops[pyslurm]`` extra); ``auto`` (the default) takes pyslurm when it is
-installed and its major.minor matches the controller's, else the CLI, saying why at info
-level. An explicit ``pyslurm`` that cannot be used is one line and exit 2.
+chosen; the ``clusterops[pyslurm]`` extra); ``rest`` talks to slurmrestd at ``url``
+(``CLUSTEROPS_SLURM_URL``; ``rest_backend``), with tokens signed with ``jwt_key``
+(``CLUSTEROPS_SLURM_JWT_KEY``) or taken from ``SLURM_JWT`` or ``scontrol token``; ``auto``
+(the default) takes rest when a URL is set, else pyslurm when it is installed and its
+major.minor matches the controller's, else the CLI, saying why at info level. An explicit
+``pyslurm`` that cannot be used is one line and exit 2.
 
 The dev cluster's well-known places (its default state folder and the ``cluster.json``
 that records the prefix it was started with) are defined here, so the Slurm layer finds a
@@ -36,7 +39,10 @@ ATTEMPTS_ENV = "CLUSTEROPS_SLURM_READ_ATTEMPTS"
 BACKOFF_ENV = "CLUSTEROPS_SLURM_BACKOFF_S"
 PREFIX_ENV = "CLUSTEROPS_SLURM_PREFIX"
 BACKEND_ENV = "CLUSTEROPS_SLURM_BACKEND"
-BACKENDS = ("auto", "cli", "pyslurm")
+URL_ENV = "CLUSTEROPS_SLURM_URL"
+JWT_KEY_ENV = "CLUSTEROPS_SLURM_JWT_KEY"
+BACKENDS = ("auto", "cli", "pyslurm", "rest")
+SITE_ENV = "CLUSTEROPS_HEALTH_SITE"   # the site config (clusterops.health.profiles reads it too)
 DEVCLUSTER_DIR_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
 DEFAULT_DEVCLUSTER_DIR = "/tmp/clusterops-devcluster"
 DEVCLUSTER_INFO = "cluster.json"   # beside the dev cluster's slurm.conf
@@ -48,7 +54,9 @@ class SlurmSettings:
     read_attempts: int = 4         # reads are retried; writes never are
     backoff_s: float = 0.5         # first pause between read attempts (doubles)
     prefix: Optional[str] = None   # Slurm installed under PREFIX/bin, PREFIX/sbin
-    backend: str = "auto"          # auto | cli | pyslurm
+    backend: str = "auto"          # auto | cli | pyslurm | rest
+    url: Optional[str] = None      # slurmrestd: http(s)://HOST:PORT or unix:///PATH
+    jwt_key: Optional[str] = None  # slurmrestd: sign tokens with this HS256 key file
 
     def __post_init__(self) -> None:
         _positive(self.timeout_s, "timeout_s", upper=86400.0)
@@ -60,11 +68,14 @@ class SlurmSettings:
         if self.backend not in BACKENDS:
             raise InputError(f"Slurm settings: backend: must be one of {', '.join(BACKENDS)}, "
                              f"got {self.backend!r}")
+        if self.backend == "rest" and not self.url:
+            raise InputError(f"Slurm settings: backend rest needs the slurmrestd URL (${URL_ENV})")
 
     @classmethod
     def from_environment(cls, env: Optional[Mapping[str, str]] = None) -> "SlurmSettings":
+        """The variables, over the site config's ``slurm:`` block (``$CLUSTEROPS_HEALTH_SITE``)."""
         env = os.environ if env is None else env
-        kw: dict = {}
+        kw: dict = site_slurm_block(env.get(SITE_ENV, "").strip() or None)
         for var, key, conv in ((TIMEOUT_ENV, "timeout_s", float), (ATTEMPTS_ENV, "read_attempts", int),
                                (BACKOFF_ENV, "backoff_s", float)):
             raw = env.get(var, "").strip()
@@ -77,6 +88,9 @@ class SlurmSettings:
             kw["prefix"] = env[PREFIX_ENV].strip()
         if env.get(BACKEND_ENV, "").strip():
             kw["backend"] = env[BACKEND_ENV].strip().lower()
+        for var, key in ((URL_ENV, "url"), (JWT_KEY_ENV, "jwt_key")):
+            if env.get(var, "").strip():
+                kw[key] = env[var].strip()
         try:
             return cls(**kw)
         except InputError as e:
@@ -90,6 +104,22 @@ class SlurmSettings:
         if overrides.get("read_attempts") is not None:
             overrides["read_attempts"] = min(int(overrides["read_attempts"]), self.read_attempts)
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def site_slurm_block(path: Optional[str]) -> dict:
+    """The ``slurm:`` block of the site config at ``path`` (validated whole against
+    ``schema.SITE``: a bad file is a one-line ``InputError`` naming its line); {} without one."""
+    if not path:
+        return {}
+    from clusterops import schema, yamlio
+
+    p = Path(path).expanduser()
+    data, lines = yamlio.load_file(p, "health site config")
+    if not isinstance(data, dict):
+        return {}
+    schema.validate(data, schema.SITE, str(p), lines)
+    block = data.get("slurm") or {}
+    return {k: (str(Path(str(v)).expanduser()) if k == "jwt_key" else v) for k, v in block.items() if v is not None}
 
 
 def _positive(value: Any, name: str, *, upper: float, zero_ok: bool = False) -> None:

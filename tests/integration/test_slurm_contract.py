@@ -1,7 +1,11 @@
 """The Slurm layer's contract, run against each backend on the real dev cluster.
 
-Every test takes ``slurm``, parametrized over the CLI backend and the pyslurm one; both
-must behave the same. The pyslurm half runs where the dev cluster's Slurm is the one
+Every test takes ``slurm``, parametrized over the CLI backend, the pyslurm one and the
+REST one (slurmrestd, which the dev cluster runs beside slurmctld wherever slurmrestd is
+installed: scripts/setup.sh installs it); all must behave the same. The REST half talks to
+the dev cluster's slurmrestd over its UNIX socket with tokens signed with the cluster's JWT
+key, and is skipped only where slurmrestd is not installed (CLUSTEROPS_TEST_REQUIRE_RESTD
+turns that into a failure). The pyslurm half runs where the dev cluster's Slurm is the one
 pyslurm was built for (the 25.11 tier: ``scripts/test-slurm-25.11.sh``) and is skipped,
 saying why, only when pyslurm is not installed or the controller is another major.minor
 (the default 22.05 tier).
@@ -32,10 +36,20 @@ def _pyslurm_skip_reason(cli) -> str | None:
     return mismatch(cli.controller_version())
 
 
-@pytest.fixture(params=["cli", "pyslurm"])
+@pytest.fixture(params=["cli", "pyslurm", "rest"])
 def slurm(request, cluster):
     base = SlurmSettings.from_environment()
     cli = connect(replace(base, backend="cli"))
+    if request.param == "rest":
+        urls = cluster.restd_urls()
+        if not urls:
+            why = "slurmrestd is not installed here (apt-get install slurmrestd)"
+            if os.environ.get("CLUSTEROPS_TEST_REQUIRE_RESTD"):
+                pytest.fail(f"the REST backend must run on this tier: {why}")
+            pytest.skip(why)
+        client = connect(replace(base, backend="rest", url=urls["unix"], jwt_key=str(cluster.jwt_key)))
+        assert client.backend == "rest"
+        return client
     if request.param == "pyslurm":
         why = _pyslurm_skip_reason(cli)
         if why and os.environ.get("CLUSTEROPS_TEST_REQUIRE_PYSLURM"):
