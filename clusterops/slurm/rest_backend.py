@@ -23,8 +23,8 @@ the server can do at all; each adapter says so:
   ``excluded_nodes``; ``requeue`` still has no endpoint.
 
 ``ALWAYS_FORWARDED`` names the methods no version serves here (``show_config``,
-``admin_level_text``, ``steps``, the reservations, ``topology``): the forwarding methods are made from it
-(tests/test_layout.py checks). A submission with an option outside the pyslurm backend's
+``admin_level_text``, ``steps``, the reservations, ``topology``, ``cancel_pending``): the
+forwarding methods are made from it (tests/test_layout.py checks). A submission with an option outside the pyslurm backend's
 table (``pyslurm_backend.submit_fields``, the one sbatch-option reader) goes through sbatch.
 Where the Slurm commands are not installed, a forwarded call is the CLI client's one-line
 "not found" error, prefixed with why REST could not serve it.
@@ -287,6 +287,7 @@ ALWAYS_FORWARDED = (
     "create_reservation",                # v0.0.43+ only; one spelling (scontrol's flag words)
     "delete_reservation",
     "topology",                          # scontrol show topology's blocks and switches
+    "cancel_pending",                    # scancel --state=PENDING: no state filter on the API's cancel
 )
 
 
