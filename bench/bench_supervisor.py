@@ -157,8 +157,9 @@ def run_admin_drain(root: Path, slurm, rep: int) -> dict:
     """An administrator drains node3 under the run (3 nodes and a spare): the drain -> the
     first step on the spare, and the steps lost (the ranks' last beat before the planned
     stop minus the step the relaunch resumed from)."""
-    job = fk.TrainJob(root=root / f"g{rep}", name=f"bench-g{rep}", nodes=3, steps=STEPS, ckpt_every=CKPT_EVERY,
-                      supervise={"spare_nodes": 1, "drain_bad_nodes": True})
+    # Slow enough steps that the run is still going when the node poll sees the drain.
+    job = fk.TrainJob(root=root / f"g{rep}", name=f"bench-g{rep}", nodes=3, steps=120, ckpt_every=CKPT_EVERY,
+                      step_sleep=0.2, supervise={"spare_nodes": 1, "drain_bad_nodes": True})
     job.submit()
     try:
         job.wait_step(25)
@@ -175,8 +176,11 @@ def run_admin_drain(root: Path, slurm, rep: int) -> dict:
         assert info.state == "COMPLETED", info
     finally:
         subprocess.run(["scontrol", "update", "NodeName=node3", "State=RESUME"], capture_output=True, timeout=30)
-    beats = job.rank_steps(job.job_dir / "attempt-0")      # the ranks' last beats before the stop
-    return {"swap_s": t_step - t_drain, "steps_lost": max(beats, default=resume) - resume}
+    # The steps done before the swap: the planned stop's checkpoint (the step the ranks reached)
+    # or their last beat, whichever is later (beats go out once a second and may lag it).
+    done = list(job.rank_steps(job.job_dir / "attempt-0"))
+    done += [r["ckpt_step"] for r in job.timeline() if r["event"] == "stopped" and r.get("ckpt_step") is not None]
+    return {"swap_s": t_step - t_drain, "steps_lost": max(done, default=resume) - resume}
 
 
 def timed_run(job: fk.TrainJob, slurm) -> float:
