@@ -1278,17 +1278,18 @@ class SupervisorRun:
             # its tasks go with it (srun's exit ends the step).
             kill_group(self.train)
 
-    def _name_the_hang(self) -> None:
+    def _name_the_hang(self) -> Tuple[int, ...]:
         """Ask every rank for its flight recorder (a dump request in the beacons, answered by
         each rank's watch thread), wait for the answers (bounded), and tell the machine which
-        rank never entered the collective the others wait in (clusterops.supervisor.flightrec)."""
+        rank never entered the collective the others wait in (clusterops.supervisor.flightrec).
+        Returns the ranks named and the ranks that sent no dump (their stacks are taken too)."""
         from clusterops.supervisor.flightrec import name_hang
 
         if self.channel is None or self.attempt_dir is None:
-            return
+            return ()
         request = self.channel.request_dump()
         if request is None:
-            return
+            return ()
         hb = protocol.heartbeat_dir(self.attempt_dir)
         ranks = list(range(self.sup.expected_ranks))
         deadline = self.clock() + min(FLIGHTREC_WAIT_S, self.cfg.stacks_timeout_s)
@@ -1304,6 +1305,7 @@ class SupervisorRun:
             if not named and r.ranks:
                 named, why, source = r.ranks, r.why, "nccl_ras"
         self._do(self.sup.handle(sv.HangNamed(self.clock(), named, why, n.silent, source=source, ras=ras)))
+        return tuple(named) + tuple(n.silent)
 
     def _domains(self) -> Dict[str, str]:
         """The allocation's nodes -> topology domain (Slurm's block or leaf switch), read once
@@ -1343,17 +1345,21 @@ class SupervisorRun:
         dumps of the stuck ranks, all nodes at once, bounded in time (then the kill)."""
         if self.attempt_dir is None or not self.cfg.job_id:
             return
+        extra: Tuple[int, ...] = ()
         try:
-            self._name_the_hang()
+            extra = self._name_the_hang()
         except (OSError, ClusteropsError) as e:
             self._record(E.WARNING, {"what": f"flight-recorder dumps: {e}"})
         step = self._find_step_id()
         out = self.attempt_dir / "stacks"
         out.mkdir(exist_ok=True)
         procs = {}
-        nodes = sorted({self.sup.rank_node(r) for r in a.ranks if self.sup.rank_node(r)})
+        # The stale ranks, and those the dumps named or that sent none (a stopped process
+        # answers nothing: often the one that hangs the rest, though not the first gone stale).
+        wanted = sorted(set(a.ranks) | set(extra))
+        nodes = sorted({self.sup.rank_node(r) for r in wanted if self.sup.rank_node(r)})
         for node in nodes:
-            ranks = [r for r in a.ranks if self.sup.rank_node(r) == node]
+            ranks = [r for r in wanted if self.sup.rank_node(r) == node]
             command = [self.cfg.python, "-m", "clusterops.supervisor.stacks", "--job", self.cfg.job_id,
                        "--step", str(step if step is not None else ""), "--ranks", ",".join(map(str, ranks))]
             argv = srun_argv(command, job_name="clusterops-stacks", jobid=self.cfg.job_id, overlap=True,

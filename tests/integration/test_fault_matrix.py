@@ -121,7 +121,10 @@ def test_b_stopped_rank_is_a_hang_stacks_then_restart(cluster, slurm, reference,
     job.signal_rank(1, signal.SIGSTOP)
     info, story = assert_healed(job, slurm, reference, 4)
     lost = events(job, "heartbeat_lost")
-    assert lost and 1 in lost[0]["ranks"], story
+    # The stopped rank is stale, or (on a loaded machine another rank's beat went stale first,
+    # the others blocking in the collective a moment later) it is the one that sent no dump.
+    named = events(job, "hang_named")
+    assert lost and (1 in lost[0]["ranks"] or (named and 1 in named[0]["silent"])), story
     stacks = events(job, "stacks")
     assert stacks, story
     dumps = "".join(p.read_text() for p in Path(stacks[0]["dir"]).glob("node*.txt"))

@@ -34,4 +34,4 @@ def test_one_agent_starts_its_workers_with_the_step_rank_and_ignored_stop_signal
 
 def test_a_program_that_is_not_python_runs_with_no_python():
     argv = torchrun_command(["/bin/prog", "--flag"], sys.executable, 3, 4)
-    assert argv[3:] == [sys.executable, "3", "4", "--no-python", "/bin/prog", "--flag"]
+    assert argv[3:] == [sys.executable, "3", "4", "0", "--no-python", "/bin/prog", "--flag"]   # rotate 0
