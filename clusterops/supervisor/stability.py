@@ -310,10 +310,9 @@ class Guard:
         """The rollback with a skip (``on_*: rollback``, or a replay that reproduced the finding)."""
         keep = rollback_target(self.ckpt_steps, f.began - 1)
         c = self.cfg
-        recent = [a for a in self.rollbacks if abs(f.began - a) <= c.rollback_window_steps]
-        if len(recent) >= c.max_rollbacks:
-            return Decision(Decision.GIVE_UP, f, why=f"{len(recent)} rollbacks within {c.rollback_window_steps} "
-                                                     f"steps (max_rollbacks {c.max_rollbacks})", hold=keep)
+        over = self._over_budget(f, keep)
+        if over is not None:
+            return over
         before = f.began - c.rollback_steps
         target = rollback_target(self.ckpt_steps, before)
         if target is None:
@@ -334,10 +333,9 @@ class Guard:
         deciding (:func:`judge_replay`). Nothing counts against the rollback budget yet: the
         verdict's rollback does. No checkpoint before the anomaly: a give-up, as a rollback."""
         c = self.cfg
-        recent = [a for a in self.rollbacks if abs(f.began - a) <= c.rollback_window_steps]
-        if len(recent) >= c.max_rollbacks:
-            return Decision(Decision.GIVE_UP, f, why=f"{len(recent)} rollbacks within {c.rollback_window_steps} "
-                                                     f"steps (max_rollbacks {c.max_rollbacks})", hold=keep)
+        over = self._over_budget(f, keep)
+        if over is not None:
+            return over
         if keep is None:
             return Decision(Decision.GIVE_UP, f, why=f"no checkpoint at or before step {f.began - 1} to replay "
                                                      "from", hold=None)
@@ -346,6 +344,16 @@ class Guard:
         return Decision(Action.REPLAY, f, hint=hint, hold=keep, before=f.began - 1,
                         why=f"replay from the newest checkpoint before step {f.began} to step "
                             f"{f.step + c.replay_margin_steps} on other nodes: data or hardware?")
+
+    def _over_budget(self, f: Finding, keep: Optional[int]) -> Optional[Decision]:
+        """The give-up when ``max_rollbacks`` rollbacks already began within
+        ``rollback_window_steps`` of ``f`` (holding ``keep``); None while there is budget."""
+        c = self.cfg
+        recent = [a for a in self.rollbacks if abs(f.began - a) <= c.rollback_window_steps]
+        if len(recent) >= c.max_rollbacks:
+            return Decision(Decision.GIVE_UP, f, why=f"{len(recent)} rollbacks within {c.rollback_window_steps} "
+                                                     f"steps (max_rollbacks {c.max_rollbacks})", hold=keep)
+        return None
 
     def replayed(self, from_step: int) -> None:
         """The replay runs from checkpoint ``from_step``: the later ones were set aside."""
@@ -356,11 +364,9 @@ class Guard:
         learning rate unchanged (the data was not at fault: the rerun must be the same run);
         counted against the rollback budget (``max_rollbacks`` within ``rollback_window_steps``)."""
         keep = rollback_target(self.ckpt_steps, before)
-        c = self.cfg
-        recent = [a for a in self.rollbacks if abs(f.began - a) <= c.rollback_window_steps]
-        if len(recent) >= c.max_rollbacks:
-            return Decision(Decision.GIVE_UP, f, why=f"{len(recent)} rollbacks within {c.rollback_window_steps} "
-                                                     f"steps (max_rollbacks {c.max_rollbacks})", hold=keep)
+        over = self._over_budget(f, keep)
+        if over is not None:
+            return over
         if keep is None:
             return Decision(Decision.GIVE_UP, f, why=f"no checkpoint at or before step {before}, {why}", hold=None)
         self._undo = (self.hint, list(self.ckpt_steps))
