@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, on_signal)
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    if torch.cuda.is_available():     # on the CPU, one thread, these ops are deterministic already;
+        torch.use_deterministic_algorithms(True)     # the call imports torch._inductor (0.6 CPU-s a rank)
 
     dist.init_process_group("gloo")             # env://: everything from the environment
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, on_signal)
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    if torch.cuda.is_available():     # on the CPU, one thread, these ops are deterministic already;
+        torch.use_deterministic_algorithms(True)     # the call imports torch._inductor (0.6 CPU-s a rank)
     rank = env_int("RANK", "SLURM_PROCID", default=0)
     world = env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
     if world > 1:
