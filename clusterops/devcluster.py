@@ -133,6 +133,9 @@ class DevClusterConfig:
     # hostlists (default: consecutive pairs of nodes). None: no topology plugin.
     topology: Optional[str] = None
     domains: Tuple[str, ...] = ()
+    # SlurmctldParameters=enable_expedited_requeue (Slurm 25.11+): jobs may ask for
+    # --requeue=expedite (clusterops.launch.submit gives it to supervised jobs).
+    expedited_requeue: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
@@ -250,6 +253,7 @@ def render_slurm_conf(cfg: DevClusterConfig, state: Path, hostname: str) -> str:
         "PreemptMode=REQUEUE",
         *(["AuthAltTypes=auth/jwt", f"AuthAltParameters=jwt_key={s}/{JWT_KEY}"] if cfg.restd else []),
         *([f"TopologyPlugin=topology/{cfg.topology}"] if cfg.topology else []),
+        *(["SlurmctldParameters=enable_expedited_requeue"] if cfg.expedited_requeue else []),
         f"NodeName={cfg.hostlist} NodeHostname={hostname} NodeAddr=127.0.0.1 Port={ports} "
         f"CPUs={cfg.cpus_per_node} RealMemory={cfg.memory_mb_per_node}{gres} State=UNKNOWN",
         f"PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP "
@@ -452,17 +456,16 @@ class DevCluster:
             return None
         return DevClusterConfig(**dict(info["config"], domains=tuple(info["config"].get("domains") or ())))
 
-    def _check_block_plugin(self, tools: SlurmTools) -> None:
-        """topology/block came with Slurm 23.11: an older slurmctld would refuse the config."""
+    def _require_version(self, tools: SlurmTools, since: Tuple[int, int], what: str) -> None:
+        """``what`` came with Slurm ``since``: an older slurmctld would refuse (or ignore) it."""
         from clusterops.slurm.parse import parse_version
 
         try:
             version = parse_version(self.runner.run(tools.argv(["slurmctld", "-V"]), timeout_s=30).stdout)
         except (ClusteropsError, ValueError):
             return                      # unknown: slurmctld itself will say
-        if version < (23, 11):
-            raise InputError(f"--topology block: Slurm {version[0]}.{version[1]:02d} has no topology/block "
-                             f"(23.11+); use --topology tree")
+        if version < since:
+            raise InputError(f"{what}: Slurm {version[0]}.{version[1]:02d} is older than {since[0]}.{since[1]:02d}")
 
     def daemon_pids(self) -> Dict[str, Optional[int]]:
         info = self._read_info() or {}
@@ -497,7 +500,9 @@ class DevCluster:
         tools = cfg.tools
         self.check_binaries(tools)
         if cfg.topology == "block":
-            self._check_block_plugin(tools)
+            self._require_version(tools, (23, 11), "--topology block (topology/block; use --topology tree)")
+        if cfg.expedited_requeue:
+            self._require_version(tools, (25, 11), "--expedited-requeue (SlurmctldParameters=enable_expedited_requeue)")
         previous = self.config()
         if self.running():
             if previous == cfg:

@@ -714,8 +714,11 @@ JOB_SPEC = Field("job spec", "map", fields=(
     _f("signal_lead_s", "int", "seconds before the time limit to send SIGUSR1 (`--signal=B:USR1@N`), forwarded "
        "to the training processes; 0 = off; below the time limit", default=600, min=0, max=65535,
        default_text="600, or half the time limit when that is shorter"),
-    _f("requeue", "bool", "`--requeue` / `--no-requeue`", default=False,
-       default_text="false; true with `supervise`"),
+    _f("requeue", "union", "`--requeue` / `--no-requeue`; `expedite`: `--requeue=expedite` (Slurm 25.11+ with "
+       "`SlurmctldParameters=enable_expedited_requeue`, checked at submit): a requeued job is eligible at once, "
+       "at the top of the queue. A supervised job gets `expedite` by itself where the cluster allows it",
+       default=False, options=(_f("requeue", "bool"), _f("requeue", "enum", choices=("expedite",))),
+       default_text="false; true with `supervise` (`expedite` where the cluster allows it)"),
     _f("chain", "int", "run as a chain of N jobs one after another (`--array=1-N%1`); with `supervise:` a chain of "
        "generations that resume one another and end together (needs `supervise.ckpt_dir`)", default=1, min=1,
        max=1000),

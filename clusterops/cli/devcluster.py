@@ -48,10 +48,13 @@ def devcluster() -> None:
 @click.option("--restd", is_flag=True, default=False,
               help="Also run slurmrestd (JWT auth) on a UNIX socket and on 127.0.0.1 at the port after "
                    "the nodes'; prints CLUSTEROPS_SLURM_URL and CLUSTEROPS_SLURM_JWT_KEY.")
+@click.option("--expedited-requeue", is_flag=True, default=False,
+              help="SlurmctldParameters=enable_expedited_requeue (Slurm 25.11+): supervised jobs then get "
+                   "--requeue=expedite.")
 @_state_dir_option
 @json_option
 def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, slurm_prefix, topology, domains,
-       restd: bool, state_dir: str, as_json: bool) -> None:
+       restd: bool, expedited_requeue: bool, state_dir: str, as_json: bool) -> None:
     """Bring the cluster up and wait until every node is idle (idempotent).
 
     With --slurm-prefix the daemons and clients come from that installation; clusterops
@@ -69,7 +72,8 @@ def up(nodes: int, gpus_per_node: int, gpu_type, cpus_per_node: int, port_base, 
         slurm_prefix = str(check_prefix(slurm_prefix, source))
     cfg = DevClusterConfig(nodes=nodes, gpus_per_node=gpus_per_node, gpu_type=gpu_type, cpus_per_node=cpus_per_node,
                            port_base=port_base or DEFAULT_PORT_BASE, slurm_prefix=slurm_prefix,
-                           topology=topology, domains=tuple(domains), restd=restd)
+                           topology=topology, domains=tuple(domains), restd=restd,
+                           expedited_requeue=expedited_requeue)
     dc = DevCluster(state_dir)
     info = dc.up(cfg)
     if restd:

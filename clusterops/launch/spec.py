@@ -23,7 +23,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from clusterops import schema, yamlio
 from clusterops.errors import InputError
@@ -33,6 +33,8 @@ _FIELDS = {f.name: f for f in schema.JOB_SPEC.fields}
 _SUPERVISE = {f.name: f for f in schema.SUPERVISE.fields}
 REQUIRED_KEYS = tuple(f.name for f in schema.JOB_SPEC.fields if f.required)
 DEFAULT_SIGNAL_LEAD_S = _FIELDS["signal_lead_s"].default
+#: ``requeue: expedite``: Slurm 25.11's expedited requeue (``--requeue=expedite``).
+EXPEDITE = "expedite"
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -73,7 +75,7 @@ class JobSpec:
     container_mounts: Optional[str] = None
     setup: Tuple[str, ...] = ()
     signal_lead_s: int = DEFAULT_SIGNAL_LEAD_S
-    requeue: bool = False
+    requeue: Union[bool, str] = False     # True, False or "expedite" (EXPEDITE)
     chain: int = 1
     master_port: Optional[int] = None
     srun_wait_s: int = 60

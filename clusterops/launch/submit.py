@@ -14,12 +14,13 @@ import os
 import re
 from pathlib import Path
 import time as _time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, TYPE_CHECKING, Tuple
 
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.launch.render import render, spec_file_for, supervise_spec_text
-from clusterops.launch.spec import JobSpec
+from clusterops.launch.spec import EXPEDITE, JobSpec
 
 if TYPE_CHECKING:   # annotations only: the Slurm layer is imported where it is used
     from clusterops.slurm.api import SlurmAPI
@@ -87,6 +88,12 @@ def submit(spec: JobSpec, slurm: Optional[SlurmAPI] = None, *, dry_run: bool = F
     """Render, write the script into log_dir, submit it. Nothing is written on a dry run."""
     from clusterops.slurm.steps import sbatch_argv   # here: `import clusterops.launch` stays light
 
+    if not dry_run:
+        if slurm is None:
+            from clusterops.slurm.factory import connect
+
+            slurm = connect()
+        spec = check_against_cluster(spec, slurm)     # before anything is rendered or written
     path = os.path.join(spec.log_dir, script_filename(spec))
     # Always a file for a supervised job's spec (not only a large one): one way for every
     # size, tested every time, and the webhook URLs stay out of the world-readable script.
@@ -95,11 +102,6 @@ def submit(spec: JobSpec, slurm: Optional[SlurmAPI] = None, *, dry_run: bool = F
     argv = tuple(sbatch_argv(path))
     if dry_run:
         return Submitted(None, None, text, argv, spec_file)
-    if slurm is None:
-        from clusterops.slurm.factory import connect
-
-        slurm = connect()
-    check_against_cluster(spec, slurm)     # before anything is written
     try:
         os.makedirs(spec.log_dir, exist_ok=True)
     except OSError as e:
@@ -108,10 +110,6 @@ def submit(spec: JobSpec, slurm: Optional[SlurmAPI] = None, *, dry_run: bool = F
         write_job_files(path, text, spec_file, supervise_spec_text(spec) if spec_file else None)
     except ClusteropsError as e:
         raise ClusteropsError(f"cannot write the script to {spec.log_dir}: {e.message}") from None
-    if slurm is None:
-        from clusterops.slurm.factory import connect
-
-        slurm = connect()
     try:
         job_id = slurm.submit(path)
     except BaseException:
@@ -125,16 +123,56 @@ def submit(spec: JobSpec, slurm: Optional[SlurmAPI] = None, *, dry_run: bool = F
 
 
 
+#: Slurm 25.11 brought ``--requeue=expedite``; the controller allows it with this parameter.
+EXPEDITE_SINCE = (25, 11)
+EXPEDITE_PARAMETER = "enable_expedited_requeue"
+
+
 class SpecMismatch(InputError):
     """A spec key the cluster cannot honour (the message starts with the key); the CLI adds
     the spec file's name."""
 
 
-def check_against_cluster(spec: JobSpec, slurm: SlurmAPI) -> None:
-    """What only the cluster can say of a spec, before anything is written or submitted:
-    ``segment`` needs Slurm 24.05+ (``--segment``) and at most the partition's nodes."""
-    if not spec.segment:
-        return
+def check_against_cluster(spec: JobSpec, slurm: SlurmAPI) -> JobSpec:
+    """What only the cluster can say of a spec, before anything is written or submitted;
+    returns the spec to render. ``segment`` needs Slurm 24.05+ (``--segment``) and at most the
+    partition's nodes; ``requeue: expedite`` needs a cluster that allows it
+    (:func:`expedite_problem`), and a supervised job's requeue becomes an expedited one
+    where the cluster allows it."""
+    if spec.requeue == EXPEDITE:
+        why = expedite_problem(slurm)
+        if why:
+            raise SpecMismatch(f"requeue: expedite: {why}; use requeue: true")
+    elif spec.requeue is True and spec.supervise is not None and expedite_problem(slurm) is None:
+        spec = dataclasses.replace(spec, requeue=EXPEDITE)
+    if spec.segment:
+        _check_segment(spec, slurm)
+    return spec
+
+
+def expedite_problem(slurm: SlurmAPI) -> Optional[str]:
+    """Why this cluster cannot give a job Slurm 25.11's expedited requeue, or None.
+
+    ``sbatch --requeue=expedite`` is refused unless the controller is 25.11 or newer and its
+    ``SlurmctldParameters`` has ``enable_expedited_requeue`` (slurmctld's job_mgr.c: "Expedited
+    requeue requested but not enabled"). A controller that cannot be asked is a problem
+    too: the ordinary requeue is then the safe choice."""
+    from clusterops.slurm.privilege import parse_config
+
+    try:
+        version = slurm.version()
+        if version < EXPEDITE_SINCE:
+            return (f"Slurm {version[0]}.{version[1]:02d} has no expedited requeue "
+                    f"({EXPEDITE_SINCE[0]}.{EXPEDITE_SINCE[1]:02d}+)")
+        params = parse_config(slurm.show_config()).get("SlurmctldParameters", "")
+    except ClusteropsError as e:
+        return f"cannot read the cluster's configuration ({e.message})"
+    if EXPEDITE_PARAMETER not in {p.strip() for p in params.split(",")}:
+        return f"the cluster's SlurmctldParameters lacks {EXPEDITE_PARAMETER}"
+    return None
+
+
+def _check_segment(spec: JobSpec, slurm: SlurmAPI) -> None:
     version = slurm.version()
     if version < (24, 5):
         raise SpecMismatch(f"segment: --segment needs Slurm 24.05 or newer (topology/block); this cluster's "

@@ -250,6 +250,10 @@ class RunConfig:
     job_name: Optional[str] = None          # the spec's name (the trackers' project, experiment, run)
     # A generation of a chain (chain: N; clusterops.supervisor.chain); None: a lone job.
     chain: Optional["ChainInfo"] = None
+    # The job was submitted with Slurm 25.11's --requeue=expedite (the spec's requeue:
+    # expedite): a non-zero exit of the batch script is requeued by Slurm itself, held, unless
+    # the job's Requeue is off (_final_exit_no_requeue).
+    expedited_requeue: bool = False
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -444,6 +448,7 @@ class SupervisorRun:
         self.channel: Optional[hbchannel.Channel] = None   # this attempt's heartbeat channel
         self.revive_failed = False   # the receiver ended and could not be restarted (said once)
         self.preflight: Optional[Process] = None
+        self.requeue_asked = False        # this process asked Slurm to requeue the job
         self.preflight_action: Optional[sv.RunPreflight] = None
         self.preflight_dir: Optional[Path] = None
         self.preflight_deadline = 0.0
@@ -514,6 +519,7 @@ class SupervisorRun:
             raise
         self.install_signals()
         if cfg.chain is not None and self._chain_start():
+            self._final_exit_no_requeue()
             return self.exit_code
         self._start_trackers()
         latest = self._latest_ckpt(deep=False)
@@ -551,6 +557,7 @@ class SupervisorRun:
             self._close_rdzv()
             self._close_trackers("done" if self.exit_code == sv.EXIT_DONE else
                                  "give_up" if self.exit_code is not None else "stopped")
+            self._final_exit_no_requeue()
         return self.exit_code
 
     # -- a chain of generations (clusterops.supervisor.chain) ----------------------------
@@ -1483,6 +1490,7 @@ class SupervisorRun:
             except ClusteropsError as e:
                 self._record(E.WARNING, {"what": f"reading ExcNodeList before the requeue: {e.message}"})
         signals_before = len(self.signals)
+        self.requeue_asked = True
         # Slurm ends this process soon after the requeue: the trackers' runs are closed first.
         self._close_trackers("requeue", wait_s=30.0)
         try:
@@ -1516,6 +1524,25 @@ class SupervisorRun:
         while self.clock() < deadline:
             self.sleep(1)
         raise ClusteropsError("the job was requeued but this process was not ended by Slurm")
+
+    def _final_exit_no_requeue(self) -> None:
+        """Before a non-zero exit that ends this job (a give-up, a chain's end, a crash of the
+        supervisor itself): with --requeue=expedite, Slurm 25.11 requeues a batch script that
+        exits non-zero, held ("job requeued in held state", slurmctld's job_mgr.c), unless the
+        job's Requeue is off; a lone job would then sit held in the queue, and a chain's
+        generation would come back after the chain ended. So Requeue=0 first (a job's owner
+        may change it while it runs). Not after this process asked for the requeue itself, nor
+        for an exit 0 (the job completes either way). A failed update is said and left: the
+        job is then held, not run."""
+        if not (self.cfg.expedited_requeue and self.cfg.job_id) or self.exit_code == sv.EXIT_DONE \
+                or self.requeue_asked:
+            return
+        try:
+            self.slurm.update_job(self.cfg.job_id, Requeue=0)
+            self._record(E.REQUEUE_OFF, {"exit_code": self.exit_code})
+        except ClusteropsError as e:
+            self._record(E.WARNING, {"what": f"Requeue=0 before the final exit failed ({e.message}): Slurm's "
+                                             f"expedited requeue will hold job {self.cfg.job_id}; scancel it"})
 
     def _requeue_taken(self) -> bool:
         """Whether Slurm has requeued this job: its restart count has moved past this

@@ -80,6 +80,7 @@ class EventKind(str, Enum):
     SUPERVISOR_ERROR = "supervisor_error"
     GENERATION = "generation"         # a chain's generation starts: its number, the chain's length, its job id
     CHAIN_END = "chain_end"           # the chain ended: why, and the queued generations cancelled
+    REQUEUE_OFF = "requeue_off"       # Requeue=0 before a final exit (--requeue=expedite would hold the job)
     # the ranks' own records (clusterops.watchdog): the batch host lost, the job requeued
     SUPERVISOR_LOST = "supervisor_lost"
     TAKEOVER = "takeover"
