@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from support.machine import P, only, records
+from support.machine import P, lose, only, records
 from clusterops.devcluster import DevClusterConfig, render_slurm_conf, render_topology_conf
 from clusterops.errors import InputError
 from clusterops.slurm.parse import parse_topology
-from clusterops.supervisor import (CheckpointCommitted, Launch, NodesDown, ResumeChosen, StepExited,
-                                   Supervisor)
+from clusterops.supervisor import Launch, NodesDown, ResumeChosen, Supervisor
 
 # Slurm 22.05's answer on the dev cluster (`devcluster up --topology tree --domain node[1,3]
 # --domain node[2,4]`), recorded on this machine.
@@ -43,26 +42,19 @@ def _running(domains, nodes=2, spare_nodes=2, names=("n1", "n2", "n3", "n4")):
     return s, acts
 
 
-def _lose(s, node, now):
-    s.handle(CheckpointCommitted(now, 20, "/ck/20"))
-    acts = s.handle(NodesDown(now + 1, {node: "DOWN"}))
-    acts += s.handle(StepExited(now + 2, returncode=-9, node_failure=(node,)))
-    return acts
-
-
 def test_the_replacement_comes_from_the_lost_nodes_domain_first():
     # Domains interleaved with the allocation's order: n2's own spare is n4, not n3.
     s, acts = _running({"n1": "a", "n3": "a", "n2": "b", "n4": "b"})
     assert only(acts, Launch)[0].nodes == ("n1", "n2")
-    acts = _lose(s, "n2", 1010.0)
+    acts = lose(s, "n2", 1010.0)
     assert only(acts, Launch)[0].nodes == ("n1", "n4") and not records(acts, "spare_out_of_domain")
-    acts = _lose(s, "n1", 1020.0)
+    acts = lose(s, "n1", 1020.0)
     assert only(acts, Launch)[0].nodes == ("n3", "n4") and not records(acts, "spare_out_of_domain")
 
 
 def test_a_spare_from_another_domain_only_when_none_is_left_and_the_timeline_says_so():
     s, _ = _running({"n1": "a", "n2": "a", "n3": "b", "n4": "b"})
-    acts = _lose(s, "n2", 1010.0)
+    acts = lose(s, "n2", 1010.0)
     assert only(acts, Launch)[0].nodes == ("n1", "n3")
     out = records(acts, "spare_out_of_domain")[0].data
     assert (out["node"], out["spare"], out["domain"], out["spare_domain"]) == ("n2", "n3", "a", "b")
@@ -70,7 +62,7 @@ def test_a_spare_from_another_domain_only_when_none_is_left_and_the_timeline_say
 
 def test_without_domains_the_allocation_order_stands():
     s, _ = _running({})
-    acts = _lose(s, "n2", 1010.0)
+    acts = lose(s, "n2", 1010.0)
     assert only(acts, Launch)[0].nodes == ("n1", "n3") and not records(acts, "spare_out_of_domain")
 
 

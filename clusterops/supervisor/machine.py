@@ -27,7 +27,7 @@ from clusterops.slurm.parse import FailureKind, TaskFailure
 from clusterops.supervisor import stability as stb
 from clusterops.supervisor.evidence import TaskOutput, first_error
 from clusterops.supervisor.stragglers import Detector
-from clusterops.supervisor.timeline import Cause, EventKind as E, Evidence
+from clusterops.supervisor.timeline import Cause, DomainSource, EventKind as E, Evidence
 
 __all__ = [
     "EXIT_DONE",
@@ -163,11 +163,14 @@ class Event:
 
 @dataclass(frozen=True)
 class PreflightDone(Event):
-    """Per-node health status: 'pass' | 'warn' | 'fail' | 'error' | 'missing'."""
+    """Per-node health status: 'pass' | 'warn' | 'fail' | 'error' | 'missing'; ``fabric``:
+    node -> the NVLink domain its check named (NVML's GPU fabric, ``nvml.fabric``), for the
+    nodes that named one."""
 
     statuses: Mapping[str, str] = field(default_factory=dict)
     details: Mapping[str, str] = field(default_factory=dict)
     postmortem: bool = False
+    fabric: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -521,8 +524,9 @@ class Supervisor:
                  stability: Optional[stb.StabilityConfig] = None, exit_codes: Optional[Mapping[int, str]] = None,
                  domains: Optional[Mapping[str, str]] = None, chain_next: bool = False):
         self.policy = policy
-        # node -> its topology domain (Slurm's block or leaf switch: ``scontrol show topology``);
-        # a replacement comes from the lost node's domain first (:meth:`_fill`).
+        # node -> its topology domain (Slurm's block or leaf switch: ``scontrol show topology``,
+        # or the NVLink domain a check named: :meth:`_take_fabric`); a replacement comes from
+        # the lost node's domain first (:meth:`_fill`).
         self.domains: Dict[str, str] = dict(domains or {})
         # A generation of a chain with a later one queued hands on instead of requeueing
         # (clusterops.supervisor.chain): the next generation is a fresh allocation.
@@ -757,6 +761,15 @@ class Supervisor:
             return list(free)
         return [n for n in free if self.domains.get(n) == d] + [n for n in free if self.domains.get(n) != d]
 
+    def _take_fabric(self, fabric: Mapping[str, str], out: List[Action]) -> None:
+        """Nodes whose check named their NVLink domain (NVML's GPU fabric: the domain itself,
+        where Slurm's block or switch stands for it) take it over the domain they had; the
+        others keep theirs. A change is said in the timeline (``topology``, ``nvml_fabric``)."""
+        new = {n: d for n, d in sorted(fabric.items()) if self.domains.get(n) != d}
+        if new:
+            self.domains.update(new)
+            out.append(Record(E.TOPOLOGY, {"domains": new, "source": DomainSource.NVML_FABRIC}))
+
     def _fill(self, holes: Sequence[str], free: Sequence[str], count: int, out: List[Action]) -> List[str]:
         """``count`` nodes from ``free`` (in allocation order) for a step whose nodes ``holes``
         left: each hole's replacement from its own topology domain when one is free there (a
@@ -794,6 +807,7 @@ class Supervisor:
         kind = E.PREFLIGHT if not ev.postmortem else (
             E.LIVENESS if self.policy.postmortem is None else E.POSTMORTEM)
         out.append(Record(kind, {"statuses": statuses, "details": dict(ev.details)}))
+        self._take_fabric(ev.fabric, out)
         if not answered:
             # Nobody could run the check: the check is broken, not every node. Do not
             # empty the allocation on its word (the sweep's safety idea).

@@ -53,7 +53,7 @@ from clusterops.supervisor import channel as hbchannel
 from clusterops.supervisor.chain import ChainInfo
 from clusterops.supervisor.rendezvous import InprocessSettings, RendezvousHost
 from clusterops.supervisor.stability import StabilityConfig
-from clusterops.supervisor.timeline import EventKind as E, Timeline
+from clusterops.supervisor.timeline import DomainSource, EventKind as E, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +274,25 @@ class RunConfig:
                    slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
                    **dict({"metrics_file": Path(os.environ[METRICS_FILE_ENV])} if os.environ.get(METRICS_FILE_ENV)
                           else {}, **kwargs))
+
+
+# ------------------------------------------------------------------------------ checks
+#: The check result that names a node's NVLink domain (``FABRIC_RESULT`` of
+#: clusterops.health.probes.nvml, not imported: the health package would slow every start).
+FABRIC_RESULT = "nvml.fabric"
+
+
+def fabric_of(results: object) -> Optional[str]:
+    """The NVLink domain a node's health report names (``nvml.fabric``'s ``data.fabric``);
+    None without one. The report is another process's JSON: its shape is not trusted."""
+    if not isinstance(results, list):
+        return None
+    for r in results:
+        if isinstance(r, dict) and r.get("name") == FABRIC_RESULT:
+            data = r.get("data")
+            domain = data.get("fabric") if isinstance(data, dict) else None
+            return domain if isinstance(domain, str) and domain else None
+    return None
 
 
 # ------------------------------------------------------------------------------ torchrun
@@ -784,7 +803,7 @@ class SupervisorRun:
         if p.poll() is None:
             kill_group(p)
             p.wait()
-        statuses, details = {}, {}
+        statuses, details, fabric = {}, {}, {}
         for i in range(len(a.nodes)):
             try:
                 text = (d / f"{i}.out").read_text()
@@ -801,6 +820,9 @@ class SupervisorRun:
                 statuses[name] = rep.get("status", "error")
                 bad = [r for r in rep.get("results", []) if r.get("status") in ("fail", "error")]
                 details[name] = "; ".join(f"{r.get('name')}: {r.get('detail')}" for r in bad[:3])
+                domain = fabric_of(rep.get("results"))
+                if domain:
+                    fabric[name] = domain
             except (ValueError, AttributeError):
                 continue
         srun_log = ""
@@ -814,7 +836,8 @@ class SupervisorRun:
                 details[node] = srun_log or "no report (timed out or could not run)"
         statuses = {n: st for n, st in statuses.items() if n in a.nodes}
         self.preflight = None
-        return sv.PreflightDone(now, statuses, details, postmortem=a.postmortem)
+        return sv.PreflightDone(now, statuses, details, postmortem=a.postmortem,
+                                fabric={n: dom for n, dom in fabric.items() if n in a.nodes})
 
     @staticmethod
     def _liveness_all_in(a: sv.RunPreflight, d: Path) -> bool:
@@ -1318,7 +1341,8 @@ class SupervisorRun:
         """The allocation's nodes -> topology domain (Slurm's block or leaf switch), read once
         at start; a replacement comes from the lost node's domain first. {} without a
         topology, when there is no Slurm job, or when the read fails (said in the timeline:
-        replacements then go in allocation order)."""
+        replacements then go in allocation order). A node whose check later names its NVLink
+        domain (``fabric_of``) takes that one instead (the machine's ``_take_fabric``)."""
         if not self.cfg.job_id or len(self.cfg.nodes) < 2:
             return {}
         try:
@@ -1328,7 +1352,7 @@ class SupervisorRun:
             return {}
         doms = {n: topo[n] for n in self.cfg.nodes if n in topo}
         if doms:
-            self._record(E.TOPOLOGY, {"domains": doms})
+            self._record(E.TOPOLOGY, {"domains": doms, "source": DomainSource.SLURM})
         return doms
 
     def _ask_nccl_ras(self, dumps: Mapping[int, Mapping]):

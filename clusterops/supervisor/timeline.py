@@ -58,7 +58,7 @@ class EventKind(str, Enum):
     STOPPED = "stopped"
     STEP_EXIT = "step_exit"
     SPARE_USED = "spare_used"
-    TOPOLOGY = "topology"             # the allocation's nodes by topology domain (block, leaf switch)
+    TOPOLOGY = "topology"             # nodes by topology domain (block, leaf switch, NVLink domain): DomainSource
     SPARE_OUT_OF_DOMAIN = "spare_out_of_domain"   # a replacement from another topology domain (none free in its own)
     SHRINK = "shrink"
     RESTART = "restart"
@@ -125,6 +125,17 @@ class Evidence(str, Enum):
     SIGNAL = "signal"                # the first failed rank died of a signal (srun's own ending
                                      # of the other ranks comes after it and counts for nothing)
     HARDWARE = "hardware"            # a hardware sign in that rank's own output (evidence.HARDWARE_SIGNS)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class DomainSource(str, Enum):
+    """The ``source`` of a ``topology`` record: where its nodes' domains come from. A later
+    record's nodes take its domains over what an earlier one said of them."""
+
+    SLURM = "slurm"                  # scontrol show topology at start: the block or the leaf switch
+    NVML_FABRIC = "nvml_fabric"      # the nodes' own checks: NVML's GPU fabric, the NVLink domain itself
 
     def __str__(self) -> str:
         return self.value

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from clusterops.supervisor import Policy, Record
+from clusterops.supervisor import CheckpointCommitted, NodesDown, Policy, Record, StepExited
 
 
 def P(**kw) -> Policy:
@@ -20,3 +20,12 @@ def records(actions, kind):
 def only(actions, kind):
     """The actions of one class."""
     return [a for a in actions if isinstance(a, kind)]
+
+
+def lose(s, node, now):
+    """A checkpoint at step 20, then ``node`` seen down and the step ended by its loss: the
+    actions of the last two events (the relaunch, on a replacement when there is one)."""
+    s.handle(CheckpointCommitted(now, 20, "/ck/20"))
+    acts = s.handle(NodesDown(now + 1, {node: "DOWN"}))
+    acts += s.handle(StepExited(now + 2, returncode=-9, node_failure=(node,)))
+    return acts

@@ -7,7 +7,9 @@ clock-event reasons (HW slowdown, HW thermal, power brake -> fail; SW thermal ->
 PCIe link width against the maximum (fail), generation against the maximum only while the
 GPU is busy (the link drops to a low generation at idle to save power); NVLink links
 inactive and error counters; persistence mode; driver version against the profile;
-compute processes left over from a previous job.
+compute processes left over from a previous job. Per node: the driver and VBIOS versions,
+and the GPU fabric's NVLink domain (GB200 NVL72: ``nvml.fabric``, which the supervisor
+places spares by).
 
 The pynvml module is passed in through ``ctx.nvml`` (tests use the stand-in in
 ``clusterops.health.probes.nvml_standin``) or imported here, lazily.
@@ -15,9 +17,11 @@ The pynvml module is passed in through ``ctx.nvml`` (tests use the stand-in in
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -70,6 +74,18 @@ CLOCK_SM = 1
 CLOCK_MEM = 2
 # nvmlValueType_t -> the member of nvmlValue_t that holds it.
 _VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+# The GPU fabric (nvml.h nvmlGpuFabricState_t): a GPU of a multi-node NVLink domain (GB200
+# NVL72) registers with the fabric; once COMPLETED with a success status, its cluster UUID
+# and clique id name the domain. GPUs without such a fabric answer NOT_SUPPORTED.
+FABRIC_STATES = {0: "NOT_SUPPORTED", 1: "NOT_STARTED", 2: "IN_PROGRESS", 3: "COMPLETED"}
+FABRIC_NOT_SUPPORTED = 0
+FABRIC_COMPLETED = 3
+FABRIC_RESULT = "nvml.fabric"
+# (pynvml function, the struct it fills): the versioned call first, then the first form,
+# which NVML deprecates in its favour (a pynvml or driver without one: the next).
+_FABRIC_CALLS = (("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfoV_t"),
+                 ("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t"))
 
 
 class GpuLost(Exception):
@@ -168,6 +184,7 @@ def read_gpu(nv, index: int) -> Dict[str, Any]:
                 errs[ename] = int(v)
         links[link] = {"active": bool(state), "errors": errs}
     g["nvlink"] = links
+    g["fabric"] = read_fabric(nv, h)
     g["persistence"] = _call(nv, "nvmlDeviceGetPersistenceMode", h)
     fields = read_fields(nv, h, (FI_GPU_RECOVERY_ACTION, FI_HW_THERM_SLOWDOWN_NS, FI_HW_POWER_BRAKE_NS))
     g["recovery_action"] = fields[FI_GPU_RECOVERY_ACTION]
@@ -202,6 +219,46 @@ def read_fields(nv, h, ids: Tuple[int, ...]) -> Dict[int, Any]:
         member = _VALUE_MEMBER.get(int(getattr(v, "valueType", 3)), "ullVal")
         out[fid] = getattr(v.value, member)
     return out
+
+
+def read_fabric(nv, h) -> Any:
+    """The GPU's fabric registration: ``{"state", "status", "cluster_uuid", "clique_id"}``;
+    NOT_SUPPORTED where the GPU has no fabric or neither pynvml nor the driver has the call;
+    ``{"error": ...}`` when the call fails otherwise (the domain is then unknown, which says
+    nothing of the node's health)."""
+    for fn_name, struct_name in _FABRIC_CALLS:
+        struct = getattr(nv, struct_name, None)
+        if struct is None:
+            continue
+        info = struct()
+        try:
+            if _call(nv, fn_name, h, ctypes.pointer(info)) is NOT_SUPPORTED:
+                continue
+        except nv.NVMLError as e:
+            return {"error": str(e)}
+        state = int(info.state) & 0xFF   # nvml.h: an unsigned char; pynvml reads 4 bytes
+        if state == FABRIC_NOT_SUPPORTED:
+            return NOT_SUPPORTED
+        return {"state": state, "status": int(info.status), "clique_id": int(info.cliqueId),
+                "cluster_uuid": str(uuid.UUID(bytes=bytes(info.clusterUuid)))}
+    return NOT_SUPPORTED
+
+
+def fabric_domain(f: Any) -> Tuple[Optional[str], str]:
+    """One GPU's fabric registration -> (its NVLink domain, ``<cluster uuid>/<clique id>``, or
+    None; why it has none, "" when it has no fabric at all). Only a registration COMPLETED
+    with a success status and a cluster UUID that is not all zeros names a domain."""
+    if not isinstance(f, dict):
+        return None, ""
+    if "error" in f:
+        return None, f"unreadable ({f['error']})"
+    if f["state"] != FABRIC_COMPLETED:
+        return None, f"state {FABRIC_STATES.get(f['state'], f['state'])}"
+    if f["status"] != 0:
+        return None, f"registration failed (NVML status {f['status']})"
+    if uuid.UUID(f["cluster_uuid"]).int == 0:
+        return None, ""
+    return f"{f['cluster_uuid']}/{f['clique_id']}", ""
 
 
 # -- rules: each takes (gpu readings, cfg) -> (status, message or "", value) -----------------
@@ -462,6 +519,33 @@ def rule_versions(driver: str, gpus: List[Dict[str, Any]]) -> ProbeResult:
     return ProbeResult("nvml.versions", "pass", value=value, data=data, detail=value)
 
 
+def rule_fabric(gpus: List[Dict[str, Any]]) -> ProbeResult:
+    """The node's NVLink domain (``data.fabric``) from its GPUs' fabric registrations, for
+    the supervisor's choice of a spare. GPUs without a fabric: skip. GPUs that disagree, or
+    a registration not completed: warn and no domain (a spare is not placed on a guess);
+    nothing here fails a node."""
+    said = {g["index"]: fabric_domain(g.get("fabric", NOT_SUPPORTED)) for g in gpus}
+    words = {i: domain or why or None for i, (domain, why) in said.items()}
+    data: Dict[str, Any] = {"fabric": None, "gpus": {f"gpu{i}": w for i, w in words.items()}}
+    distinct = set(words.values())
+    if distinct <= {None}:
+        return ProbeResult(FABRIC_RESULT, "skip", data=data, detail="no GPU fabric (NVLink domain) on these GPUs")
+    check = "check the GPUs' fabric registration (nvidia-smi -q, Fabric) and the NVLink fabric's manager"
+    if len(distinct) == 1:
+        word = distinct.pop()
+        if not any(why for _, why in said.values()):
+            data["fabric"] = word
+            return ProbeResult(FABRIC_RESULT, "pass", value=word, data=data, detail=f"NVLink domain {word}")
+        return ProbeResult(FABRIC_RESULT, "warn", data=data,
+                           detail=f"GPU fabric {word} on every GPU, so no NVLink domain: {check}")
+    groups: Dict[str, List[str]] = {}
+    for i, w in words.items():
+        groups.setdefault(w or "no fabric", []).append(str(i))
+    parts = "; ".join(f"GPU{','.join(idx)}: {w}" for w, idx in groups.items())
+    return ProbeResult(FABRIC_RESULT, "warn", data=data,
+                       detail=f"GPUs of this node report different GPU fabrics ({parts}), so no NVLink domain: {check}")
+
+
 def slowdown_since_last(gpus: List[Dict[str, Any]], cfg: Dict[str, Any], ctx: ProbeContext, now: float) -> None:
     """Set each GPU's ``_slowdown_rise_s`` (HW thermal / power-brake slowdown seconds since
     the previous check, from the node's local state) and ``_slowdown_elapsed_s``. A GPU
@@ -646,6 +730,7 @@ def _probe(nv, cfg: Dict[str, Any], ctx: ProbeContext) -> List[ProbeResult]:
     results[0].data.update(gpus=[{"index": g["index"], "name": g["name"], "pci_bus_id": g["pci_bus_id"],
                                   "model": models.get(g["index"])} for g in gpus])
     results.append(rule_versions(drv, gpus))
+    results.append(rule_fabric(gpus))
     for r in results:
         if r.name == "nvml.processes":
             r.data["job_processes"] = {str(pid): job for pid, job in jobs.items() if job}

@@ -10,15 +10,24 @@ Values come from a JSON document (see tests/fixtures/nvml/):
      "gpus": [ {...}, ... ] | {"3": {...overrides for GPU 3...}}}
 
 A GPU value of ``"not_supported"`` raises NVMLError_NotSupported, ``"gpu_lost"`` raises
-NVMLError_GpuIsLost, and ``"hang"`` blocks forever (a wedged driver call).
+NVMLError_GpuIsLost, ``"function_not_found"`` raises NVMLError_FunctionNotFound (a driver
+older than the call), and ``"hang"`` blocks forever (a wedged driver call).
+
+A GPU's ``"fabric"`` is what ``nvmlDeviceGetGpuFabricInfo[V]`` fills in:
+``{"state": 3, "status": 0, "cluster_uuid": "<8-4-4-4-12 hex>", "clique_id": 1}`` (state
+and status as nvml.h numbers them); unrecorded, the GPU has no fabric (NOT_SUPPORTED, as
+on H100/H200 HGX). ``"fabric_v"`` overrides what the versioned call alone answers.
+
 Set ``CLUSTEROPS_NVML_STANDIN=<file.json>`` to make the NVML probe use it.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import threading
+import uuid
 from types import SimpleNamespace
 from typing import Any, Dict, List
 
@@ -37,7 +46,14 @@ class _NVMLError(Exception):
 
 
 _CODES = {"not_supported": 3, "gpu_lost": 15, "driver_not_loaded": 9, "library_not_found": 12,
-          "unknown": 999}
+          "function_not_found": 13, "unknown": 999}
+
+
+class FabricInfo(ctypes.Structure):
+    """nvml.h's ``nvmlGpuFabricInfo_t``, the fields the probe reads (both fabric calls fill it)."""
+
+    _fields_ = [("clusterUuid", ctypes.c_uint8 * 16), ("status", ctypes.c_uint),
+                ("cliqueId", ctypes.c_uint32), ("state", ctypes.c_uint)]
 
 
 def _error(kind: str) -> Exception:
@@ -72,6 +88,8 @@ def expand(doc: Dict[str, Any]) -> Dict[str, Any]:
 
 class StandinNVML:
     """pynvml-shaped object over recorded values."""
+
+    c_nvmlGpuFabricInfo_t = c_nvmlGpuFabricInfoV_t = FabricInfo
 
     def __init__(self, doc: Dict[str, Any]):
         self.doc = expand(doc)
@@ -175,6 +193,21 @@ class StandinNVML:
             raise _error("not_supported")
         name = {0: "replay", 1: "recovery", 2: "crc_flit", 3: "crc_data"}[counter]
         return int(errs.get(str(link), {}).get(name, 0))
+
+    @staticmethod
+    def _fill_fabric(value, ptr) -> int:
+        """Write a recorded fabric into the caller's struct, as the driver does."""
+        info = ptr.contents
+        info.state, info.status = int(value.get("state", 0)), int(value.get("status", 0))
+        info.cliqueId = int(value.get("clique_id", 0))
+        info.clusterUuid[:] = uuid.UUID(value.get("cluster_uuid", str(uuid.UUID(int=0)))).bytes
+        return 0
+
+    def nvmlDeviceGetGpuFabricInfo(self, h, ptr):
+        return self._fill_fabric(self._g(h, "fabric"), ptr)
+
+    def nvmlDeviceGetGpuFabricInfoV(self, h, ptr):
+        return self._fill_fabric(self._g(h, "fabric_v", self.gpus[h].get("fabric", "not_supported")), ptr)
 
     def nvmlDeviceGetPersistenceMode(self, h):
         return self._g(h, "persistence", 1)
