@@ -2,7 +2,8 @@
 # The 25.11 tier: Slurm 25.11 built from the vendored source, pyslurm built against it, a
 # dev cluster from that prefix, and on it: the Slurm layer's contract tests over both
 # backends (CLI and pyslurm), and the supervisor's fault cases (a) kill -9 and (d) lost node
-# without a spare, each with the CLI and with the pyslurm backend.
+# without a spare, each with the CLI and with the pyslurm backend; and the expedited requeue
+# (tests/integration/test_expedited_requeue.py).
 #
 #   scripts/test-slurm-25.11.sh [PYTEST_ARGS...]
 #
@@ -20,4 +21,5 @@ exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=600 -rs \
     tests/integration/test_slurm_contract.py \
     tests/integration/test_fault_matrix.py::test_a_kill9_rank_restarts_in_allocation \
     tests/integration/test_fault_matrix.py::test_d_lost_node_without_spare_requeues_excluding_it \
+    tests/integration/test_expedited_requeue.py \
     "$@"
