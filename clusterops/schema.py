@@ -445,6 +445,8 @@ SLURM = Field("slurm", "map", "how clusterops reaches Slurm (clusterops.slurm.se
        "else the CLI tools", default="auto", choices=("auto", "cli", "pyslurm", "rest")),
     _f("url", "str", "slurmrestd: unix:///PATH, http://HOST:PORT or https://HOST:PORT (docs/slurmrestd.md)"),
     _f("jwt_key", "str", "slurmrestd: sign tokens with this HS256 key file (else SLURM_JWT or scontrol token)"),
+    _f("ca_file", "str", "slurmrestd over https: the PEM CA bundle its certificate is checked against "
+       "(else the system's, or SSL_CERT_FILE)"),
 ))
 SITE = Field("site", "map", fields=(
     Field("gpu_models", "dict", "merged over the built-in gpu_models.yaml", item=GPU_MODEL),

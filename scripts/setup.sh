@@ -11,6 +11,7 @@ command -v munged >/dev/null || apt_pkgs+=(munge)
 command -v slurmrestd >/dev/null || [ -x /usr/sbin/slurmrestd ] || apt_pkgs+=(slurmrestd)
 [ -x /usr/sbin/sshd ] || apt_pkgs+=(openssh-server)
 command -v ssh-keygen >/dev/null || apt_pkgs+=(openssh-client)
+command -v openssl >/dev/null || apt_pkgs+=(openssl)   # the https tests' throwaway CA
 python3 -c 'import venv, ensurepip' 2>/dev/null || apt_pkgs+=(python3-venv)
 # The fleet tests: a real PostgreSQL server (history), promtool (alert rules), headless
 # Chromium with its WebDriver (the HTML pages). Without recommends: no daemons come along.

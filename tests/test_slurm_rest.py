@@ -6,6 +6,7 @@ tests/integration/test_slurm_contract.py and tests/integration/test_slurm_restd.
 from __future__ import annotations
 
 import json
+import ssl
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,8 @@ from clusterops.errors import InputError
 from clusterops.slurm import parse
 from clusterops.slurm import pyslurm_backend as sbatch_options
 from clusterops.slurm.rest_backend import ADAPTERS, Unserved, pick_adapter
-from clusterops.slurm.restd import (KeyTokens, StaticToken, check_url, error_numbers, error_text, sign_token,
-                                    token_claims)
+from clusterops.slurm.restd import (Endpoint, KeyTokens, StaticToken, check_url, error_numbers, error_text,
+                                    sign_token, token_claims)
 from clusterops.slurm.settings import SlurmSettings
 
 FIX = Path(__file__).parent / "fixtures" / "slurm" / "22.05"
@@ -45,10 +46,27 @@ def test_a_bad_url_is_one_line_without_the_password(url):
 
 
 def test_settings_take_the_url_and_the_rest_backend_needs_one():
-    s = SlurmSettings.from_environment({"CLUSTEROPS_SLURM_URL": " unix:///s ", "CLUSTEROPS_SLURM_JWT_KEY": "/k"})
-    assert (s.url, s.jwt_key, s.backend) == ("unix:///s", "/k", "auto")
+    s = SlurmSettings.from_environment({"CLUSTEROPS_SLURM_URL": " unix:///s ", "CLUSTEROPS_SLURM_JWT_KEY": "/k",
+                                        "CLUSTEROPS_SLURM_CA_FILE": " /ca.pem "})
+    assert (s.url, s.jwt_key, s.backend, s.ca_file) == ("unix:///s", "/k", "auto", "/ca.pem")
     with pytest.raises(InputError, match="CLUSTEROPS_SLURM_URL"):
         SlurmSettings.from_environment({"CLUSTEROPS_SLURM_BACKEND": "rest"})
+
+
+def test_an_https_ca_file_that_cannot_be_read_is_one_line_naming_it(tmp_path):
+    """The CA bundle is read when the endpoint is made, before any request (tests/integration/
+    test_slurm_restd.py checks https itself, through a TLS proxy)."""
+    token = StaticToken("x.eyJzdW4iOiJ1In0.y")
+    assert Endpoint("https://h:1", token)._tls.verify_mode == ssl.CERT_REQUIRED
+    assert Endpoint("https://h:1", token)._tls.check_hostname
+    not_pem = tmp_path / "ca.pem"
+    not_pem.write_text("not a certificate\n")
+    for path, why in ((tmp_path / "missing.pem", "No such file"), (not_pem, "no PEM certificate")):
+        with pytest.raises(InputError) as e:
+            Endpoint("https://h:1", token, ca_file=str(path))
+        assert str(e.value).startswith(f"$CLUSTEROPS_SLURM_CA_FILE={path}: ") and why in str(e.value)
+        assert "\n" not in str(e.value) and e.value.exit_code == 2
+    assert Endpoint("http://h:1", token, ca_file=str(tmp_path / "missing.pem"))._tls is None
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -210,9 +228,10 @@ def test_scontrol_token_output():
 def test_the_site_config_can_name_slurmrestd_and_the_variables_win(tmp_path):
     site = tmp_path / "site.yaml"
     site.write_text("drain:\n  max_drained_fraction: 0.2\nslurm:\n  url: unix:///run/slurmrestd.socket\n"
-                    "  jwt_key: /etc/slurm/jwt.key\n")
+                    "  jwt_key: /etc/slurm/jwt.key\n  ca_file: ~/site-ca.pem\n")
     s = SlurmSettings.from_environment({"CLUSTEROPS_HEALTH_SITE": str(site)})
     assert (s.backend, s.url, s.jwt_key) == ("auto", "unix:///run/slurmrestd.socket", "/etc/slurm/jwt.key")
+    assert s.ca_file == str(Path("~/site-ca.pem").expanduser())
     s = SlurmSettings.from_environment({"CLUSTEROPS_HEALTH_SITE": str(site), "CLUSTEROPS_SLURM_URL": "http://h:1",
                                         "CLUSTEROPS_SLURM_BACKEND": "cli"})
     assert (s.backend, s.url) == ("cli", "http://h:1")

@@ -33,7 +33,7 @@ def connect(settings: Optional[SlurmSettings] = None, *, runner=None, **override
     if s.url and s.backend in ("auto", "rest"):
         from clusterops.slurm import rest_backend   # only when slurmrestd is configured
 
-        return rest_backend.connect_rest(cli, s.url, jwt_key=s.jwt_key)
+        return rest_backend.connect_rest(cli, s.url, jwt_key=s.jwt_key, ca_file=s.ca_file)
     from clusterops.slurm import pyslurm_backend   # only when pyslurm may be chosen
 
     return pyslurm_backend.choose(cli, explicit=s.backend == "pyslurm")

@@ -233,22 +233,24 @@ def tokens_for(cli: Slurm, settings_key: Optional[str], lifespan_s: int = DEFAUL
     return CommandTokens(cli.jwt_token, current_user(), lifespan_s)
 
 
-def served_versions(cli: Slurm, url: str, *, jwt_key: Optional[str] = None) -> List[str]:
+def served_versions(cli: Slurm, url: str, *, jwt_key: Optional[str] = None,
+                    ca_file: Optional[str] = None) -> List[str]:
     """The plugin versions the server at ``url`` serves that have an adapter here, oldest first."""
-    connect_rest(cli, url, jwt_key=jwt_key)
-    endpoint = Endpoint(url, tokens_for(cli, jwt_key), timeout_s=cli.timeout_s)
+    connect_rest(cli, url, jwt_key=jwt_key, ca_file=ca_file)
+    endpoint = Endpoint(url, tokens_for(cli, jwt_key), timeout_s=cli.timeout_s, ca_file=ca_file)
     return [v for v in _served_cache[f"{endpoint.shown} {endpoint.tokens.user}"] if v in ADAPTERS]
 
 
 def connect_rest(cli: Slurm, url: str, *, jwt_key: Optional[str] = None,
-                 version: Optional[str] = None) -> "RestSlurm":
+                 version: Optional[str] = None, ca_file: Optional[str] = None) -> "RestSlurm":
     """A ``RestSlurm`` on ``url``. Once per process, URL and user: the plugin version is
     chosen by asking the server (``GET /openapi/v3``), and the token is tried (the version
     from ``ping``, then the partitions: 24.11 answers a ping for a token it refuses), so
     a server that cannot serve us is one ``InputError`` here, naming the URL, not a failure
     in the middle of a sweep. ``version``: that plugin version rather than the newest (it
-    must be served and known)."""
-    endpoint = Endpoint(url, tokens_for(cli, jwt_key), timeout_s=cli.timeout_s)
+    must be served and known). ``ca_file``: an https server's certificate is checked against
+    that CA bundle (else the system's)."""
+    endpoint = Endpoint(url, tokens_for(cli, jwt_key), timeout_s=cli.timeout_s, ca_file=ca_file)
     key = f"{endpoint.shown} {endpoint.tokens.user}"
     if key not in _served_cache:
         def attempt():

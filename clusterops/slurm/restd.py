@@ -2,10 +2,13 @@
 and which OpenAPI plugin versions a server serves.
 
 ``Endpoint`` talks HTTP/1.1 with the standard library (``http.client``): ``http://host:port``,
-``https://host:port`` (TLS with the system's CA bundle, ``ssl.create_default_context``), or the
-local UNIX socket, ``unix:///path/to/slurmrestd.socket``. One connection is kept open and
-opened again when the server has closed it. Every request carries slurmrestd's JWT headers,
-``X-SLURM-USER-NAME`` and ``X-SLURM-USER-TOKEN``, from a ``TokenSource``:
+``https://host:port`` (TLS, ``tls_context``: the server's certificate and name checked against
+the CA bundle ``ca_file`` names, else OpenSSL's default verify paths: the system's bundle, or
+``$SSL_CERT_FILE``), or the local UNIX socket, ``unix:///path/to/slurmrestd.socket``. One
+connection is kept open and opened again when the server has closed it. A certificate that is
+refused is a ``SlurmError`` at once (no retry: waiting cannot cure it). Every request carries
+slurmrestd's JWT headers, ``X-SLURM-USER-NAME`` and ``X-SLURM-USER-TOKEN``, from a
+``TokenSource``:
 
 - ``KeyTokens``: tokens signed here with the cluster's HS256 key (``AuthAltParameters=
   jwt_key=FILE``; readable only by those who may act as any user), for ``lifespan_s`` and
@@ -29,6 +32,7 @@ import json
 import os
 import re
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from urllib.parse import quote, urlencode, urlsplit
 
 from clusterops.errors import InputError
 from clusterops.slurm.api import SlurmError, SlurmUnavailable
+from clusterops.slurm.settings import CA_FILE_ENV
 
 TOKEN_ENV = "SLURM_JWT"                     # Slurm's own name for a client's token
 KEY_ENV = "CLUSTEROPS_SLURM_JWT_KEY"       # the HS256 key file, where this host may sign
@@ -189,6 +194,32 @@ def _shown_of(parts) -> str:
     return f"{parts.scheme}://{netloc}{parts.path}" if parts.scheme else netloc + parts.path
 
 
+def tls_context(ca_file: Optional[str] = None) -> ssl.SSLContext:
+    """The client side of https: certificate and host name checked against ``ca_file`` alone
+    when given (the site's CA for slurmrestd), else OpenSSL's default verify paths. A CA file
+    that cannot be read is a one-line ``InputError``."""
+    if not ca_file:
+        return ssl.create_default_context()
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except ssl.SSLError as e:
+        raise InputError(f"${CA_FILE_ENV}={ca_file}: no PEM certificate in it ({e.reason})") from None
+    except OSError as e:
+        raise InputError(f"${CA_FILE_ENV}={ca_file}: {e.strerror}") from None
+
+
+# What OpenSSL says when the issuer is not trusted here (X509_V_ERR_*): a CA to name.
+_UNTRUSTED_ISSUER = {2, 18, 19, 20, 21}
+
+
+def _refused_certificate(e: ssl.SSLCertVerificationError, ca_file: Optional[str]) -> str:
+    why = (e.verify_message or e.reason or "certificate verify failed").rstrip(".")
+    if e.verify_code in _UNTRUSTED_ISSUER:
+        why += (f": its CA is not in ${CA_FILE_ENV}={ca_file}" if ca_file else
+                f": name the CA that signed it with ${CA_FILE_ENV} or the site config's slurm: ca_file")
+    return f"the server's TLS certificate was refused ({why})"
+
+
 @dataclass
 class Reply:
     status: int
@@ -197,14 +228,18 @@ class Reply:
 
 class Endpoint:
     """One slurmrestd: ``request`` sends a method and path with the token's headers and
-    returns the decoded JSON. Connection failures raise ``SlurmUnavailable``; what the server
+    returns the decoded JSON. Connection failures raise ``SlurmUnavailable``, a refused TLS
+    certificate ``SlurmError`` (sent before any request, so no token); what the server
     said is the caller's to judge (``Reply.status``, its ``errors`` list)."""
 
-    def __init__(self, url: str, tokens: TokenSource, *, timeout_s: float = 30.0):
+    def __init__(self, url: str, tokens: TokenSource, *, timeout_s: float = 30.0,
+                 ca_file: Optional[str] = None):
         self.scheme, self.where, self.shown = check_url(url)
         self.prefix = urlsplit(url.strip()).path.rstrip("/") if self.scheme != "unix" else ""
         self.tokens = tokens
         self.timeout_s = timeout_s
+        self.ca_file = ca_file
+        self._tls = tls_context(ca_file) if self.scheme == "https" else None
         self._conn: Optional[http.client.HTTPConnection] = None
         self._lock = threading.Lock()
 
@@ -213,11 +248,8 @@ class Endpoint:
             return _UnixConnection(self.where, self.timeout_s)
         host, _, port = self.where.rpartition(":")
         host = host.strip("[]")
-        if self.scheme == "https":
-            import ssl
-
-            return http.client.HTTPSConnection(host, int(port), timeout=self.timeout_s,
-                                               context=ssl.create_default_context())
+        if self._tls is not None:
+            return http.client.HTTPSConnection(host, int(port), timeout=self.timeout_s, context=self._tls)
         return http.client.HTTPConnection(host, int(port), timeout=self.timeout_s)
 
     def close(self) -> None:
@@ -256,6 +288,9 @@ class Endpoint:
                     if self._conn is not None:
                         self._conn.close()
                     self._conn = None
+                    if isinstance(e, ssl.SSLCertVerificationError):
+                        raise SlurmError(f"slurmrestd at {self.shown}: {method} {path}: "
+                                         f"{_refused_certificate(e, self.ca_file)}") from None
                     # A kept connection the server closed meanwhile: once more on a new one.
                     if fresh or attempt or isinstance(e, socket.timeout):
                         raise SlurmUnavailable(f"slurmrestd at {self.shown}: {method} {path}: "

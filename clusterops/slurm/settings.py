@@ -13,7 +13,8 @@ The backend: ``cli`` runs Slurm's command-line tools (``client.Slurm``); ``pyslu
 to the controller through the ``pyslurm`` library (``pyslurm_backend``, imported only when
 chosen; the ``clusterops[pyslurm]`` extra); ``rest`` talks to slurmrestd at ``url``
 (``CLUSTEROPS_SLURM_URL``; ``rest_backend``), with tokens signed with ``jwt_key``
-(``CLUSTEROPS_SLURM_JWT_KEY``) or taken from ``SLURM_JWT`` or ``scontrol token``; ``auto``
+(``CLUSTEROPS_SLURM_JWT_KEY``) or taken from ``SLURM_JWT`` or ``scontrol token``, and an
+https URL's certificate checked against ``ca_file`` (``CLUSTEROPS_SLURM_CA_FILE``) when set; ``auto``
 (the default) takes rest when a URL is set, else pyslurm when it is installed and its
 major.minor matches the controller's, else the CLI, saying why at info level. An explicit
 ``pyslurm`` that cannot be used is one line and exit 2.
@@ -41,6 +42,7 @@ PREFIX_ENV = "CLUSTEROPS_SLURM_PREFIX"
 BACKEND_ENV = "CLUSTEROPS_SLURM_BACKEND"
 URL_ENV = "CLUSTEROPS_SLURM_URL"
 JWT_KEY_ENV = "CLUSTEROPS_SLURM_JWT_KEY"
+CA_FILE_ENV = "CLUSTEROPS_SLURM_CA_FILE"
 BACKENDS = ("auto", "cli", "pyslurm", "rest")
 SITE_ENV = "CLUSTEROPS_HEALTH_SITE"   # the site config (clusterops.health.profiles reads it too)
 DEVCLUSTER_DIR_ENV = "CLUSTEROPS_DEVCLUSTER_DIR"
@@ -57,6 +59,7 @@ class SlurmSettings:
     backend: str = "auto"          # auto | cli | pyslurm | rest
     url: Optional[str] = None      # slurmrestd: http(s)://HOST:PORT or unix:///PATH
     jwt_key: Optional[str] = None  # slurmrestd: sign tokens with this HS256 key file
+    ca_file: Optional[str] = None  # slurmrestd over https: trust this CA bundle (PEM), not the system's
 
     def __post_init__(self) -> None:
         _positive(self.timeout_s, "timeout_s", upper=86400.0)
@@ -88,7 +91,7 @@ class SlurmSettings:
             kw["prefix"] = env[PREFIX_ENV].strip()
         if env.get(BACKEND_ENV, "").strip():
             kw["backend"] = env[BACKEND_ENV].strip().lower()
-        for var, key in ((URL_ENV, "url"), (JWT_KEY_ENV, "jwt_key")):
+        for var, key in ((URL_ENV, "url"), (JWT_KEY_ENV, "jwt_key"), (CA_FILE_ENV, "ca_file")):
             if env.get(var, "").strip():
                 kw[key] = env[var].strip()
         try:
@@ -119,7 +122,8 @@ def site_slurm_block(path: Optional[str]) -> dict:
         return {}
     schema.validate(data, schema.SITE, str(p), lines)
     block = data.get("slurm") or {}
-    return {k: (str(Path(str(v)).expanduser()) if k == "jwt_key" else v) for k, v in block.items() if v is not None}
+    return {k: (str(Path(str(v)).expanduser()) if k in ("jwt_key", "ca_file") else v)
+            for k, v in block.items() if v is not None}
 
 
 def _positive(value: Any, name: str, *, upper: float, zero_ok: bool = False) -> None:

@@ -5,7 +5,8 @@ wherever slurmrestd is installed). Here clusterops runs with ``CLUSTEROPS_SLURM_
 a PATH that holds every program of this machine except Slurm's client commands: its job
 queries, node reads and a sweep go through slurmrestd or fail with a one-line error that
 names what is missing. The contract itself (every method, against the CLI and pyslurm
-backends) is tests/integration/test_slurm_contract.py.
+backends) is tests/integration/test_slurm_contract.py. The ``https`` tests put a
+TLS-terminating proxy (tests/support/tls_proxy.py) in front of slurmrestd's TCP port.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from support.tls_proxy import TlsForwarder, make_pki
 from support.wait import wait_for
 
 from clusterops.errors import InputError
@@ -257,3 +259,94 @@ def test_a_supervised_job_queries_slurm_through_slurmrestd(cluster, restd, tmp_p
         served = [line for line in f.read().decode(errors="replace").splitlines()
                   if " GET /slurm/v0.0." in line or " POST /slurm/v0.0." in line]
     assert served, "slurmrestd served no request while the supervised job ran"
+
+
+# ---------------------------------------------------------------------------------- https
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A throwaway CA with a certificate for IP:127.0.0.1 and one for another name."""
+    try:
+        return make_pki(tmp_path_factory.mktemp("pki"))
+    except FileNotFoundError:
+        why = "the openssl command is not installed here (apt-get install openssl)"
+        if os.environ.get("CLUSTEROPS_TEST_REQUIRE_RESTD"):
+            pytest.fail(f"the https tests must run on this tier: {why}")
+        pytest.skip(why)
+
+
+def tcp_port(restd) -> int:
+    return int(restd["http"].rsplit(":", 1)[1])
+
+
+def without_system_ca_overrides(env):
+    """No SSL_CERT_FILE or SSL_CERT_DIR: OpenSSL's own defaults (the system's bundle)."""
+    return {k: v for k, v in env.items() if k not in ("SSL_CERT_FILE", "SSL_CERT_DIR")}
+
+
+def test_https_through_a_tls_proxy_reads_version_nodes_and_a_running_job(cluster, restd, pki, tmp_path,
+                                                                           monkeypatch):
+    """slurmrestd behind a TLS-terminating proxy whose certificate a throwaway CA signed. The
+    CA trusted through SSL_CERT_FILE (OpenSSL's default verify paths, in this process), then
+    through $CLUSTEROPS_SLURM_CA_FILE alone (clusterops on a host without Slurm's commands):
+    the version, the nodes and a job the CLI client submitted are read through TLS."""
+    plain = connect(replace(SlurmSettings.from_environment(), backend="cli"))
+    jid = plain.submit(text="#!/bin/bash\nsleep 300\n", args=["--job-name=tlsq", "--time=5",
+                                                              f"--output={tmp_path}/tls.out"])
+    wait_for(lambda: plain.job(jid).state == "RUNNING", what="the job runs")
+    with TlsForwarder(pki.server, pki.server_key, tcp_port(restd)) as proxy:
+        monkeypatch.setenv("SSL_CERT_FILE", str(pki.ca))
+        monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+        client = connect(replace(SlurmSettings.from_environment(), backend="rest", url=proxy.url,
+                                 jwt_key=str(cluster.jwt_key)))
+        assert client.backend == "rest" and client.url == proxy.url and client.endpoint.ca_file is None
+        assert client.version() == plain.controller_version()
+        assert [n.name for n in client.nodes()] == ["node1", "node2", "node3", "node4"]
+        job, seen = client.job(jid), plain.job(jid)
+        assert (job.job_id, job.name, job.state, job.node_names) == (jid, "tlsq", "RUNNING", seen.node_names)
+        assert proxy.forwarded >= 1 and proxy.refused == []
+        client.endpoint.close()
+        monkeypatch.undo()
+
+        env = without_system_ca_overrides(no_slurm_env(tmp_path, cluster, proxy.url))
+        env["CLUSTEROPS_SLURM_CA_FILE"] = str(pki.ca)
+        before = proxy.forwarded
+        out = cli(env, "slurm", "job", str(jid), "--json")
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        assert (got["job_id"], got["name"], got["state"]) == (jid, "tlsq", "RUNNING")
+        assert proxy.forwarded > before
+    assert proxy.errors == [] and proxy.refused == []
+    plain.cancel(jid)
+
+
+def test_https_refuses_an_untrusted_certificate_and_another_name_in_one_line(cluster, restd, pki, tmp_path):
+    """A certificate whose CA is not trusted here, and one that a trusted CA signed for another
+    name: each is refused at the handshake, at once (the default 4 read attempts: one
+    handshake), exit 2, one line naming the URL and no token. Nothing reaches slurmrestd."""
+    port = tcp_port(restd)
+    with TlsForwarder(pki.server, pki.server_key, port) as untrusted, \
+            TlsForwarder(pki.other, pki.other_key, port) as misnamed:
+        env = without_system_ca_overrides(no_slurm_env(tmp_path, cluster, untrusted.url))
+        out = cli(env, "slurm", "nodes")
+        line = out.stderr.strip()
+        assert out.returncode == 2 and len(line.splitlines()) == 1, (out.returncode, out.stderr)
+        assert f"slurmrestd at {untrusted.url}: GET /openapi/v3: the server's TLS certificate was refused " \
+               f"(unable to get local issuer certificate: name the CA that signed it with " \
+               f"$CLUSTEROPS_SLURM_CA_FILE" in line, line
+        assert "eyJ" not in line and "X-SLURM" not in line
+        wait_for(lambda: untrusted.refused, what="the proxy sees the refusal")
+        assert untrusted.refused == ["TLSV1_ALERT_UNKNOWN_CA"] and untrusted.forwarded == 0
+
+        out = cli({**env, "CLUSTEROPS_SLURM_URL": misnamed.url, "CLUSTEROPS_SLURM_CA_FILE": str(pki.ca)},
+                  "slurm", "version")
+        line = out.stderr.strip()
+        assert out.returncode == 2 and len(line.splitlines()) == 1, (out.returncode, out.stderr)
+        assert f"slurmrestd at {misnamed.url}: GET /openapi/v3: the server's TLS certificate was refused " \
+               f"(IP address mismatch, certificate is not valid for '127.0.0.1')" in line, line
+        assert "eyJ" not in line
+        wait_for(lambda: misnamed.refused, what="the proxy sees the refusal")
+        assert misnamed.refused == ["SSLV3_ALERT_BAD_CERTIFICATE"] and misnamed.forwarded == 0
+        # The CA that signed it is trusted (the same run with the right name works).
+        ok = cli({**env, "CLUSTEROPS_SLURM_CA_FILE": str(pki.ca)}, "slurm", "version")
+        assert ok.returncode == 0 and untrusted.forwarded >= 1, ok.stderr
+    assert untrusted.errors == [] and misnamed.errors == []
