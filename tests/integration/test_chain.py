@@ -258,3 +258,53 @@ def test_a_lost_batch_host_mid_chain_resumes_and_ends_with_nothing_queued(cluste
     assert launch and host not in launch[0]["nodes"], s
     # Whatever ran, every task of the chain has ended, and one of them finished.
     assert any(t.state == "COMPLETED" for t in ended.values()), (ended, s)
+
+
+# ---------------------------------------------------------------- a hot spare, then the end marker left behind
+@pytest.mark.timeout(420)
+def test_a_hot_spare_heals_a_generation_and_a_marker_left_behind_ends_the_chain_at_the_next_start(
+        cluster, slurm, reference, tmp_path):
+    # Generation 1 holds a hot spare (spare_nodes: 1): a kill -9 of rank 1 leaves its node out
+    # (node_fail_threshold: 1) and the spare takes its place inside the allocation. Then the
+    # generation dies as one that ended the chain can die: its marker written, its supervisor
+    # SIGKILLed before the cancel. Generation 2 finds the marker at its start, cancels
+    # generation 3, trains nothing and exits 12; nothing of the chain is left queued.
+    job = chain_job(tmp_path, "ch-spare", nodes=2, steps=400, step_sleep=0.1,
+                    supervise={"spare_nodes": 1, "node_fail_threshold": 1})
+    job.submit()
+    job.wait_step(15)
+    first = tasks(slurm, job.job_id)[1]
+    # The ranks carry the task's own job id (SLURM_JOB_ID), not the array's.
+    rank1 = [pid for pid, argv in fk.job_processes(job.slurm_conf, {"SLURM_JOB_ID": str(first.job_id),
+                                                                    "SLURM_PROCID": "1"}).items()
+             if str(job.script) in argv and "srun" not in Path(argv[0]).name]
+    assert rank1, story(job, slurm)
+    for pid in rank1:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: fk.events(job, "spare_used"), 120, "the spare taking the lost node's place", interval_s=1,
+             detail=lambda: story(job, slurm))
+    spare = fk.events(job, "spare_used")[0]
+    lost = fk.events(job, "node_bad")[0]["node"]
+    launches = fk.events(job, "launch")
+    assert spare["nodes"] and lost not in launches[-1]["nodes"] and spare["nodes"][0] in launches[-1]["nodes"], \
+        story(job, slurm)
+    steps_before = job.progress() or 0
+    job.wait_step(steps_before + 10)                       # healed: training goes on
+    from clusterops.supervisor import chain
+
+    chain.write_end(job.job_dir, {"code": 0, "reason": "training finished", "generation": 1,
+                                  "job_id": str(first.job_id)})
+    procs = fk.job_processes(job.slurm_conf, {"SLURM_JOB_ID": str(first.job_id)})
+    sup = [pid for pid, argv in procs.items() if "supervise" in argv and any("clusterops" in a for a in argv)]
+    assert sup, procs
+    for pid in sup:
+        os.kill(pid, signal.SIGKILL)
+    ended = wait_chain_end(job, slurm, timeout_s=300)
+    s = story(job, slurm)
+    assert ended[2].exit_code == sv.EXIT_CHAIN_ENDED and ended[3].state == "CANCELLED", (ended, s)
+    assert queue_of(job, slurm) == [], s
+    gen2 = str(ended[2].job_id)
+    assert not [r for r in fk.events(job, "launch") if r["job_id"] == gen2], s      # trained nothing
+    end = [r for r in fk.events(job, "chain_end") if r["job_id"] == gen2]
+    assert len(end) == 1 and end[0]["by"] == "a later generation at its start" and end[0]["ended_in"] == 1, s
+    assert end[0]["cancelled"] is True, s
