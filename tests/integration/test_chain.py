@@ -107,6 +107,16 @@ def queue_of(job, slurm) -> List[str]:
     return [line for line in p.stdout.splitlines() if line.strip()]
 
 
+def kill_supervisor(job, task) -> None:
+    """SIGKILL the supervisor of one task of the chain (``task``: its JobInfo): the batch
+    script dies with it, as a generation dies between any two of its steps."""
+    procs = fk.job_processes(job.slurm_conf, {"SLURM_JOB_ID": str(task.job_id)})
+    sup = [pid for pid, argv in procs.items() if "supervise" in argv and any("clusterops" in a for a in argv)]
+    assert sup, procs
+    for pid in sup:
+        os.kill(pid, signal.SIGKILL)
+
+
 def generations(job) -> List[dict]:
     return fk.events(job, "generation")
 
@@ -209,11 +219,7 @@ def test_a_sigkilled_batch_script_next_generation_resumes_bitwise_nothing_left_q
     job.submit()
     job.wait_step(50)
     first = tasks(slurm, job.job_id)[1]
-    procs = fk.job_processes(job.slurm_conf, {"SLURM_JOB_ID": str(first.job_id)})
-    sup = [pid for pid, argv in procs.items() if "supervise" in argv and any("clusterops" in a for a in argv)]
-    assert sup, procs
-    for pid in sup:
-        os.kill(pid, signal.SIGKILL)
+    kill_supervisor(job, first)
     ended = wait_chain_end(job, slurm, timeout_s=360)
     s = story(job, slurm)
     assert ended[1].state != "COMPLETED", s
@@ -294,11 +300,7 @@ def test_a_hot_spare_heals_a_generation_and_a_marker_left_behind_ends_the_chain_
 
     chain.write_end(job.job_dir, {"code": 0, "reason": "training finished", "generation": 1,
                                   "job_id": str(first.job_id)})
-    procs = fk.job_processes(job.slurm_conf, {"SLURM_JOB_ID": str(first.job_id)})
-    sup = [pid for pid, argv in procs.items() if "supervise" in argv and any("clusterops" in a for a in argv)]
-    assert sup, procs
-    for pid in sup:
-        os.kill(pid, signal.SIGKILL)
+    kill_supervisor(job, first)
     ended = wait_chain_end(job, slurm, timeout_s=300)
     s = story(job, slurm)
     assert ended[2].exit_code == sv.EXIT_CHAIN_ENDED and ended[3].state == "CANCELLED", (ended, s)
