@@ -17,7 +17,7 @@ from clusterops.supervisor import machine as sv
 
 from support.fakes import FakeSlurm
 
-CONFIG_2511 = "SLURM_VERSION = 25.11.7\nSlurmctldParameters     = enable_job_state_cache,{}\nSlurmctldPort = 6817\n"
+CONFIG = "SLURM_VERSION = {}\nSlurmctldParameters     = enable_job_state_cache,{}\nSlurmctldPort = 6817\n"
 
 
 class Cluster(FakeSlurm):
@@ -25,13 +25,10 @@ class Cluster(FakeSlurm):
         super().__init__()
         self._version, self.params, self.config_error, self.submitted = version, params, config_error, []
 
-    def version(self):
-        return self._version
-
     def show_config(self):
         if self.config_error:
             raise self.config_error
-        return CONFIG_2511.format(self.params)
+        return CONFIG.format(".".join(map(str, self._version)), self.params)
 
     def submit(self, script=None, args=(), *, text=None, workdir=None):
         self.submitted.append(Path(script).read_text())
@@ -53,6 +50,9 @@ def _spec(tmp_path, **extra) -> Path:
     (Cluster(params="enable_expedited_requeue_x"), "SlurmctldParameters lacks enable_expedited_requeue"),
     (Cluster(params="no_quick_restart"), "SlurmctldParameters lacks enable_expedited_requeue"),
     (Cluster(config_error=ClusteropsError("scontrol: timed out")), "cannot read the cluster's configuration"),
+    # the client tools' version does not count: the controller's, from the same answer
+    (type("C", (Cluster,), {"version": lambda self: (25, 11, 7)})(version=(24, 11, 3)),
+     "Slurm 24.11 has no expedited requeue"),
 ])
 def test_what_the_cluster_allows(cluster, why):
     got = expedite_problem(cluster)

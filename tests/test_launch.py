@@ -645,8 +645,8 @@ def test_submit_writes_script_and_spec_file_or_neither(tmp_path):
     spec = launch.load_spec(big_supervised_spec(tmp_path))
 
     class Refusing:
-        def version(self):
-            return (22, 5, 8)       # no expedited requeue: the spec is submitted as written
+        def show_config(self):      # no expedited requeue: the spec is submitted as written
+            return "SLURM_VERSION = 22.05.8\n"
 
         def submit(self, path):
             assert Path(path).is_file() and Path(path + launch.SPEC_FILE_SUFFIX).is_file()

@@ -155,18 +155,23 @@ def expedite_problem(slurm: SlurmAPI) -> Optional[str]:
 
     ``sbatch --requeue=expedite`` is refused unless the controller is 25.11 or newer and its
     ``SlurmctldParameters`` has ``enable_expedited_requeue`` (slurmctld's job_mgr.c: "Expedited
-    requeue requested but not enabled"). A controller that cannot be asked is a problem
-    too: the ordinary requeue is then the safe choice."""
+    requeue requested but not enabled"). Both come from one ``scontrol show config`` (the
+    controller's own version, not the client tools'). A controller that cannot be asked is a
+    problem too: the ordinary requeue is then the safe choice."""
+    from clusterops.slurm.parse import parse_config_version
     from clusterops.slurm.privilege import parse_config
 
     try:
-        version = slurm.version()
-        if version < EXPEDITE_SINCE:
-            return (f"Slurm {version[0]}.{version[1]:02d} has no expedited requeue "
-                    f"({EXPEDITE_SINCE[0]}.{EXPEDITE_SINCE[1]:02d}+)")
-        params = parse_config(slurm.show_config()).get("SlurmctldParameters", "")
+        text = slurm.show_config()
+        version = parse_config_version(text)
     except ClusteropsError as e:
         return f"cannot read the cluster's configuration ({e.message})"
+    except ValueError as e:
+        return f"cannot read the cluster's configuration ({e})"
+    if version < EXPEDITE_SINCE:
+        return (f"Slurm {version[0]}.{version[1]:02d} has no expedited requeue "
+                f"({EXPEDITE_SINCE[0]}.{EXPEDITE_SINCE[1]:02d}+)")
+    params = parse_config(text).get("SlurmctldParameters", "")
     if EXPEDITE_PARAMETER not in {p.strip() for p in params.split(",")}:
         return f"the cluster's SlurmctldParameters lacks {EXPEDITE_PARAMETER}"
     return None
