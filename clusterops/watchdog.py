@@ -228,6 +228,12 @@ class Watchdog:
         self.dump_done = 0
         self.rank = int(rank)
         self.job_id = job_id if job_id is not None else os.environ.get("SLURM_JOB_ID", "")
+        # How Slurm's commands name the job (a chain's last task holds the array's own id).
+        if job_id is None:
+            from clusterops.slurm.api import own_job_ref
+
+            job_id = own_job_ref()
+        self.slurm_job = job_id
         self.incarnation = (int(os.environ.get("SLURM_RESTART_COUNT") or 0)
                             if incarnation is None else int(incarnation))
         self.on_lost = on_lost
@@ -470,7 +476,7 @@ class Watchdog:
 
     def _read_gone(self, slurm):
         """(the job record, why Slurm says its batch host is gone or ""); raises when a read fails."""
-        job = slurm.job(self.job_id)
+        job = slurm.job(self.slurm_job)
         host = job.batch_host
         node = None
         if host and (not job.node_names or host in job.node_names):
@@ -657,7 +663,7 @@ class Watchdog:
         # asks, often before it exits) as its first answer.
         tl.append(EventKind.TAKEOVER, {**who, "asked": True, "silent_s": silent, **({"try": n} if n else {})})
         try:
-            slurm.requeue(self.job_id)
+            slurm.requeue(self.slurm_job)
         except Exception as e:  # noqa: BLE001 - the requeue kills its own asker: look before saying so
             if not self._requeued(slurm):
                 return None, f"{type(e).__name__}: {e}"
@@ -666,7 +672,7 @@ class Watchdog:
     def _requeued(self, slurm) -> bool:
         """Whether Slurm has the job requeued (or ending for it) after this incarnation."""
         try:
-            job = slurm.job(self.job_id)
+            job = slurm.job(self.slurm_job)
         except Exception:  # noqa: BLE001 - cannot say: take the requeue as asked
             return True
         return job.restart_count > self.incarnation or job.state != "RUNNING"

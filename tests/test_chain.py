@@ -206,3 +206,26 @@ def test_a_final_exit_writes_the_marker_before_it_cancels(tmp_path):
     run2.sup = Supervisor(P(nodes=1), ["node1"], chain_next=True)
     run2._act_exit(Exit(sv.EXIT_GENERATION_END, "stopped for time_limit"))
     assert chain.read_end(tmp_path / "b" / "job") is None and len(seen) == 1
+
+
+def test_the_chains_last_task_names_itself_by_array_and_task_not_by_the_arrays_id(tmp_path, monkeypatch):
+    # The last task of an array to start holds the array's own id: a bare `scontrol requeue 2`
+    # would name every task of the chain (24.11: "2_2-3: No error", and the requeue counted failed).
+    from clusterops.slurm.api import own_job_ref
+    from clusterops.supervisor.run import RunConfig
+    from clusterops.watchdog import Watchdog
+
+    last = {"SLURM_JOB_ID": "2", "SLURM_ARRAY_JOB_ID": "2", "SLURM_ARRAY_TASK_ID": "3"}
+    assert own_job_ref(last) == "2_3"
+    assert own_job_ref(dict(last, SLURM_JOB_ID="4", SLURM_ARRAY_TASK_ID="2")) == "4"
+    assert own_job_ref({"SLURM_JOB_ID": "9"}) == "9" and own_job_ref({}) == ""
+    for k, v in dict(last, SLURM_JOB_NODELIST="node[1-2]").items():
+        monkeypatch.setenv(k, v)
+    cfg = RunConfig.from_environment(["true"], tmp_path / "job", tmp_path / "ck", P(nodes=2))
+    assert cfg.job_id == "2" and cfg.slurm_job == "2_3"
+    # The ranks' watchdog, which requeues the job when the batch host is lost, by the same rule.
+    from clusterops import heartbeat as hbc
+
+    sender = hbc.NodeSender("file/t0k3n", str(tmp_path / "hb"), 0, node="node1", root=str(tmp_path / "shm"))
+    w = Watchdog(sender, rank=0, start=False)
+    assert w.job_id == "2" and w.slurm_job == "2_3"

@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import (Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple, TypeVar, Union,
+from typing import (Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar, Union,
                     runtime_checkable)
 
 import hostlist
@@ -112,6 +112,21 @@ def hostlist_of(nodes: Nodes) -> str:
     if not names:
         raise InputError("no nodes given")
     return hostlist.collect_hostlist(names)
+
+
+def own_job_ref(env: Optional[Mapping[str, str]] = None) -> str:
+    """How Slurm commands name the batch job this process runs in: ``SLURM_JOB_ID``, or
+    ``<array id>_<task id>`` for the task of a job array whose own id is the array's. The last
+    task of an array to start takes over the array's record, and its id with it; a bare
+    ``scontrol requeue <id>`` (or update, or show) then names every task of the array (seen on
+    22.05 and 24.11: "requeue 2 ... 2_2-3: No error" from a chain's last generation). "" outside
+    a job."""
+    env = os.environ if env is None else env
+    job_id = env.get("SLURM_JOB_ID", "")
+    array_id, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
+    if job_id and job_id == array_id and task.isdigit():
+        return f"{array_id}_{task}"
+    return job_id
 
 
 def widened_exclusion(current: Optional[str], add: Iterable[str]) -> Optional[str]:

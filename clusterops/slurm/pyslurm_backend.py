@@ -460,6 +460,8 @@ class PyslurmSlurm:
             raise InputError(f"submit: {e}") from None
 
     def requeue(self, job_id, *, hold: bool = False) -> None:
+        if "_" in str(job_id):
+            return self.cli.requeue(job_id, hold=hold)   # an array task (123_4): pyslurm names jobs by number
         self._rpc_write(f"requeue {job_id}", self.ps.Job(int(job_id)).requeue, hold)
 
     def hold(self, job_id) -> None:

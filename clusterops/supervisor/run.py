@@ -44,7 +44,7 @@ from clusterops import protocol
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Process, Runner, current_user, free_port, kill_group, wait_exit
-from clusterops.slurm.api import Backoff, SlurmAPI, exclude_from_requeued
+from clusterops.slurm.api import Backoff, SlurmAPI, exclude_from_requeued, own_job_ref
 from clusterops.slurm.parse import parse_srun_failures
 from clusterops.supervisor.evidence import TaskOutput, read_task_output
 from clusterops.slurm.steps import srun_argv, standby_step_argv
@@ -254,6 +254,14 @@ class RunConfig:
     # expedite): a non-zero exit of the batch script is requeued by Slurm itself, held, unless
     # the job's Requeue is off (_final_exit_no_requeue).
     expedited_requeue: bool = False
+    # How Slurm commands name this job (slurm.api.own_job_ref): job_id, or <array>_<task> for
+    # the chain's task that holds the array's own id. None: job_id.
+    slurm_ref: Optional[str] = None
+
+    @property
+    def slurm_job(self) -> Optional[str]:
+        """This job as Slurm's commands are to name it (requeue, update, show)."""
+        return self.slurm_ref or self.job_id
 
     @classmethod
     def from_environment(cls, command: Sequence[str], job_dir: Path, ckpt_dir: Path, policy: sv.Policy,
@@ -270,7 +278,7 @@ class RunConfig:
         if batch in nodes:
             nodes = [batch] + [n for n in nodes if n != batch]
         return cls(command=list(command), job_dir=Path(job_dir), ckpt_dir=Path(ckpt_dir), policy=policy,
-                   nodes=nodes, job_id=os.environ.get("SLURM_JOB_ID"),
+                   nodes=nodes, job_id=os.environ.get("SLURM_JOB_ID"), slurm_ref=own_job_ref() or None,
                    slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
                    **dict({"metrics_file": Path(os.environ[METRICS_FILE_ENV])} if os.environ.get(METRICS_FILE_ENV)
                           else {}, **kwargs))
@@ -1258,7 +1266,7 @@ class SupervisorRun:
         if not self.cfg.job_id:
             return None
         try:
-            return self.slurm.job(self.cfg.job_id)
+            return self.slurm.job(self.cfg.slurm_job)
         except ClusteropsError:
             return None
 
@@ -1510,7 +1518,7 @@ class SupervisorRun:
         current = None
         if a.exclude:
             try:
-                current = self.slurm.job(self.cfg.job_id).excluded_nodes
+                current = self.slurm.job(self.cfg.slurm_job).excluded_nodes
             except ClusteropsError as e:
                 self._record(E.WARNING, {"what": f"reading ExcNodeList before the requeue: {e.message}"})
         signals_before = len(self.signals)
@@ -1518,7 +1526,7 @@ class SupervisorRun:
         # Slurm ends this process soon after the requeue: the trackers' runs are closed first.
         self._close_trackers("requeue", wait_s=30.0)
         try:
-            self.slurm.requeue(self.cfg.job_id)
+            self.slurm.requeue(self.cfg.slurm_job)
         except ClusteropsError as e:
             # Slurm ends the batch step as it requeues, scontrol with it: seen on 24.11,
             # `scontrol requeue` killed by SIGTERM after the controller had taken the requeue
@@ -1536,7 +1544,7 @@ class SupervisorRun:
                 while len(self.signals) == signals_before and waited < REQUEUE_SIGTERM_WAIT_S:
                     self.sleep(0.05)
                     waited += 0.05
-                set_to = exclude_from_requeued(self.slurm, self.cfg.job_id, a.exclude, current, sleep=self.sleep)
+                set_to = exclude_from_requeued(self.slurm, self.cfg.slurm_job, a.exclude, current, sleep=self.sleep)
                 if set_to is not None:
                     self.echo(f"[clusterops supervise] requeued job's ExcNodeList set to {set_to}")
             except ClusteropsError as e:
@@ -1562,7 +1570,7 @@ class SupervisorRun:
                 or self.requeue_asked:
             return
         try:
-            self.slurm.update_job(self.cfg.job_id, Requeue=0)
+            self.slurm.update_job(self.cfg.slurm_job, Requeue=0)
             self._record(E.REQUEUE_OFF, {"exit_code": self.exit_code})
         except ClusteropsError as e:
             self._record(E.WARNING, {"what": f"Requeue=0 before the final exit failed ({e.message}): Slurm's "
@@ -1573,7 +1581,7 @@ class SupervisorRun:
         incarnation's, or it is pending again or flagged REQUEUED. False when it cannot be
         read (then the requeue counts as failed, as before)."""
         try:
-            info = self.slurm.job(self.cfg.job_id)
+            info = self.slurm.job(self.cfg.slurm_job)
         except ClusteropsError:
             return False
         return (info.restart_count > self.cfg.slurm_restart_count or info.state.startswith("PENDING")
