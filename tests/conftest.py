@@ -9,6 +9,7 @@ leak state into each other.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -57,6 +58,23 @@ def pick_port_base(count: int) -> int:
     from clusterops.devcluster import free_port_base
 
     return free_port_base(count, worker_port_window())
+
+
+@contextlib.contextmanager
+def own_dev_cluster(name: str):
+    """A dev cluster of one test's own, beside the worker's shared one: a DevCluster on a fresh
+    state directory (``clusterops-test-dc<name>-*``) that the caller brings up with the
+    config it needs; stopped and removed however the test ends, an ``up`` that failed
+    halfway included."""
+    from clusterops.devcluster import DevCluster
+
+    state = Path(tempfile.mkdtemp(prefix=f"clusterops-test-dc{name}-"))
+    dc = DevCluster(state)
+    try:
+        yield dc
+    finally:
+        dc.down()
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def worker_port_window() -> tuple:

@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,17 +55,12 @@ def slow_controller(root: Path) -> Path:
 
 @pytest.fixture
 def cluster16():
-    from clusterops.devcluster import DevCluster, DevClusterConfig
-    from conftest import pick_port_base
+    from clusterops.devcluster import DevClusterConfig
+    from conftest import own_dev_cluster, pick_port_base
 
-    state = Path(tempfile.mkdtemp(prefix="clusterops-test-dc16-"))
-    dc = DevCluster(state)
-    dc.up(DevClusterConfig(nodes=NODES, gpus_per_node=4, cpus_per_node=2, port_base=pick_port_base(NODES)))
-    try:
+    with own_dev_cluster("16") as dc:
+        dc.up(DevClusterConfig(nodes=NODES, gpus_per_node=4, cpus_per_node=2, port_base=pick_port_base(NODES)))
         yield dc
-    finally:
-        dc.down()
-        shutil.rmtree(state, ignore_errors=True)
 
 
 def node_table(dc):

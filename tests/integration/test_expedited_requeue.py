@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -73,28 +70,23 @@ def expedite_cluster(monkeypatch, tmp_path):
     """A 2-node dev cluster of its own with the expedited requeue enabled and the ordinary
     requeue's delay (cred_expire) at 60 s; on Slurm before 25.11 ``up`` refuses, and this
     yields None after checking that nothing was written."""
-    from clusterops.devcluster import DevCluster, DevClusterConfig
+    from clusterops.devcluster import DevClusterConfig
     from clusterops.errors import InputError
-    from conftest import pick_port_base
+    from conftest import own_dev_cluster, pick_port_base
 
-    state = Path(tempfile.mkdtemp(prefix="clusterops-test-dcexp-"))
-    dc = DevCluster(state)
     cfg = DevClusterConfig(nodes=2, port_base=pick_port_base(3), expedited_requeue=True, cred_expire_s=CRED_EXPIRE_S,
                            slurm_prefix=os.environ.get("CLUSTEROPS_SLURM_PREFIX") or None)
-    try:
+    with own_dev_cluster("exp") as dc:
         try:
             dc.up(cfg)
         except InputError as e:
             assert re.fullmatch(r"--expedited-requeue \(SlurmctldParameters=enable_expedited_requeue\): "
                                 r"Slurm (\d+)\.(\d\d) is older than 25\.11", e.message), e.message
-            assert not (state / "slurm.conf").exists() and not dc.running()
+            assert not (dc.state / "slurm.conf").exists() and not dc.running()
             yield None
             return
         monkeypatch.setenv("SLURM_CONF", str(dc.conf_path))
         yield dc
-    finally:
-        dc.down()
-        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.mark.timeout(480)

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -31,18 +28,13 @@ probes:
 
 @pytest.fixture
 def amd_cluster():
-    from clusterops.devcluster import DevCluster, DevClusterConfig
-    from conftest import pick_port_base
+    from clusterops.devcluster import DevClusterConfig
+    from conftest import own_dev_cluster, pick_port_base
 
-    state = Path(tempfile.mkdtemp(prefix="clusterops-test-dcamd-"))
-    dc = DevCluster(state)
-    dc.up(DevClusterConfig(nodes=2, gpus_per_node=2, gpu_type="mi300x", cpus_per_node=2,
-                           port_base=pick_port_base(2)))
-    try:
+    with own_dev_cluster("amd") as dc:
+        dc.up(DevClusterConfig(nodes=2, gpus_per_node=2, gpu_type="mi300x", cpus_per_node=2,
+                               port_base=pick_port_base(2)))
         yield dc
-    finally:
-        dc.down()
-        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.mark.timeout(300)

@@ -10,10 +10,7 @@ equal to an uninterrupted one. The session's shared cluster (no topology) stays 
 
 from __future__ import annotations
 
-import shutil
 import signal
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -26,23 +23,18 @@ STEPS = 50
 
 @pytest.fixture
 def topo_cluster(monkeypatch):
-    from clusterops.devcluster import DevCluster, DevClusterConfig
+    from clusterops.devcluster import DevClusterConfig
     from clusterops.slurm.parse import parse_version
-    from conftest import pick_port_base
+    from conftest import own_dev_cluster, pick_port_base
     import subprocess
 
     version = parse_version(subprocess.run(["slurmctld", "-V"], capture_output=True, text=True).stdout)
     kind = "block" if version >= (23, 11) else "tree"
-    state = Path(tempfile.mkdtemp(prefix="clusterops-test-dctopo-"))
-    dc = DevCluster(state)
-    dc.up(DevClusterConfig(nodes=4, gpus_per_node=4, port_base=pick_port_base(4), topology=kind,
-                           domains=("node[1,3]", "node[2,4]")))
-    monkeypatch.setenv("SLURM_CONF", str(dc.conf_path))
-    try:
+    with own_dev_cluster("topo") as dc:
+        dc.up(DevClusterConfig(nodes=4, gpus_per_node=4, port_base=pick_port_base(4), topology=kind,
+                               domains=("node[1,3]", "node[2,4]")))
+        monkeypatch.setenv("SLURM_CONF", str(dc.conf_path))
         yield dc, kind
-    finally:
-        dc.down()
-        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.mark.timeout(300)
