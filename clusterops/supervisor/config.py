@@ -329,7 +329,9 @@ def run_config(spec: Mapping[str, Any], command: Sequence[str], settings: Mappin
     if spec.get("signal_lead_s"):
         extra["signal_lead_s"] = int(spec["signal_lead_s"])
     extra["chain"] = chain.from_environment(spec)
-    extra["expedited_requeue"] = spec.get("requeue") == "expedite"
+    from clusterops.launch.spec import EXPEDITE
+
+    extra["expedited_requeue"] = spec.get("requeue") == EXPEDITE
     if spec.get("launcher") == "torchrun":
         extra["launcher"] = "torchrun"      # one agent per node; the other launchers: srun-native ranks
     return RunConfig.from_environment(cmd, jd, cd, policy, env=env, workdir=spec.get("workdir"),
