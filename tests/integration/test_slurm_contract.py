@@ -148,11 +148,15 @@ def test_requeue_grows_restart_count(slurm, tmp_path):
 
 
 def test_hold_release_and_update(slurm, tmp_path):
-    jid = slurm.submit(script(tmp_path, "sleep 300"), ["--nodes=1", "--time=10", "--hold",
+    # A begin time an hour ahead keeps the job pending once released: a released job on an
+    # idle cluster may otherwise start before the hold below reaches the controller.
+    jid = slurm.submit(script(tmp_path, "sleep 300"), ["--nodes=1", "--time=10", "--hold", "--begin=now+3600",
                                                         f"--output={tmp_path}/held.out"])
     info = slurm.job(jid)
     assert info.category == "pending" and info.reason in ("JobHeldUser", "JobHeldAdmin")
     slurm.release(jid)
+    info = slurm.job(jid)
+    assert info.category == "pending" and info.reason not in ("JobHeldUser", "JobHeldAdmin")
     slurm.hold(jid)
     info = slurm.job(jid)
     assert info.category == "pending" and info.reason in ("JobHeldUser", "JobHeldAdmin")
@@ -161,6 +165,7 @@ def test_hold_release_and_update(slurm, tmp_path):
     assert hostlist.expand_hostlist(info.excluded_nodes) == ["node1", "node2"]
     assert info.time_limit_min == 5
     slurm.release(jid)
+    slurm.update_job(jid, StartTime="now")
     info = wait_for(lambda: (j := slurm.job(jid)).category == "running" and j, what="released job runs")
     assert info.node_names[0] in ("node3", "node4")
     slurm.cancel(jid)
