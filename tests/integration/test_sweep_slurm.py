@@ -83,7 +83,9 @@ class BrokenScratch:
 
 
 def busy_job(node="node4"):
-    jid = subprocess.run(["sbatch", "--parsable", f"--nodelist={node}", "--job-name=busy", "--wrap", "sleep 300"],
+    # --output: sbatch's default, slurm-<id>.out in the submitter's directory, would land in the checkout.
+    jid = subprocess.run(["sbatch", "--parsable", f"--nodelist={node}", "--job-name=busy", "--output=/dev/null",
+                          "--wrap", "sleep 300"],
                          capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
