@@ -83,6 +83,20 @@ def test_a_spike_is_reproduced_when_the_replayed_loss_is_above_the_band_again():
     assert j.verdict == ReplayVerdict.AMBIGUOUS and j.reproduced is False     # a spike names no node
 
 
+def test_a_replay_that_stops_before_the_first_nonfinite_step_blames_nobody():
+    """The guard saw the NaN at step 24 (a lagging beat), the ranks first went non-finite at
+    27 on node2 alone: a replay that stopped at 26 never ran the step, so it is no clean bill
+    and names no node; the replay's end covers the ranks' step."""
+    nf = {1: (27, "node2"), 0: (28, "node1"), 2: (28, "node3")}
+    j = judge_replay(NAN, nf, {r: report(26) for r in range(3)}, ranks=3, until=26)
+    assert j.verdict == ReplayVerdict.AMBIGUOUS and j.reproduced is None and j.node is None
+    assert "did not reach step 27" in j.why
+    assert stb.replay_until(NAN, nf, 2) == 29
+    assert stb.replay_until(NAN, {0: (23, "node1")}, 2) == 26 and stb.replay_until(NAN, {}, 2) == 26
+    j = judge_replay(NAN, nf, {r: report(29) for r in range(3)}, ranks=3, until=29)
+    assert j.verdict == ReplayVerdict.HARDWARE and j.node == "node2"
+
+
 # ------------------------------------------------------------------------- the machine
 def running(**cfg):
     cfg = dict(dict(on_nan="replay", warmup_steps=0, min_samples=3, patience=1, rollback_steps=10, skip_batches=30,
@@ -131,6 +145,21 @@ def to_replay(s):
     acts = beat(s, 33.0, 23, math.nan, {0: (23, "node2")})
     assert not only(acts, KillStep) and not records(acts, "nan")
     return s
+
+
+def test_the_replay_runs_past_the_ranks_first_nonfinite_step_when_the_guard_saw_it_earlier():
+    s = running()
+    for i, step in enumerate(range(1, 23)):
+        beat(s, 2.0 + i, step, 1.0 + 0.001 * (step % 3))
+    for step in (10, 20):
+        s.handle(CheckpointCommitted(25.0, step, f"/ck/{step}"))
+    acts = beat(s, 30.0, 24, math.nan, {1: (27, "node2"), 0: (28, "node1"), 2: (28, "node3")})
+    assert records(acts, "nan")[0]["decision"] == "replay"
+    s.handle(StepExited(31.0, returncode=137, ckpt_step=20))
+    acts = s.handle(sv.RollbackPicked(31.0, 20, "/ck/20"))
+    started = records(acts, "replay_started")[0]
+    assert (started["until"], started["first_step"]) == (29, 27)
+    assert protocol.ReplayOrder.from_json(only(acts, Launch)[0].replay) == protocol.ReplayOrder(20, 29)
 
 
 def test_replay_not_reproduced_blames_the_node_and_goes_on_without_a_skip():

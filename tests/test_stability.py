@@ -107,6 +107,12 @@ def test_sample_of_ranks_median_and_non_finite_ranks():
     s = stb.sample_of({0: (10, 1.0, 1.0), 3: (10, math.nan, 1.0)})
     assert math.isnan(s.loss) and s.nonfinite == (3,)
     assert stb.sample_of({}) is None
+    # A node's beat that lags (a loaded machine) does not pull a NaN back to its older step:
+    # the NaN was seen at step 76, where the rank that carries it beat.
+    s = stb.sample_of({0: (73, 2.0, None), 1: (76, math.nan, None), 2: (76, 2.1, None)})
+    assert s.step == 76 and math.isnan(s.loss) and s.nonfinite == (1,)
+    s = stb.sample_of({0: (73, 2.0, None), 1: (76, math.nan, None), 2: (75, math.inf, None)})
+    assert s.step == 75 and s.nonfinite == (1, 2)
 
 
 def test_the_skip_passes_the_anomaly_whatever_the_sampling():

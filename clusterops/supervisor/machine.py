@@ -1044,8 +1044,9 @@ class Supervisor:
         self.memory.last_ckpt_step = ev.step
         self.memory.restarts += 1
         self.last_cause = Cause.ROLLED_BACK
-        plan = ReplayPlan(f, ev.step, f.step + self.stability.cfg.replay_margin_steps,
-                          dict(self.replay_evidence), self.replay_nodes)
+        evidence = dict(self.replay_evidence)
+        plan = ReplayPlan(f, ev.step, stb.replay_until(f, evidence, self.stability.cfg.replay_margin_steps),
+                          evidence, self.replay_nodes)
         first, ranks, nodes = stb.origin(plan.nonfinite)
         out.append(SetAside(ev.step, f"replay of the {f.kind} from step {f.began}"))
         out.append(Record(E.REPLAY_STARTED, {"kind": str(f.kind), "step": f.step, "began": f.began,

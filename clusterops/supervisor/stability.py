@@ -231,11 +231,14 @@ class Detector:
 def sample_of(signals: Mapping[int, Tuple[int, Optional[float], Optional[float]]]) -> Optional[Sample]:
     """One :class:`Sample` from rank -> (step, loss, grad norm) of each rank's latest beat
     (None: not reported): the lowest step, the median of the finite values, and the ranks
-    with a non-finite one (whose value then stands for the sample)."""
+    with a non-finite one (whose value then stands for the sample). A non-finite sample
+    takes its step from the beats that carry the non-finite value, not from a rank whose
+    latest beat is older: under load a node's beat lags by seconds, and a NaN seen at step 76
+    must not be reported at 73 (a replay to "73 + margin" would stop before it)."""
     if not signals:
         return None
-    steps = [v[0] for v in signals.values()]
     bad = tuple(sorted(r for r, (_, lo, g) in signals.items() if not finite(lo) or not finite(g)))
+    steps = [signals[r][0] for r in bad] if bad else [v[0] for v in signals.values()]
 
     def pick(i: int) -> Optional[float]:
         vals = [v[i] for v in signals.values() if v[i] is not None]
@@ -342,7 +345,7 @@ class Guard:
         hint = ResumeHint(from_step=keep, skip_batches=0, lr_factor=1.0, reason="replay", anomaly_step=f.began,
                           rollback=len(self.rollbacks))
         return Decision(Action.REPLAY, f, hint=hint, hold=keep, before=f.began - 1,
-                        why=f"replay from the newest checkpoint before step {f.began} to step "
+                        why=f"replay from the newest checkpoint before step {f.began} to at least step "
                             f"{f.step + c.replay_margin_steps} on other nodes: data or hardware?")
 
     def _over_budget(self, f: Finding, keep: Optional[int]) -> Optional[Decision]:
@@ -457,6 +460,15 @@ def origin(nonfinite: Mapping[int, Tuple[int, str]]) -> Tuple[Optional[int], Tup
     return first, ranks, nodes
 
 
+def replay_until(f: Finding, nonfinite: Mapping[int, Tuple[int, str]], margin: int) -> int:
+    """The step a replay of ``f`` runs to: ``margin`` steps past the later of the step the
+    guard saw the anomaly at and the step the ranks first reported a non-finite value at
+    (``nonfinite``, rank -> (step, node)); a replay that stops before the original run's first
+    non-finite step cannot reproduce it, and must not pass for a clean one."""
+    first, _, _ = origin(nonfinite)
+    return max(f.step, first if first is not None else f.step) + margin
+
+
 def judge_replay(f: Finding, nonfinite: Mapping[int, Tuple[int, str]], reports: Mapping[int, Mapping],
                  *, ranks: int, until: int, single_node: bool = False) -> ReplayJudgement:
     """Data or hardware (pure). ``f``: the finding; ``nonfinite``: rank -> (first non-finite step,
@@ -469,13 +481,15 @@ def judge_replay(f: Finding, nonfinite: Mapping[int, Tuple[int, str]], reports: 
       run first did (any step from ``f.began`` to ``f.step`` when the original run named none);
       a spike when the median of the ranks' replayed losses at a step from ``f.began`` to
       ``f.step`` is above the band's limit again: DATA;
-    - a complete replay (every rank reached ``until``) that is clean: not reproduced. The node
+    - a complete replay (every rank reached ``until``, and the original run's first non-finite
+      step when that is later) that is clean: not reproduced. The node
       whose ranks went non-finite first in the original run is the suspect (HARDWARE); with no
       such single node (a spike, or every node at once) nobody is named (AMBIGUOUS);
     - anything else (a non-finite value at another step, a replay that ended early): AMBIGUOUS,
       the replay could not tell."""
     first, first_ranks, first_nodes = origin(nonfinite)
-    complete = len(reports) >= ranks and all(_int(r.get("reached"), -1) >= until for r in reports.values())
+    need = max(until, first) if first is not None else until
+    complete = len(reports) >= ranks and all(_int(r.get("reached"), -1) >= need for r in reports.values())
     if f.kind == Kind.NAN:
         got = [_int(r.get("first_nonfinite"), None) for r in reports.values()]
         seen = min((g for g in got if g is not None), default=None)
@@ -497,7 +511,7 @@ def judge_replay(f: Finding, nonfinite: Mapping[int, Tuple[int, str]], reports: 
                 return ReplayJudgement(ReplayVerdict.DATA, True, f"the replay's loss at step {step} is above the "
                                        f"band's limit {limit:g} too: the data", replay_step=step)
     if not complete:
-        return ReplayJudgement(ReplayVerdict.AMBIGUOUS, None, f"the replay did not reach step {until} on every "
+        return ReplayJudgement(ReplayVerdict.AMBIGUOUS, None, f"the replay did not reach step {need} on every "
                                f"rank ({len(reports)} of {ranks} reported): it cannot tell", ranks=first_ranks)
     if len(first_nodes) == 1 and (len(first_ranks) < ranks or single_node):
         return ReplayJudgement(ReplayVerdict.HARDWARE, False, f"not reproduced on other nodes; rank(s) "
