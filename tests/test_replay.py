@@ -81,6 +81,13 @@ def test_a_spike_is_reproduced_when_the_replayed_loss_is_above_the_band_again():
     low = {r: report(32, losses={"29": 1.1, "30": 1.2}) for r in range(2)}
     j = judge_replay(f, {}, low, ranks=2, until=32)
     assert j.verdict == ReplayVerdict.AMBIGUOUS and j.reproduced is False     # a spike names no node
+    # The guard's step lagged the spike (beats a second apart): the replay's margin finds it.
+    late = {r: report(32, losses={"29": 1.1, "30": 1.2, "32": 8.0}) for r in range(2)}
+    j = judge_replay(f, {}, late, ranks=2, until=32)
+    assert j.verdict == ReplayVerdict.DATA and j.replay_step == 32
+    # With no rank's own word on where a NaN began, one anywhere up to the replay's end is the data.
+    j = judge_replay(NAN, {}, {r: report(26, 26) for r in range(3)}, ranks=3, until=26)
+    assert j.verdict == ReplayVerdict.DATA and j.replay_step == 26
 
 
 def test_a_replay_that_stops_before_the_first_nonfinite_step_blames_nobody():

@@ -478,9 +478,10 @@ def judge_replay(f: Finding, nonfinite: Mapping[int, Tuple[int, str]], reports: 
     ``single_node``: the original run had one node (its ranks all went non-finite there).
 
     - a non-finite finding is reproduced when the replay goes non-finite at the step the original
-      run first did (any step from ``f.began`` to ``f.step`` when the original run named none);
+      run first did (any step from ``f.began`` to ``until`` when the original run named none);
       a spike when the median of the ranks' replayed losses at a step from ``f.began`` to
-      ``f.step`` is above the band's limit again: DATA;
+      ``until`` is above the band's limit again: DATA (``until`` and not ``f.step``: the guard's
+      step comes from beats a second apart, and may lag the step the values were at);
     - a complete replay (every rank reached ``until``, and the original run's first non-finite
       step when that is later) that is clean: not reproduced. The node
       whose ranks went non-finite first in the original run is the suspect (HARDWARE); with no
@@ -493,7 +494,7 @@ def judge_replay(f: Finding, nonfinite: Mapping[int, Tuple[int, str]], reports: 
     if f.kind == Kind.NAN:
         got = [_int(r.get("first_nonfinite"), None) for r in reports.values()]
         seen = min((g for g in got if g is not None), default=None)
-        lo, hi = (first, first) if first is not None else (f.began, f.step)
+        lo, hi = (first, first) if first is not None else (f.began, until)
         if seen is not None and lo <= seen <= hi:
             return ReplayJudgement(ReplayVerdict.DATA, True, f"the replay went non-finite at step {seen} too, on "
                                    "other nodes: the data", ranks=first_ranks, replay_step=seen)
@@ -503,7 +504,7 @@ def judge_replay(f: Finding, nonfinite: Mapping[int, Tuple[int, str]], reports: 
                                    ranks=first_ranks, replay_step=seen)
     else:
         limit = f.band[1]
-        for step in range(f.began, f.step + 1):
+        for step in range(f.began, until + 1):
             vals = [_num(r.get("losses", {}).get(str(step))) for r in reports.values()]
             vals = [v for v in vals if v is not None]
             if vals and limit is not None and (not all(math.isfinite(v) for v in vals)
