@@ -515,7 +515,8 @@ STABILITY_FIELDS: Tuple[Field, ...] = (
        min=0, max=1000),
     _f("rollback_window_steps", "int", "steps within which rollbacks count together", default=10000, min=1,
        max=10**9),
-    _f("replay_margin_steps", "int", "`replay`: steps the replay runs past the step the anomaly was seen at (or past the ranks' first non-finite step, when that is later)",
+    _f("replay_margin_steps", "int", "`replay`: steps the replay runs past the step the anomaly was seen at "
+       "(or past the ranks' first non-finite step, when that is later)",
        default=2, min=0, max=10**6),
 )
 

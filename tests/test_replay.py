@@ -122,13 +122,19 @@ def beat(s, now, step, loss, nonfinite=None):
                                signals={r: (step, loss, None) for r in range(3)}, nonfinite=nonfinite or {}))
 
 
-def to_replay(s):
-    """Checkpoints 10 and 20 (20 before the anomaly), a NaN seen at step 24 whose rank 1 (node2)
-    went first at step 23, the kill, the disk's word: the replay launch."""
+def steady_to_step_22(s):
+    """Steady beats for steps 1-22 and checkpoints 10 and 20: the run before the anomaly."""
     for i, step in enumerate(range(1, 23)):
         beat(s, 2.0 + i, step, 1.0 + 0.001 * (step % 3))
     for step in (10, 20):
         s.handle(CheckpointCommitted(25.0, step, f"/ck/{step}"))
+    return s
+
+
+def to_replay(s):
+    """Checkpoints 10 and 20 (20 before the anomaly), a NaN seen at step 24 whose rank 1 (node2)
+    went first at step 23, the kill, the disk's word: the replay launch."""
+    steady_to_step_22(s)
     acts = beat(s, 30.0, 24, math.inf, {1: (23, "node2"), 0: (24, "node1"), 2: (24, "node3")})
     assert records(acts, "nan")[0]["decision"] == "replay"
     assert only(acts, KillStep) == [KillStep("replay")] and s.state == sv.KILLING
@@ -155,11 +161,7 @@ def to_replay(s):
 
 
 def test_the_replay_runs_past_the_ranks_first_nonfinite_step_when_the_guard_saw_it_earlier():
-    s = running()
-    for i, step in enumerate(range(1, 23)):
-        beat(s, 2.0 + i, step, 1.0 + 0.001 * (step % 3))
-    for step in (10, 20):
-        s.handle(CheckpointCommitted(25.0, step, f"/ck/{step}"))
+    s = steady_to_step_22(running())
     acts = beat(s, 30.0, 24, math.nan, {1: (27, "node2"), 0: (28, "node1"), 2: (28, "node3")})
     assert records(acts, "nan")[0]["decision"] == "replay"
     s.handle(StepExited(31.0, returncode=137, ckpt_step=20))
