@@ -136,6 +136,11 @@ def _restore(dc) -> None:
 
     run = Runner(env=dc.env()).run
     run(["scancel", "--full", "--user=root"], timeout_s=30, check=False)
+    # The jobs are gone: so are their submission records (this worker's own registry), or a
+    # later test's `job watch` would judge a job an earlier, failed test left behind.
+    jobs_dir = os.environ.get("CLUSTEROPS_JOBS_DIR", "")
+    if jobs_dir.startswith(str(_OWN_STATE) + os.sep):
+        shutil.rmtree(jobs_dir, ignore_errors=True)
     cfg = dc.config()
     for name in cfg.node_names:
         dc.ensure_scratch(name)   # a test that broke a node's scratch leaves it as every user needs it
