@@ -51,7 +51,7 @@ class Supervise(_Codes):
         "requeue budget spent: `SLURM_RESTART_COUNT` reached `max_requeues`"
     RESTART_BUDGET = 5, "in-allocation restart budget spent", \
         "in-allocation restart budget spent (`max_restarts`)"
-    TOO_FEW_NODES = 6, "too few healthy nodes and requeueing not allowed"
+    TOO_FEW_NODES = 6, "too few healthy nodes, and no requeue allowed or able to start the job again"
     STOPPED_NO_REQUEUE = 7, "stopped (time limit / preemption) with checkpoint saved, requeue not allowed", \
         "stopped (time limit / preemption) with the checkpoint saved, but requeueing not allowed"
     DIVERGED = 8, "training diverged: the stability guard stopped it (on_spike/on_nan: stop)", \

@@ -58,3 +58,7 @@ def test_submit_records_the_slurm_it_submits_to(tmp_path, monkeypatch):
     with pytest.raises(ClusteropsError):
         job.submit(env={"SLURM_CONF": str(tmp_path / "other.conf")})
     assert job.slurm_conf == str(tmp_path / "other.conf")
+    # An env that only adds a setting (the backend) still submits to this process's cluster.
+    with pytest.raises(ClusteropsError):
+        job.submit(env={"CLUSTEROPS_SLURM_BACKEND": "cli"})
+    assert job.slurm_conf == str(tmp_path / "mine.conf")

@@ -310,12 +310,47 @@ def test_requeue_not_allowed_gives_up_too_few_nodes():
 
 
 def test_known_bad_nodes_from_earlier_incarnation_stay_out():
-    mem = Memory(bad_nodes={"node3": "node lost"}, attempts=2, restarts=1)
+    mem = Memory(bad_nodes={"node3": sv.LOST_WHY}, attempts=2, restarts=1)
     s, acts = start(P(nodes=3, preflight=None), memory=mem, slurm_restart_count=1)
     la = launched(acts)
     assert la.nodes == ("node1", "node2", "node4")
     assert la.attempt == 2 and la.restart_count == 1
     assert records(acts, "start")[0].data["known_bad"] == ["node3"]
+    assert not records(acts, "warning") and mem.bad_nodes == {"node3": sv.LOST_WHY}
+
+
+def test_nodes_only_slurm_lost_are_used_again_when_slurm_gives_them_back_and_none_other_will_do():
+    # A chain's generation (seen on Slurm 24.11): Slurm reported node3 and node4 failed in
+    # the last one, then gave them back to this one, with nothing else up in the partition.
+    mem = Memory(bad_nodes={"node3": sv.LOST_WHY, "node4": sv.LOST_WHY})
+    s, acts = start(P(nodes=3), nodes=["node2", "node3", "node4"], memory=mem)
+    assert launched(acts).nodes == ("node2", "node3", "node4")
+    assert not only(acts, Requeue)
+    warn = records(acts, "warning")[0].data
+    assert warn["nodes"] == ["node3", "node4"] and "1 node(s) are left, 3 needed: used again" in warn["what"]
+    assert mem.bad_nodes == {} and s.bad == {}
+
+
+def test_a_node_blamed_on_our_own_evidence_is_never_taken_back_and_the_requeue_names_what_only_slurm_lost():
+    mem = Memory(bad_nodes={"node3": sv.LOST_WHY, "node4": "2 failures blamed on it (last: rank_killed)"})
+    s, acts = start(P(nodes=3, requeue=True), nodes=["node2", "node3", "node4"], memory=mem)
+    # node3 alone would not be enough (node4 is out on our evidence): nothing taken back.
+    rq = only(acts, Requeue)
+    assert len(rq) == 1 and rq[0].exclude == ("node3", "node4") and rq[0].lost == ("node3",)
+    assert not records(acts, "warning") and set(mem.bad_nodes) == {"node3", "node4"}
+
+
+def test_a_requeue_the_partition_cannot_start_ends_with_too_few_nodes_not_failed():
+    s, acts = start(P(nodes=3, requeue=True), nodes=["node1", "node2", "node3"],
+                    memory=Memory(bad_nodes={"node3": "exit_code 3: the script named it suspect"}))
+    assert only(acts, Requeue)
+    acts = s.handle(sv.RequeueFailed(1001.0, "keeping the job off node3 leaves partition debug 2 of its 3 node(s), "
+                                             "3 needed: the requeued job could never start", unschedulable=True))
+    ex = only(acts, Exit)[0]
+    assert ex.code == sv.EXIT_TOO_FEW_NODES and ex.reason.startswith("not requeued: keeping the job off node3")
+    s2, _ = start(P(nodes=3, requeue=True), nodes=["node1", "node2", "node3"],
+                  memory=Memory(bad_nodes={"node3": "x"}))
+    assert only(s2.handle(sv.RequeueFailed(1001.0, "socket timed out")), Exit)[0].code == sv.EXIT_FAILED
 
 
 def test_memory_round_trips():

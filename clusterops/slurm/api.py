@@ -140,6 +140,37 @@ def widened_exclusion(current: Optional[str], add: Iterable[str]) -> Optional[st
     return hostlist.collect_hostlist(sorted(have | new))
 
 
+class UnschedulableExclusion(ClusteropsError):
+    """An exclusion that would leave a job's partition too few nodes to ever start it."""
+
+
+def schedulable_exclusion(members: Iterable[str], current: Optional[str], exclude: Sequence[str],
+                          lost: Sequence[str], need: int, partition: str = "") -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """The nodes a requeued job can be kept off and still start again -> (exclude, dropped).
+
+    ``members``: the nodes of the job's partition(s); ``current``: its ExcNodeList now;
+    ``need``: the nodes it asks for. A job whose ExcNodeList leaves its partition fewer nodes
+    than it asks for pends for ever (Slurm holds it with reason ReqNodeNotAvail whatever the
+    nodes' states). Then the ``lost`` nodes (held only because Slurm lost them: Slurm keeps a
+    DOWN node out by itself) are left off the list, and ``dropped`` names them; if that is
+    still not enough, raise :class:`UnschedulableExclusion` naming the numbers."""
+    have = set(hostlist.expand_hostlist(current)) if current and current != "(null)" else set()
+    pool = set(members)
+
+    def left(excl: Iterable[str]) -> int:
+        return len(pool - have - set(excl))
+
+    if left(exclude) >= need:
+        return tuple(exclude), ()
+    kept = tuple(n for n in exclude if n not in set(lost))
+    if left(kept) >= need:
+        return kept, tuple(n for n in exclude if n in set(lost))
+    where = f"partition {partition}" if partition else "the job's partition"
+    raise UnschedulableExclusion(
+        f"keeping the job off {hostlist.collect_hostlist(sorted(have | set(exclude)))} leaves {where} "
+        f"{left(kept)} of its {len(pool)} node(s), {need} needed: the requeued job could never start")
+
+
 def exclude_from_requeued(slurm: "SlurmAPI", job_id: Union[int, str], nodes: Iterable[str],
                           current: Optional[str] = None, *, attempts: int = 3, pause_s: float = 0.3,
                           sleep: Callable[[float], None] = time.sleep) -> Optional[str]:

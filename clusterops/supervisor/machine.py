@@ -44,6 +44,7 @@ __all__ = [
     "EXIT_GENERATION_END",
     "EXIT_CHAIN_ENDED",
     "LIVENESS",
+    "LOST_WHY",
     "Policy",
     "Event",
     "PreflightDone",
@@ -100,6 +101,10 @@ EXIT_ROLLBACK_BUDGET = ExitCode.ROLLBACK_BUDGET
 EXIT_SCRIPT_STOP = ExitCode.SCRIPT_STOP
 EXIT_GENERATION_END = ExitCode.GENERATION_END
 EXIT_CHAIN_ENDED = ExitCode.CHAIN_ENDED
+
+#: Why a node is held bad when the only evidence is Slurm's own: it saw the node fail
+#: during the step (srun's "Node failure on X", or the node DOWN/NOT_RESPONDING).
+LOST_WHY = "node lost during the step"
 
 
 # --------------------------------------------------------------------------------------
@@ -289,6 +294,9 @@ class RollbackPicked(Event):
 @dataclass(frozen=True)
 class RequeueFailed(Event):
     error: str = ""
+    # Not requeued because the exclusion would leave the job's partition too few nodes to
+    # start it again (the job would pend for ever): ends with EXIT_TOO_FEW_NODES.
+    unschedulable: bool = False
 
 
 @dataclass(frozen=True)
@@ -359,6 +367,10 @@ class DrainNodes(Action):
 class Requeue(Action):
     exclude: Tuple[str, ...]
     reason: str
+    # The nodes of ``exclude`` held only because Slurm lost them (LOST_WHY): Slurm keeps a
+    # DOWN node out itself, so these may be left off the ExcNodeList when keeping them out
+    # too would leave the job's partition too few nodes to ever start it again.
+    lost: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -634,9 +646,10 @@ class Supervisor:
             return self._exit(code, f"{reason}; requeue not allowed", out)
         self._enter(REQUEUEING)
         exclude = tuple(sorted(set(self.memory.bad_nodes)))
+        lost = tuple(n for n in exclude if self.memory.bad_nodes[n] == LOST_WHY)
         out.append(Record(E.REQUEUE, {"reason": reason, "exclude": list(exclude),
                                       "restart_count": self.slurm_restart_count + 1}))
-        out.append(Requeue(exclude, reason))
+        out.append(Requeue(exclude, reason, lost))
         return out
 
     # -- entry -----------------------------------------------------------------------
@@ -661,6 +674,7 @@ class Supervisor:
             # update did not land, or the job was requeued by Slurm, not by us): keep it out
             # of this allocation's steps.
             self.bad[node] = why
+        self._take_back_lost(known, out)
         if self.policy.preflight and not self.preflight_done:
             self._enter(PREFLIGHT)
             nodes = tuple(self._usable())
@@ -668,6 +682,27 @@ class Supervisor:
             out.append(RunPreflight(nodes, self.policy.preflight, self.policy.preflight_timeout_s))
             return out
         return self._plan_launch(now, out, first=True)
+
+    def _take_back_lost(self, known: Dict[str, str], out: List[Action]) -> None:
+        """Use again the nodes an earlier incarnation (or generation) left only because Slurm
+        lost them, when keeping them out would leave too few nodes to train. Slurm's loss is
+        the only evidence against them, and Slurm has since taken them back into service and
+        given them to this job: newer word on the same thing. Without this, a chain whose
+        partition has no other nodes requeues itself off them and pends for ever. A node
+        blamed on our own evidence (a signal, a check, hardware text, repeated failures) is
+        never taken back here; a node lost again is caught by the restart budgets."""
+        lost = sorted(n for n, why in known.items() if why == LOST_WHY)
+        usable = len(self._usable())
+        if not lost or usable >= self.policy.min_nodes or usable + len(lost) < self.policy.min_nodes:
+            return       # not needed, or not enough: the requeue names them (Requeue.lost)
+        for node in lost:
+            del self.bad[node]
+            del self.memory.bad_nodes[node]
+        out.append(Record(E.WARNING, {
+            "what": f"{', '.join(lost)}: left out earlier only because Slurm lost them; Slurm has given "
+                    f"them back, and without them {usable} node(s) are left, "
+                    f"{self.policy.min_nodes} needed: used again",
+            "nodes": lost}))
 
     def _plan_launch(self, now: float, out: List[Action], *, first: bool = False,
                      replay: Optional[ReplayPlan] = None) -> List[Action]:
@@ -1348,6 +1383,8 @@ class Supervisor:
         return out
 
     def _on_requeue_failed(self, ev: RequeueFailed) -> List[Action]:
+        if ev.unschedulable:
+            return self._exit(EXIT_TOO_FEW_NODES, f"not requeued: {ev.error}", [])
         return self._exit(EXIT_FAILED, f"requeue failed: {ev.error}", [])
 
     def classify(self, ev: StepExited) -> Tuple[Cause, List[str]]:
@@ -1610,7 +1647,7 @@ class Supervisor:
         for node in blamed:
             self.blame[node] = self.blame.get(node, 0) + 1
             if cause == Cause.NODE_LOST:
-                self._mark_bad(node, "node lost during the step", now, out)
+                self._mark_bad(node, LOST_WHY, now, out)
             elif self.blame[node] >= self.policy.node_fail_threshold:
                 self._mark_bad(node, f"{self.blame[node]} failures blamed on it (last: {cause})", now, out)
 

@@ -44,7 +44,8 @@ from clusterops import protocol
 from clusterops import supervisor as sv
 from clusterops.errors import ClusteropsError, InputError
 from clusterops.runner import Process, Runner, current_user, free_port, kill_group, wait_exit
-from clusterops.slurm.api import Backoff, SlurmAPI, exclude_from_requeued, own_job_ref
+from clusterops.slurm.api import (Backoff, SlurmAPI, UnschedulableExclusion, exclude_from_requeued, own_job_ref,
+                                  schedulable_exclusion)
 from clusterops.slurm.parse import parse_srun_failures
 from clusterops.supervisor.evidence import TaskOutput, read_task_output
 from clusterops.slurm.steps import srun_argv, standby_step_argv
@@ -715,7 +716,8 @@ class SupervisorRun:
                 if isinstance(a, sv.Requeue):
                     if self.trackers is not None and self.trackers.closed.is_set():
                         self._start_trackers()   # closed for the requeue that did not happen: resumed
-                    self._do(self.sup.handle(sv.RequeueFailed(self.clock(), e.message)))
+                    self._do(self.sup.handle(sv.RequeueFailed(self.clock(), e.message,
+                                                              unschedulable=isinstance(e, UnschedulableExclusion))))
                 elif isinstance(a, sv.Launch):
                     # Could not even start srun: count it as a failed attempt.
                     self.train = None
@@ -1505,22 +1507,22 @@ class SupervisorRun:
         save_memory(self.cfg.job_dir, self.sup.memory)
         if not self.cfg.job_id:
             raise ClusteropsError("not in a Slurm job: nothing to requeue")
+        # ExcNodeList is read now, while nothing is ending, so that only the update is left
+        # for the short window after the requeue; and the exclusion is checked against the
+        # partition first: a requeued job kept off too many of its nodes would pend for ever.
+        current = None
+        exclude = tuple(a.exclude)
+        if exclude:
+            current, exclude = self._schedulable(a)
         self._notify("job_requeued", f"job {self.cfg.job_id} requeued: {a.reason}",
-                     {"reason": a.reason, "exclude": list(a.exclude)}, wait_s=5.0)
+                     {"reason": a.reason, "exclude": list(exclude)}, wait_s=5.0)
         # ExcNodeList cannot be changed on a running job (Slurm: "Job is no longer pending
         # execution"), but it can once the requeue has made the job pending again, in the
         # seconds (KillWait) before Slurm ends this process: set it then (see
         # slurm.api.exclude_from_requeued), so Slurm itself keeps the next incarnation off the
         # bad nodes without draining them. The bad nodes are also remembered in the job
         # directory (the next incarnation keeps them out of its steps should the update be
-        # lost) and drained when the policy says so. The current list is read now, while
-        # nothing is ending, so that only the update is left for the short window.
-        current = None
-        if a.exclude:
-            try:
-                current = self.slurm.job(self.cfg.slurm_job).excluded_nodes
-            except ClusteropsError as e:
-                self._record(E.WARNING, {"what": f"reading ExcNodeList before the requeue: {e.message}"})
+        # lost) and drained when the policy says so.
         signals_before = len(self.signals)
         self.requeue_asked = True
         # Slurm ends this process soon after the requeue: the trackers' runs are closed first.
@@ -1536,7 +1538,7 @@ class SupervisorRun:
                 raise
             self._record(E.WARNING, {"what": f"scontrol requeue reported {e.message}, "
                                              "but Slurm has requeued the job"})
-        if a.exclude and current is not None:
+        if exclude and current is not None:
             try:
                 # Let the requeue's SIGTERM come first (it is caught: self.signals), so that it
                 # does not kill the update itself; the update is retried should it still do.
@@ -1544,11 +1546,11 @@ class SupervisorRun:
                 while len(self.signals) == signals_before and waited < REQUEUE_SIGTERM_WAIT_S:
                     self.sleep(0.05)
                     waited += 0.05
-                set_to = exclude_from_requeued(self.slurm, self.cfg.slurm_job, a.exclude, current, sleep=self.sleep)
+                set_to = exclude_from_requeued(self.slurm, self.cfg.slurm_job, exclude, current, sleep=self.sleep)
                 if set_to is not None:
                     self.echo(f"[clusterops supervise] requeued job's ExcNodeList set to {set_to}")
             except ClusteropsError as e:
-                self._record(E.WARNING, {"what": f"ExcNodeList={','.join(a.exclude)} not set on the requeued "
+                self._record(E.WARNING, {"what": f"ExcNodeList={','.join(exclude)} not set on the requeued "
                                                  f"job ({e.message}); the next incarnation keeps them out of "
                                                  "its steps"})
         # Slurm now ends this batch script; wait for it rather than racing it.
@@ -1556,6 +1558,37 @@ class SupervisorRun:
         while self.clock() < deadline:
             self.sleep(1)
         raise ClusteropsError("the job was requeued but this process was not ended by Slurm")
+
+    def _schedulable(self, a: sv.Requeue) -> Tuple[Optional[str], Tuple[str, ...]]:
+        """(the job's ExcNodeList now, the nodes to add to it) for the requeue ``a``: its
+        exclusion, less the nodes only Slurm lost when the partition could not start the job
+        without them (schedulable_exclusion). Raises UnschedulableExclusion when even that is
+        too many: the job is not requeued (exit 6). A controller that cannot be read does not
+        stop the requeue (None: the update reads the list itself)."""
+        try:
+            info = self.slurm.job(self.cfg.slurm_job)
+        except ClusteropsError as e:
+            self._record(E.WARNING, {"what": f"reading ExcNodeList before the requeue: {e.message}"})
+            return None, tuple(a.exclude)
+        parts = [p for p in (info.partition or "").split(",") if p]
+        members: set = set()
+        try:
+            for part in parts:
+                members.update(self.slurm.partition_nodes(part))
+        except ClusteropsError as e:
+            self._record(E.WARNING, {"what": f"reading partition {info.partition} before the requeue: {e.message}; "
+                                             "the exclusion is not checked against it"})
+            return info.excluded_nodes, tuple(a.exclude)
+        if not members:
+            return info.excluded_nodes, tuple(a.exclude)
+        exclude, dropped = schedulable_exclusion(members, info.excluded_nodes, a.exclude, a.lost,
+                                                 len(self.cfg.nodes), info.partition)
+        if dropped:
+            self._record(E.WARNING, {"what": f"{', '.join(dropped)} not excluded from the requeued job: only Slurm "
+                                             f"lost them (it keeps them out while they are down), and partition "
+                                             f"{info.partition} could not start the job without them",
+                                     "nodes": list(dropped)})
+        return info.excluded_nodes, exclude
 
     def _final_exit_no_requeue(self) -> None:
         """Before a non-zero exit that ends this job (a give-up, a chain's end, a crash of the

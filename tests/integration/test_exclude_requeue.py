@@ -28,10 +28,11 @@ def slurm(cluster):
     return connect()
 
 
-@pytest.mark.timeout(180)
-def test_blamed_node_stays_excluded_after_requeue_without_drain(cluster, slurm, tmp_path):
-    job = fk.TrainJob(root=tmp_path / "xq", name="xq", nodes=3, steps=40, ckpt_every=10,
-                      supervise={"drain_bad_nodes": False, "node_fail_threshold": 1, "max_requeues": 1,
+def _rank_on_node2_killed(slurm, tmp_path, name, *, nodes, steps, max_requeues):
+    """A job with no drain and no spare whose rank 1 (on node2) is SIGKILLed at step 12, to
+    its end -> (job, Slurm's JobInfo, the story for assertion messages)."""
+    job = fk.TrainJob(root=tmp_path / name, name=name, nodes=nodes, steps=steps, ckpt_every=10,
+                      supervise={"drain_bad_nodes": False, "node_fail_threshold": 1, "max_requeues": max_requeues,
                                  "liveness_check": False})
     job.submit()
     job.wait_step(12)
@@ -39,6 +40,12 @@ def test_blamed_node_stays_excluded_after_requeue_without_drain(cluster, slurm, 
     info = job.wait_end(slurm, timeout_s=150)
     story = (" | ".join(f"{r.get('incarnation')}:{r.get('event')}" for r in job.timeline())
              + f"\nwarnings: {[r.get('what') for r in fk.events(job, 'warning')]}\nbatch log: {job.batch_log()[-3000:]}")
+    return job, info, story
+
+
+@pytest.mark.timeout(180)
+def test_blamed_node_stays_excluded_after_requeue_without_drain(cluster, slurm, tmp_path):
+    job, info, story = _rank_on_node2_killed(slurm, tmp_path, "xq", nodes=3, steps=40, max_requeues=1)
     assert [r["node"] for r in fk.events(job, "node_bad")] == ["node2"], story
     rq = fk.events(job, "requeue")
     assert len(rq) == 1 and rq[0]["exclude"] == ["node2"], story
@@ -51,3 +58,20 @@ def test_blamed_node_stays_excluded_after_requeue_without_drain(cluster, slurm, 
     assert fk.events(job, "done"), story
     # Excluded, not drained: node2 is free for everyone else.
     assert not fk.events(job, "drain") and not slurm.node("node2").drained, story
+
+
+@pytest.mark.timeout(180)
+def test_a_requeue_the_partition_could_never_start_is_not_made(cluster, slurm, tmp_path):
+    # All 4 nodes of the partition, no spare: leaving node2 out of a requeue would leave the
+    # job pending for ever (3 nodes outside its ExcNodeList, 4 wanted). The supervisor says so
+    # and ends with exit 6 instead; nothing is requeued, excluded or drained.
+    job, info, story = _rank_on_node2_killed(slurm, tmp_path, "xn", nodes=4, steps=400, max_requeues=3)
+    assert [r["node"] for r in fk.events(job, "node_bad")] == ["node2"], story
+    assert fk.events(job, "requeue")[0]["exclude"] == ["node2"], story    # asked for ...
+    give = fk.events(job, "give_up")
+    assert give and give[-1]["code"] == 6, story                          # ... and not made
+    assert give[-1]["reason"].startswith("not requeued: keeping the job off node2 leaves partition "), story
+    assert "3 of its 4 node(s), 4 needed" in give[-1]["reason"], story
+    assert info.restart_count == 0 and info.category == "failed" and info.exit_code == 6, (info, story)
+    assert not info.excluded_nodes or info.excluded_nodes == "(null)", info.excluded_nodes
+    assert not slurm.node("node2").drained, story

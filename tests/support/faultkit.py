@@ -103,7 +103,11 @@ class TrainJob:
     def submit(self, env: Optional[Dict[str, str]] = None) -> int:
         """`clusterops launch submit SPEC --json` -> job id."""
         self.write_spec()
-        self.slurm_conf = (os.environ if env is None else env).get("SLURM_CONF") or None
+        # ``env`` is an overlay on this process's environment (the runner's rule), so the
+        # cluster the job goes to is this process's SLURM_CONF unless ``env`` names another:
+        # reading ``env`` alone lost it for ``env={"CLUSTEROPS_SLURM_BACKEND": ...}``, and the
+        # rank lookup then killed another worker's rank with the same job id (D13 tier).
+        self.slurm_conf = {**os.environ, **(env or {})}.get("SLURM_CONF") or None
         p = Runner(as_user=self.user).run(
             [self.python, "-m", "clusterops", "launch", "submit", str(self.spec_path), "--json"],
             timeout_s=60, env=env, check=False, cwd=str(self.root) if self.user else None)
