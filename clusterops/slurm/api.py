@@ -129,11 +129,16 @@ def own_job_ref(env: Optional[Mapping[str, str]] = None) -> str:
     return job_id
 
 
+def _excluded(current: Optional[str]) -> set:
+    """The nodes of a job's ExcNodeList as Slurm shows it (empty, None or "(null)": none)."""
+    return set(hostlist.expand_hostlist(current)) if current and current != "(null)" else set()
+
+
 def widened_exclusion(current: Optional[str], add: Iterable[str]) -> Optional[str]:
     """The ExcNodeList that keeps a job off ``add`` as well as off what it already excludes
     (``current``: Slurm's hostlist, empty or None for none); None when ``add`` brings
     nothing new (then no update is needed)."""
-    have = set(hostlist.expand_hostlist(current)) if current and current != "(null)" else set()
+    have = _excluded(current)
     new = {n for n in add if n} - have
     if not new:
         return None
@@ -154,17 +159,18 @@ def schedulable_exclusion(members: Iterable[str], current: Optional[str], exclud
     nodes' states). Then the ``lost`` nodes (held only because Slurm lost them: Slurm keeps a
     DOWN node out by itself) are left off the list, and ``dropped`` names them; if that is
     still not enough, raise :class:`UnschedulableExclusion` naming the numbers."""
-    have = set(hostlist.expand_hostlist(current)) if current and current != "(null)" else set()
+    have = _excluded(current)
     pool = set(members)
+    lost_set = set(lost)
 
     def left(excl: Iterable[str]) -> int:
         return len(pool - have - set(excl))
 
     if left(exclude) >= need:
         return tuple(exclude), ()
-    kept = tuple(n for n in exclude if n not in set(lost))
+    kept = tuple(n for n in exclude if n not in lost_set)
     if left(kept) >= need:
-        return kept, tuple(n for n in exclude if n in set(lost))
+        return kept, tuple(n for n in exclude if n in lost_set)
     where = f"partition {partition}" if partition else "the job's partition"
     raise UnschedulableExclusion(
         f"keeping the job off {hostlist.collect_hostlist(sorted(have | set(exclude)))} leaves {where} "

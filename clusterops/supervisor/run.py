@@ -1564,7 +1564,9 @@ class SupervisorRun:
         exclusion, less the nodes only Slurm lost when the partition could not start the job
         without them (schedulable_exclusion). Raises UnschedulableExclusion when even that is
         too many: the job is not requeued (exit 6). A controller that cannot be read does not
-        stop the requeue (None: the update reads the list itself)."""
+        stop the requeue: a job that cannot be read gives None, and the ExcNodeList update is
+        then skipped (the next incarnation keeps the nodes out of its steps); a partition that
+        cannot be read leaves the exclusion unchecked."""
         try:
             info = self.slurm.job(self.cfg.slurm_job)
         except ClusteropsError as e:
