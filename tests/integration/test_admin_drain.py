@@ -22,6 +22,11 @@ from support import faultkit as fk
 pytestmark = pytest.mark.integration
 
 STEPS = 60
+# The supervisor reads the nodes every 10 s (SupervisorConfig.node_poll_s). After the drain at
+# step 15 the run must last well past one poll even when the machine is loaded: 45 steps of
+# 0.4 s is 18 s of sleeping alone (at 0.15 s the run once finished 10 s after the drain, before
+# the next poll, and nothing was there to move).
+STEP_SLEEP = 0.4
 
 
 @pytest.fixture
@@ -43,7 +48,7 @@ def test_admin_drain_moves_the_job_to_the_spare_with_no_step_lost(cluster, slurm
     fk.run_local(3, ["--steps", str(STEPS), "--ckpt-every", "10", "--step-sleep", "0", "--out", str(ref / "final.pt")],
                  workdir=ref, script=script)
     extra = {"inprocess": {"standbys_per_node": 1}} if inprocess else {}
-    job = fk.TrainJob(root=tmp_path / "adm", name="adm", nodes=3, steps=STEPS, ckpt_every=10, step_sleep=0.15,
+    job = fk.TrainJob(root=tmp_path / "adm", name="adm", nodes=3, steps=STEPS, ckpt_every=10, step_sleep=STEP_SLEEP,
                       script=script, supervise={"spare_nodes": 1, "drain_bad_nodes": True, **extra})
     job.submit()
     try:
