@@ -55,7 +55,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import hostlist
 
 from clusterops.errors import ClusteropsError, InputError
-from clusterops.runner import Runner, pid_alive
+from clusterops.runner import Runner, pid_alive, process_start
 from clusterops.slurm.factory import connect
 from clusterops.slurm.settings import DEFAULT_DEVCLUSTER_DIR, DEVCLUSTER_INFO, SlurmSettings
 from clusterops.slurm.tools import SlurmTools, check_prefix
@@ -378,6 +378,20 @@ def _children(pid: int) -> List[int]:
     return found
 
 
+def _live_daemons(info: dict) -> Dict[str, Optional[int]]:
+    """The state file's daemons: pid while it is still the process started (same start time),
+    else None. A state file written before start times were kept is read by pid alone."""
+    starts = info.get("starts")
+    live: Dict[str, Optional[int]] = {}
+    for key, pid in info.get("pids", {}).items():
+        if starts is None:
+            live[key] = pid if pid_alive(pid) else None
+        else:
+            start = starts.get(key)
+            live[key] = pid if start is not None and pid_alive(pid, start) else None
+    return live
+
+
 def _comm(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -468,8 +482,11 @@ class DevCluster:
             raise InputError(f"{what}: Slurm {version[0]}.{version[1]:02d} is older than {since[0]}.{since[1]:02d}")
 
     def daemon_pids(self) -> Dict[str, Optional[int]]:
-        info = self._read_info() or {}
-        return dict(info.get("pids", {}))
+        """Each daemon's pid while that daemon runs; None once it is gone. The state file keeps
+        each daemon's pid with its start time (``starts``): a dead daemon's pid soon names
+        another process (pids are reused), which must never be taken for the daemon, let alone
+        signalled by ``kill_node`` or ``down``."""
+        return _live_daemons(self._read_info() or {})
 
     def running(self) -> bool:
         pids = self.daemon_pids()
@@ -527,6 +544,10 @@ class DevCluster:
         pids: Dict[str, Optional[int]] = {}
         logdir = self.state / "log"
 
+        def record() -> dict:
+            starts = {k: process_start(p) for k, p in pids.items()}
+            return {"config": asdict(cfg), "pids": pids, "starts": starts, "started": time.time()}
+
         munged = self.runner.spawn(
             ["munged", "--foreground", "--force", f"--socket={self.state}/{MUNGE_SOCKET}",
              f"--key-file={self.state}/munge/munge.key", f"--pid-file={self.state}/run/munged.pid",
@@ -549,7 +570,7 @@ class DevCluster:
                                   log_path=str(logdir / f"slurmd-{name}.out"), env=env)
             pids[f"slurmd:{name}"] = p.pid
             procs[name] = p
-        self._write_info({"config": asdict(cfg), "pids": pids, "started": time.time()})
+        self._write_info(record())
         try:
             self.wait_idle(cfg.node_names, timeout_s, procs=procs)
         except DevClusterError:
@@ -557,7 +578,7 @@ class DevCluster:
             raise
         if cfg.restd:
             pids["slurmrestd"] = self._start_restd(cfg, env)
-            self._write_info({"config": asdict(cfg), "pids": pids, "started": time.time()})
+            self._write_info(record())
         info = self.status()
         info["up_seconds"] = round(self.clock() - start, 3)
         return info
@@ -746,7 +767,7 @@ class DevCluster:
                 break
         info = self._read_info()
         if info:
-            info["pids"] = {}
+            info["pids"], info["starts"] = {}, {}
             self._write_info(info)
         return pids
 
@@ -765,7 +786,7 @@ class DevCluster:
         key = f"slurmd:{name}"
         if key not in pids:
             raise InputError(f"unknown dev-cluster node {name!r}")
-        victims = [pids[key]] if pid_alive(pids[key]) else []
+        victims = [pids[key]] if pids[key] else []
         if power_cut:
             victims += [p for p in _stepds_with_sockets_under(str(self.state / "spool" / name)) if p not in victims]
         victims += [p for p in _processes_with_env("SLURMD_NODENAME", name)
@@ -789,6 +810,7 @@ class DevCluster:
         p = self.runner.spawn(tools.argv(["slurmd", "-D", "-N", name, "-f", str(self.conf_path)]),
                               log_path=str(self.state / "log" / f"slurmd-{name}.out"), env=env)
         info["pids"][f"slurmd:{name}"] = p.pid
+        info.setdefault("starts", {})[f"slurmd:{name}"] = process_start(p.pid)
         self._write_info(info)
         return p.pid
 
@@ -797,7 +819,8 @@ class DevCluster:
         info = self._read_info()
         if not info:
             return {"state_dir": str(self.state), "running": False, "daemons": {}, "nodes": {}}
-        daemons = {k: {"pid": v, "alive": pid_alive(v)} for k, v in info.get("pids", {}).items()}
+        live = _live_daemons(info)
+        daemons = {k: {"pid": v, "alive": live.get(k) is not None} for k, v in info.get("pids", {}).items()}
         running = bool(daemons) and all(d["alive"] for d in daemons.values())
         nodes: Dict[str, str] = {}
         if daemons.get("slurmctld", {}).get("alive"):

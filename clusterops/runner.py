@@ -27,7 +27,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from clusterops.errors import ClusteropsError, InputError
 
@@ -73,8 +73,31 @@ class CommandNotFound(CommandError):
         super().__init__(argv, None, "", f"{argv[0]}: command not found")
 
 
-def pid_alive(pid: Optional[int]) -> bool:
-    """True while a process with this pid exists and is not a zombie."""
+def _stat_fields(pid: int) -> List[str]:
+    """``/proc/<pid>/stat`` after the command name (which may hold spaces and parentheses):
+    field 0 is the state letter, field 19 the start time."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def process_start(pid: Optional[int]) -> Optional[int]:
+    """When process ``pid`` started, in clock ticks after boot (None when it is gone).
+
+    A pid alone does not name a process for long: the kernel hands a freed pid to the next
+    process that asks (after 32,768 on a default machine, which a busy node goes through in
+    minutes). The pair (pid, start) does; keep both for a process that must be found, or
+    signalled, again later (``pid_alive(pid, start)``)."""
+    if not pid:
+        return None
+    try:
+        return int(_stat_fields(pid)[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_alive(pid: Optional[int], start: Optional[int] = None) -> bool:
+    """True while a process with this pid exists and is not a zombie; with ``start`` (from
+    ``process_start``), only while it is that same process, not a later one given its pid."""
     if not pid:
         return False
     try:
@@ -82,11 +105,12 @@ def pid_alive(pid: Optional[int]) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        if start is None:
+            return True
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+        fields = _stat_fields(pid)
+        return fields[0] != "Z" and (start is None or int(fields[19]) == start)
+    except (OSError, IndexError, ValueError):
         return False
 
 

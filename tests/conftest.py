@@ -159,8 +159,15 @@ def _restore(dc) -> None:
                 run(["scontrol", "update", f"NodeName={n}", "State=RESUME"], timeout_s=30, check=False)
         return not bad
 
-    wait_for(idle, 60, "the dev cluster back to 4 idle nodes", interval_s=0.5,
-             detail=lambda: str(dc.node_states()))
+    def detail() -> str:      # what a failure needs to be read later: each bad node's daemon and log
+        from clusterops.devcluster import _tail
+
+        states, pids = dc.node_states(), dc.daemon_pids()
+        bad = [n for n in cfg.node_names if states.get(n) != "idle"]
+        return f"{states}; " + "; ".join(
+            f"{n}: slurmd pid {pids.get(f'slurmd:{n}')}, log: {_tail(dc.state / 'log' / f'slurmd-{n}.log')}" for n in bad)
+
+    wait_for(idle, 60, "the dev cluster back to 4 idle nodes", interval_s=0.5, detail=detail)
 
 
 @pytest.fixture
