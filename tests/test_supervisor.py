@@ -185,6 +185,33 @@ def test_stale_heartbeat_captures_stacks_kills_and_restarts():
     assert launched(acts).nodes == tuple(NODES)
 
 
+def test_ranks_silent_within_the_window_of_the_first_stale_one_are_named_together():
+    """A stopped rank blocks the rest in their next collective: which rank crosses the
+    timeout first is scheduling, so every rank gone quiet with it is named (and its stack
+    taken), and nobody is a culprit."""
+    s, _ = start(P(nodes=4, preflight=None, hang_timeout_s=10, hang_blame_margin_s=5))
+    s.handle(StepLaunched(1000.0))
+    # At 1030: rank 2 went quiet 10.1 s ago, rank 1 (the stopped one) and the others a
+    # moment later; only ranks 0 and 2 are past the timeout.
+    beats = {0: (40, 1019.96), 1: (40, 1020.2), 2: (40, 1019.9), 3: (40, 1020.4)}
+    acts = s.handle(Heartbeats(1030.0, beats))
+    lost = records(acts, "heartbeat_lost")[0].data
+    assert lost["ranks"] == [0, 1, 2, 3] and lost["nodes"] == ["node1", "node2", "node3", "node4"]
+    assert lost["ages_s"] == [10.0, 9.8, 10.1, 9.6]
+    assert lost["culprits"] == []
+    assert only(acts, CaptureStacks)[0].ranks == (0, 1, 2, 3)
+    assert only(acts, KillStep)[0].reason == "hang"
+
+
+def test_the_together_window_is_at_most_half_the_hang_timeout():
+    s, _ = start(P(nodes=2, preflight=None, hang_timeout_s=4, hang_blame_margin_s=5), nodes=["a", "b"])
+    s.handle(StepLaunched(1000.0))
+    # rank 0 is 4.5 s quiet; rank 1 stepped 2.4 s ago (a slow step): outside the window of
+    # half the timeout (2 s) from the oldest, so not named with it.
+    acts = s.handle(Heartbeats(1030.0, {0: (7, 1025.5), 1: (8, 1027.6)}))
+    assert records(acts, "heartbeat_lost")[0].data["ranks"] == [0]
+
+
 def test_hang_where_all_ranks_stall_together_blames_no_node():
     s, _ = start(P(nodes=2, hang_timeout_s=10, node_fail_threshold=1), nodes=["a", "b"])
     s.handle(StepLaunched(1000.0))

@@ -905,6 +905,7 @@ class Supervisor:
             elif ev.now - beat[1] > p.hang_timeout_s:
                 stale.append((r, round(ev.now - beat[1], 1)))
         if stale:
+            stale = self._silent_together(stale, ev, ranks)
             self.hung_ranks = tuple(r for r, _ in stale)
             self.hang_culprits = self._hang_culprits(ev.beats, ranks)
             nodes = tuple(sorted({self.rank_node(r) for r in self.hung_ranks if self.rank_node(r)}))
@@ -1239,6 +1240,25 @@ class Supervisor:
             self.restarts_here += 1
             self.memory.restarts += 1
         return self._plan_launch(now, out)
+
+    def _silent_together(self, stale, ev: Heartbeats, ranks) -> List[Tuple[int, Optional[float]]]:
+        """The ranks past the hang timeout, and with them every rank that fell silent within
+        a few seconds of the oldest (``hang_blame_margin_s``, at most half the timeout). One
+        stopped rank blocks the others in their next collective, so all of them go quiet at
+        about the same step, and which one crosses the timeout first is a matter of scheduling
+        under load, not evidence: the record names them all (and their stacks are all taken);
+        ``culprits`` says whether the beats alone single anyone out."""
+        ages = [a for _, a in stale if a is not None]
+        if not ages:
+            return stale
+        window = min(self.policy.hang_blame_margin_s, self.policy.hang_timeout_s / 2)
+        floor = max(ages) - window
+        named = dict(stale)
+        for r in sorted(ranks):
+            beat = ev.beats.get(r)
+            if r not in named and beat is not None and ev.now - beat[1] >= floor:
+                named[r] = round(ev.now - beat[1], 1)
+        return sorted(named.items())
 
     def _hang_culprits(self, beats: Mapping[int, Tuple[int, float]], ranks) -> Tuple[int, ...]:
         """Ranks that stopped first. One stuck rank soon blocks all the others in their next

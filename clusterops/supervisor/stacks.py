@@ -67,6 +67,15 @@ def _read(path: str) -> str:
         return f"({e.strerror})"
 
 
+def proc_state(pid: int) -> str:
+    """The kernel's word on a process (``/proc/<pid>/status``'s State, "T (stopped)" for one
+    held by SIGSTOP): evidence py-spy's stack alone does not give."""
+    for ln in _read(f"/proc/{pid}/status").splitlines():
+        if ln.startswith("State:"):
+            return ln.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def dump(pid: int, timeout_s: float = 15.0) -> str:
     pyspy = shutil.which("py-spy") or (os.path.join(os.path.dirname(sys.executable), "py-spy"))
     if pyspy and os.path.exists(pyspy):
@@ -97,7 +106,7 @@ def main(argv=None) -> int:
         return 1
     for rank, pids in sorted(found.items()):
         for pid in pids:
-            print(f"=== rank {rank} pid {pid} ===")
+            print(f"=== rank {rank} pid {pid} state {proc_state(pid)} ===")
             print(dump(pid))
     sys.stdout.flush()
     return 0

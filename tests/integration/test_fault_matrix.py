@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -128,7 +129,7 @@ def test_b_stopped_rank_is_a_hang_stacks_then_restart(cluster, slurm, reference,
     stacks = events(job, "stacks")
     assert stacks, story
     dumps = "".join(p.read_text() for p in Path(stacks[0]["dir"]).glob("node*.txt"))
-    assert "rank 1" in dumps, dumps
+    assert re.search(r"=== rank 1 pid \d+ state T \(stopped\) ===", dumps), dumps
     exits = events(job, "step_exit")
     assert exits[0]["cause"] == "hang", story
     assert len(events(job, "launch")) == 2 and not events(job, "requeue")

@@ -4,7 +4,9 @@ every case of tests/integration/test_fault_matrix.py, it is the default)."""
 
 from __future__ import annotations
 
+import re
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +33,15 @@ def test_file_fallback_stopped_rank_is_named_by_rank_and_node(cluster, slurm, re
     job.signal_rank(1, signal.SIGSTOP)
     info, story = assert_healed(job, slurm, reference, 4)
     lost = events(job, "heartbeat_lost")
+    # Every rank gone quiet with the first stale one is named (which crosses the timeout
+    # first is scheduling); the beats blame nobody else, and the stack capture, which took
+    # them all, shows the stopped one held by the kernel.
     assert lost and 1 in lost[0]["ranks"] and "node2" in lost[0]["nodes"], story
+    assert set(lost[0]["culprits"]) <= {1}, story
+    stacks = events(job, "stacks")
+    assert stacks, story
+    dumps = "".join(p.read_text() for p in Path(stacks[0]["dir"]).glob("node*.txt"))
+    assert re.search(r"=== rank 1 pid \d+ state T \(stopped\) ===", dumps), dumps
     exits = events(job, "step_exit")
     assert exits[0]["cause"] == "hang", story
     assert len(events(job, "launch")) == 2 and not events(job, "requeue"), story
