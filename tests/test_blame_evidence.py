@@ -174,3 +174,35 @@ def test_lost_node_still_blamed():
     e = records(acts, "step_exit")[0].data
     assert e["cause"] == "node_lost" and e["blamed"] == ["b"] and e["evidence"] == "node_lost"
     assert records(acts, "node_bad")[0].data["node"] == "b"
+
+
+def test_a_rank_that_aborted_itself_blames_nobody():
+    """SIGABRT is raised by the process (here torch's gloo teardown race, recorded on the dev
+    cluster: test_evidence.TEARDOWN_ABORT): a program error, not its node's."""
+    from test_evidence import TEARDOWN_ABORT
+
+    s = Supervisor(P(nodes=2, spare_nodes=1, node_fail_threshold=1), ["node1", "node2", "node3"])
+    s.start(1000.0)
+    fails = [("node1", 1, "Aborted (core dumped)"), ("node1", 0, "Terminated"), ("node2", 2, "Terminated"),
+             ("node2", 3, "Terminated")]
+    acts = s.handle(exited(1010.0, fails, TEARDOWN_ABORT, rc=143))
+    e = records(acts, "step_exit")[0].data
+    assert e["cause"] == "program_error" and e["blamed"] == []
+    assert e["error"] == "terminate called without an active exception"
+    assert not records(acts, "node_bad") and only(acts, Launch)[0].nodes == ("node1", "node2")
+    # Aborted with nothing said: no evidence either way.
+    s = Supervisor(P(nodes=2, node_fail_threshold=1), ["a", "b"])
+    s.start(1000.0)
+    acts = s.handle(exited(1010.0, [("b", 1, "Aborted"), ("a", 0, "Terminated")], "", rc=134))
+    e = records(acts, "step_exit")[0].data
+    assert e["cause"] == "rank_failed" and e["blamed"] == [] and not records(acts, "node_bad")
+
+
+def test_an_abort_with_a_hardware_sign_of_its_own_node_is_still_blamed():
+    text = ("1: terminate called after throwing an instance of 'c10::DistBackendError'\n"
+            "1:   what():  NCCL error in: ProcessGroupNCCL.cpp:2034, unhandled system error\n")
+    s = Supervisor(P(nodes=2, spare_nodes=1, node_fail_threshold=1), ["a", "b", "c"])
+    s.start(1000.0)
+    acts = s.handle(exited(1010.0, [("b", 1, "Aborted (core dumped)"), ("a", 0, "Terminated")], text, rc=134))
+    e = records(acts, "step_exit")[0].data
+    assert e["blamed"] == ["b"] and e["evidence"] == "hardware" and e["sign"][0] == "nccl_error"

@@ -128,3 +128,45 @@ def test_sign_and_error_of_one_rank_and_unlabelled_lines_ignored():
 def test_long_messages_are_clipped_to_one_line():
     said = read_task_output("0: Traceback (most recent call last):\n0:   File x\n0: ValueError: " + "x" * 500)
     assert len(said[0].error) == 200 and said[0].error.endswith("...")
+
+
+# The tail of a real step log (examples/plain_env_ddp.py, 2 nodes x 2 ranks, on the dev
+# cluster under load): rank 1's gloo worker thread dropped the last reference to a
+# finished collective while the interpreter was shutting down (core dump: the thread
+# killed in take_gil inside ~AsyncWork, a noexcept destructor), and the C++ runtime
+# aborted the process after the script had returned 0.
+TEARDOWN_ABORT = """\
+0: done steps=60 out=/tmp/plain-env/final.pt
+1: terminate called without an active exception
+srun: error: node1: task 1: Aborted (core dumped)
+srun: launch/slurm: _step_signal: Terminating StepId=1.0
+srun: error: node1: task 0: Terminated
+srun: error: node2: tasks 2-3: Terminated
+srun: Force Terminated StepId=1.0
+"""
+
+
+def test_a_cpp_terminate_is_the_tasks_error_and_srun_says_it_aborted():
+    said = read_task_output(TEARDOWN_ABORT)
+    assert said == {1: TaskOutput(error="terminate called without an active exception")}
+    fails, _ = parse_srun_failures(TEARDOWN_ABORT)
+    assert [(f.rank, f.aborted) for f in fails] == [(1, True), (0, False), (2, False), (3, False)]
+    assert not any(f.aborted for f in parse_srun_failures("srun: error: n1: task 0: Killed\n"
+                                                          "srun: error: n1: task 1: Segmentation fault\n")[0])
+
+
+def test_an_uncaught_cpp_exception_gives_its_what_and_the_later_of_traceback_and_abort_wins():
+    text = "\n".join([
+        "2: Traceback (most recent call last):",
+        '2:   File "train.py", line 4, in <module>',
+        "2: ValueError: handled and printed, then the run went on",
+        "2: terminate called after throwing an instance of 'c10::Error'",
+        "2:   what():  bad optional access",
+        "3: terminate called without an active exception",
+        "3: Traceback (most recent call last):",
+        '3:   File "train.py", line 9, in <module>',
+        "3: RuntimeError: after the abort line",
+    ])
+    said = read_task_output(text)
+    assert said[2].error == "terminate called after throwing an instance of 'c10::Error': bad optional access"
+    assert said[3].error == "RuntimeError: after the abort line"

@@ -624,6 +624,13 @@ class TaskFailure:
         return failure_kind(self.reason)
 
     @property
+    def aborted(self) -> bool:
+        """srun says the task died of SIGABRT ("Aborted", "Aborted (core dumped)"): a signal the
+        process raises itself (abort(), C++'s std::terminate, a failed assert), not one a node
+        or an operator sends."""
+        return self.kind == FailureKind.KILLED and "aborted" in self.reason.lower()
+
+    @property
     def exit_code(self) -> Optional[int]:
         """The task's own exit code when srun says it exited with one ("Exited with exit code N")."""
         m = re.search(r"[Ee]xit(?:ed with exit)? code (\d+)", self.reason)

@@ -6,8 +6,9 @@ more tasks: `` 3: text``); srun's and slurmstepd's own lines carry no such label
 left to :func:`clusterops.slurm.parse.parse_srun_failures`. :func:`read_task_output` turns
 the log's text into one :class:`TaskOutput` per task that wrote something telling:
 
-- ``error``: the last line of that task's last Python traceback (``KeyError: 'state'``):
-  the program said why it stopped, so its exit is the program's, not the node's;
+- ``error``: the last line of that task's last Python traceback (``KeyError: 'state'``),
+  or the C++ runtime's "terminate called ..." if the task aborted itself after it: the
+  program said why it stopped, so its exit is the program's, not the node's;
 - ``sign``: the first line that matches :data:`HARDWARE_SIGNS` (a CUDA/NCCL/GPU error in
   the task's own words), with the sign's name: evidence that may point at the node.
 
@@ -21,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple
 
-__all__ = ["HARDWARE_SIGNS", "NOT_HARDWARE", "WRAPPER_ERRORS", "TaskOutput", "read_task_output", "sign_of",
+__all__ = ["HARDWARE_SIGNS", "NOT_HARDWARE", "SELF_ABORT", "WRAPPER_ERRORS", "TaskOutput", "read_task_output", "sign_of",
            "MAX_ERROR_CHARS"]
 
 #: Text in a task's output that points at its node's hardware or driver, by name. Small on
@@ -43,6 +44,14 @@ NOT_HARDWARE = re.compile(r"out of memory|device-side assert", re.I)
 #: Exceptions a launcher raises *about* its child (torchrun's agent): the child's own
 #: traceback, printed before it, is the one that says why.
 WRAPPER_ERRORS = re.compile(r"(?:^|\.)ChildFailedError\b")
+
+#: What the C++ runtime prints as it aborts the process (std::terminate: an exception nobody
+#: caught, a joinable std::thread destroyed, a noexcept function that threw); the line
+#: after, ``what():  ...``, says which exception. The process's own last word: a program
+#: error, whatever signal follows. (Python's faulthandler lines are not in it: it prints
+#: "Fatal Python error: Aborted" for a SIGABRT sent from outside too.)
+SELF_ABORT = re.compile(r"^terminate called (?:without an active exception|after throwing an instance of \S.*|recursively)")
+_WHAT = re.compile(r"^\s*what\(\):\s*(.*)$")
 
 MAX_ERROR_CHARS = 200
 
@@ -81,8 +90,10 @@ def _clip(text: str) -> str:
 
 def read_task_output(text: str) -> Dict[int, TaskOutput]:
     """task -> :class:`TaskOutput` for every task whose labelled lines in ``text`` hold a
-    traceback or a hardware sign (tasks with neither are left out)."""
+    traceback, a C++ abort (:data:`SELF_ABORT`, with its ``what()``) or a hardware sign
+    (tasks with none are left out). The later of a traceback and an abort is the error."""
     in_traceback: Dict[int, bool] = {}
+    aborting: Dict[int, bool] = {}      # the last line was a SELF_ABORT: a what() may follow
     errors: Dict[int, str] = {}
     signs: Dict[int, Tuple[str, str]] = {}
     for line in text.splitlines():
@@ -94,6 +105,16 @@ def read_task_output(text: str) -> Dict[int, TaskOutput]:
             name = sign_of(body)
             if name is not None:
                 signs[task] = (name, _clip(body))
+        if aborting.pop(task, False):
+            w = _WHAT.match(body)
+            if w is not None:
+                errors[task] = _clip(f"{errors[task]}: {w.group(1)}")
+                continue
+        if SELF_ABORT.match(body.strip()):
+            errors[task] = _clip(body)
+            aborting[task] = True
+            in_traceback[task] = False
+            continue
         if body.lstrip().startswith(_TRACEBACK_HEAD):
             # A chained exception ("During handling of the above exception...") starts a
             # new traceback: the last one is the error the task died of.

@@ -1415,8 +1415,9 @@ class Supervisor:
     def judge(self, ev: StepExited) -> Verdict:
         """Why a failed step failed, and the nodes the evidence points at: a hang's first
         silent ranks, a lost node, the first failed rank's death by a signal, a hardware
-        sign in its own output. A rank that exited on its own -- after a traceback, with a
-        bare error code, or ranks of several nodes -- blames nobody: the program's error
+        sign in its own output. A rank that exited or aborted on its own -- after a
+        traceback or a C++ "terminate called", with a bare error code or SIGABRT, or ranks
+        of several nodes -- blames nobody: the program's error
         (an error from one node only is weighed across relaunches, :meth:`_weigh_error`).
         srun's wording is read by each failure's ``kind`` (clusterops.slurm.parse), the
         ranks' output by clusterops.supervisor.evidence."""
@@ -1431,11 +1432,13 @@ class Supervisor:
         first, out = ev.failures[0], ev.task_output
         found = first_error(out, [first.rank] + [f.rank for f in ev.failures])
         error = found[1] if found else None
-        if first.kind == FailureKind.KILLED:
+        if first.kind == FailureKind.KILLED and not first.aborted:
             # srun names the rank that died first; the ranks it ends itself afterwards
             # (--kill-on-bad-exit: a SIGTERM, then a SIGKILL after KillWait) come later and
             # say nothing about their nodes.
             return Verdict(Cause.RANK_KILLED, [first.node] if first.node else [], Evidence.SIGNAL, error)
+        # A SIGABRT is raised by the process itself (std::terminate, abort(), an assert):
+        # like an exit, it points at the node only through a hardware sign in its output.
         own = self._sign_on(first.node, ev)
         if own is not None and first.node:
             cause = Cause.RANK_EXIT if first.kind == FailureKind.EXITED else Cause.RANK_FAILED
