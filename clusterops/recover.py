@@ -335,6 +335,7 @@ def _form(client: _Client, plan: dict, rank: int, backend: str) -> None:
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(plan["world"])})
     pg_store = dist.PrefixStore(protocol.rdzv_key("pg", plan["gen"]), client.store.torch_store)
+    sdk._keep_group_collectable()      # else an earlier generation's group would outlive its teardown
     dist.init_process_group(backend=backend, store=pg_store, rank=rank, world_size=plan["world"],
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     _verify_group(client.store.sealer, int(plan["gen"]), rank, int(plan["world"]), backend)

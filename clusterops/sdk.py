@@ -230,6 +230,29 @@ def _ensure_runtime() -> DistInfo:
 # ----------------------------------------------------------------------------- init
 
 
+def _keep_group_collectable() -> None:
+    """Import torch.distributed.nn.functional before any process group exists, so that
+    ``destroy_process_group()`` really frees the group.
+
+    That module's collectives take ``group=group.WORLD`` as a default argument, read once,
+    when it is first imported -- which torch._dynamo does, and the first optimizer or DDP
+    model a script builds imports torch._dynamo. Imported after ``init_process_group()``,
+    those defaults hold the default group for the rest of the process (measured, torch
+    2.13): destroying the group leaves its gloo worker threads running into Python's
+    shutdown, where one can abort the process (docs/supervisor.md, "A rank that aborts at
+    exit"), and an in-process restart keeps every earlier generation's group. Imported
+    first, the defaults are None. Once a group exists it is too late, and this does nothing.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return
+    try:
+        import torch.distributed.nn.functional  # noqa: F401  (2 ms)
+    except Exception as e:      # an exotic build without it: nothing to hold the group
+        log.debug("torch.distributed.nn.functional: %s", e)
+
+
 def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 600.0,
                      install_signal_handlers: bool = True) -> DistInfo:
     """Join the process group from torchrun's or Slurm's environment.
@@ -261,6 +284,7 @@ def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 600.0,
         if backend == "nccl":
             torch.cuda.set_device(local)
         if not dist.is_initialized():
+            _keep_group_collectable()
             dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         # Checkpoint collectives run on their own gloo group, so an async save's

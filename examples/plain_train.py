@@ -30,6 +30,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+# Imported before init_process_group(): first imported later (the first optimizer or DDP
+# model imports torch._dynamo, which imports it), its functions' default arguments would
+# hold the group past destroy_process_group(), and a worker thread of that group can
+# abort the process as Python shuts down (torch 2.13; docs/supervisor.md).
+import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 
 STOP = {"signal": None}

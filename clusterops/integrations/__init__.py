@@ -34,12 +34,13 @@ def leave_process_group_at_exit() -> None:
     """Leave torch's process group when the process exits (registered once).
 
     torch 2.13's gloo process group, left to the interpreter's teardown, sometimes aborts
-    the process ("terminate called without an active exception", SIGABRT, about one
-    exit in 20 on the dev machine) after the script returned 0. The frameworks do not
-    leave the group themselves; the callbacks register this at the start of training.
-    It narrows the race, it does not close it: a group that DDP still holds survives
-    ``destroy_process_group()`` with its worker threads (docs/supervisor.md, "A rank that
-    aborts at exit"); the supervisor reads such an abort as the program's, never the node's.
+    the process ("terminate called without an active exception", SIGABRT) after the
+    script returned 0: a worker thread of the group asks for the GIL while Python shuts
+    down. The frameworks do not leave the group themselves; the callbacks register this at
+    the start of training, and their modules import torch.distributed.nn.functional before
+    any group exists (clusterops.sdk._keep_group_collectable), without which the group
+    would outlive ``destroy_process_group()`` (docs/supervisor.md, "A rank that aborts at
+    exit"). The supervisor reads such an abort as the program's, never the node's.
     """
     global _leave_registered
     if _leave_registered:

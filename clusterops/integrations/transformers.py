@@ -60,6 +60,7 @@ from clusterops import protocol, sdk
 from clusterops.integrations import data_index, leave_process_group_at_exit, rank_layout, resume_dir, scale_lr
 
 log = logging.getLogger(__name__)
+sdk._keep_group_collectable()   # before the framework forms its group (leave_process_group_at_exit)
 
 KIND = "hf"
 DATA_FILE = "clusterops-data.json"   # the rollbacks' data skips, in each checkpoint

@@ -399,9 +399,29 @@ def _run_local(world: int, args: List[str], workdir: Path, python: str, script: 
                 p.wait()
     outs = [log.read_text(errors="replace") for log in logs]
     for p, out in zip(procs, outs):
-        if p.returncode != 0:
+        if p.returncode != 0 and not aborted_at_teardown(p.returncode, out):
             raise ClusteropsError(f"reference run failed ({p.returncode}): {out[-800:]}")
+    if all(p.returncode != 0 for p in procs):
+        raise ClusteropsError(f"reference run failed: every rank aborted: {outs[0][-800:]}")
     return outs[0]
+
+
+def aborted_at_teardown(returncode: int, output: str) -> bool:
+    """A local rank ended by torch 2.13's gloo teardown abort, after its script had finished.
+
+    The C++ runtime's terminate line is the last thing the rank printed, it died of SIGABRT,
+    and the interpreter is older than 3.14 (docs/supervisor.md, "A rank that aborts at
+    exit": a process-group worker thread asks for the GIL while Python finalizes). The
+    caller accepts it only when the other ranks exited 0: a rank that aborted before its
+    last collective would have failed its peers in that collective, so its results (written
+    before the script's final barrier) are whole."""
+    import signal
+
+    from clusterops.supervisor.evidence import SELF_ABORT
+
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return (sys.version_info < (3, 14) and returncode == -signal.SIGABRT and bool(lines)
+            and SELF_ABORT.match(lines[-1]) is not None)
 
 
 def rollback_reference(world: int, workdir: Path, *, steps: int, poison: str, at: Optional[int] = None,
