@@ -240,8 +240,9 @@ def _keep_group_collectable() -> None:
     those defaults hold the default group for the rest of the process (measured, torch
     2.13): destroying the group leaves its gloo worker threads running into Python's
     shutdown, where one can abort the process (docs/supervisor.md, "A rank that aborts at
-    exit"), and an in-process restart keeps every earlier generation's group. Imported
-    first, the defaults are None. Once a group exists it is too late, and this does nothing.
+    exit"), and an in-process restart keeps the generation's group they caught, with its
+    threads and sockets, after tearing it down. Imported first, the defaults are None.
+    Once a group exists it is too late, and this does nothing.
     """
     import torch.distributed as dist
 
