@@ -12,11 +12,9 @@ SDK's group first, then the optimizer.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
-from clusterops.runner import free_port
+from support import faultkit as fk
 
 SCRIPT = """
 import gc, json, os
@@ -37,15 +35,9 @@ print(json.dumps({"held": held, "threads": threads}), flush=True)
 def test_the_sdk_group_is_freed_after_the_script_builds_its_optimizer(tmp_path):
     script = tmp_path / "group.py"
     script.write_text(SCRIPT)
-    port = str(free_port("127.0.0.1"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CLUSTEROPS_"))}
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              env=dict(env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=port, OMP_NUM_THREADS="1"))
-             for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    for out in outs:
-        rec = json.loads(out.strip().splitlines()[-1])
+    fk._run_local(2, [], tmp_path, sys.executable, script, 120.0, False)    # raises unless both exit 0
+    for r in range(2):
+        out = (tmp_path / f"rank{r}.log").read_text()
+        rec = json.loads(next(line for line in out.splitlines() if line.startswith('{"held"')))
         assert rec["held"] == [], rec                       # the defaults do not hold the group
         assert not any(t.startswith(("pt_gloo", "gloo_")) for t in rec["threads"]), rec

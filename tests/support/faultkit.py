@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -415,8 +416,6 @@ def aborted_at_teardown(returncode: int, output: str) -> bool:
     caller accepts it only when the other ranks exited 0: a rank that aborted before its
     last collective would have failed its peers in that collective, so its results (written
     before the script's final barrier) are whole."""
-    import signal
-
     from clusterops.supervisor.evidence import SELF_ABORT
 
     lines = [line.strip() for line in output.splitlines() if line.strip()]
